@@ -1,0 +1,21 @@
+"""Test session set-up: Triton kernels run in the CPU interpreter when no GPU exists.
+
+TRITON_INTERPRET is read when a @triton.jit function is defined, so it must be set
+before any kernel module is imported.
+"""
+import os
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped on CPU)")
+    config.addinivalue_line("markers", "slow: slow real-model test (deselect with -m 'not slow')")

@@ -1,0 +1,37 @@
+"""Tensors that travel between the router backend and a model forward."""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class ModelInput:
+    """One forward over a batch of requests.
+
+    Prefill: batch item i contributes ``b_seq_len[i] - b_ready_cache_len[i]`` new
+    tokens (its next prompt chunk), laid out contiguously in ``input_ids``.
+    Decode: every batch item is one row with one new token; with MTP a request
+    has K+1 consecutive rows sharing a ``req_idx`` (row j has ``b_mtp_index == j``
+    and ``b_seq_len`` one larger than row j-1).
+    """
+
+    batch_size: int
+    total_token_num: int  # sum of b_seq_len
+    max_len_in_batch: int  # max of b_seq_len
+    input_ids: torch.Tensor  # [num_new_tokens] int64
+    mem_indexes: torch.Tensor  # [num_new_tokens] int64, KV slot of each new token
+    b_req_idx: torch.Tensor  # [batch] int32
+    b_seq_len: torch.Tensor  # [batch] int32, tokens in cache after this forward
+    is_prefill: bool
+    b_ready_cache_len: Optional[torch.Tensor] = None  # [batch] int32, prefill only
+    b_mtp_index: Optional[torch.Tensor] = None  # [batch] int32, decode with MTP only
+    # Host copies for the python-side loops of the torch attention path.
+    b_seq_len_cpu: Optional[torch.Tensor] = None  # [batch] int32
+    b_ready_cache_len_cpu: Optional[torch.Tensor] = None  # [batch] int32
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [batch, vocab] fp32: last new token of each item
+    hidden_states: torch.Tensor  # [num_new_tokens, hidden] last layer output, before final norm

@@ -1,0 +1,42 @@
+"""Read a Hugging Face safetensors checkpoint (single file or sharded) into a flat dict."""
+import json
+import os
+from typing import Dict, List
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE_NAME = "model.safetensors"
+SHARD_INDEX_NAME = "model.safetensors.index.json"
+
+
+def list_safetensors_files(model_dir: str) -> List[str]:
+    """Paths of the checkpoint files: the shards named by the index, or the single file."""
+    index_path = os.path.join(model_dir, SHARD_INDEX_NAME)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map: Dict[str, str] = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    single_path = os.path.join(model_dir, SINGLE_FILE_NAME)
+    if os.path.isfile(single_path):
+        return [single_path]
+    raise FileNotFoundError(f"no {SINGLE_FILE_NAME} or {SHARD_INDEX_NAME} in {model_dir}")
+
+
+def load_hf_state_dict(model_dir: str, dtype: torch.dtype, device: torch.device) -> Dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint on ``device``; floating tensors cast to ``dtype``."""
+    state: Dict[str, torch.Tensor] = {}
+    for path in list_safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+                state[name] = tensor.to(device=device, dtype=target_dtype).contiguous()
+    return state
+
+
+def take_weight(state: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Removes and returns a required weight, with an error that names it."""
+    if name not in state:
+        raise KeyError(f"checkpoint lacks weight {name!r}")
+    return state.pop(name)

@@ -1,0 +1,83 @@
+"""Token-slot KV cache: one slot holds the K and V of one token in every layer.
+
+Vocabulary:
+- slot: a row index into ``k_buffer[layer]`` / ``v_buffer[layer]``; a request's
+  positions map to slots through ``ReqManager.req_to_token_indexs``.
+- HOLD_SLOT: the extra last row (index ``size``). Padding rows (DP ranks with
+  fewer requests) write their K/V there. It is never allocated, never freed and
+  nothing real is ever read back from it.
+
+The free list lives on the host, so alloc/free never synchronize with the GPU.
+"""
+from typing import List, Union
+
+import torch
+
+# Rows reserved past the allocatable slots: the HOLD slot.
+NUM_HOLD_SLOTS = 1
+
+
+class KvCacheOutOfMemory(RuntimeError):
+    """Raised when more slots are asked for than are free."""
+
+
+class MemoryManager:
+    def __init__(self, size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int, device: str):
+        if size <= 0:
+            raise ValueError(f"KV cache size must be positive, got {size}")
+        self.size = size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.layer_num = layer_num
+        self.device = torch.device(device)
+        self.HOLD_SLOT = size
+        # [layer_num, size + 1, kv_head_num, head_dim]; k_buffer[layer] is one layer's cache
+        buffer_shape = (layer_num, size + NUM_HOLD_SLOTS, head_num, head_dim)
+        self.k_buffer = torch.zeros(buffer_shape, dtype=dtype, device=self.device)
+        self.v_buffer = torch.zeros(buffer_shape, dtype=dtype, device=self.device)
+        self._init_free_list()
+
+    def _init_free_list(self) -> None:
+        # [size] slots; entries [_num_used, size) are free, handed out from the front
+        self._slot_stack = torch.arange(self.size, dtype=torch.int64)
+        self._num_used = 0
+        # [size] True where a slot is free; catches double frees
+        self._slot_is_free = torch.ones(self.size, dtype=torch.bool)
+
+    @property
+    def can_use_mem_size(self) -> int:
+        return self.size - self._num_used
+
+    def alloc(self, need_size: int) -> torch.Tensor:
+        """Returns ``need_size`` distinct free slots, int64 on the CPU."""
+        if need_size < 0:
+            raise ValueError(f"need_size must be >= 0, got {need_size}")
+        if need_size > self.can_use_mem_size:
+            raise KvCacheOutOfMemory(
+                f"KV cache out of memory: need {need_size} slots, {self.can_use_mem_size} of {self.size} free"
+            )
+        start = self._num_used
+        # [need_size]
+        slots = self._slot_stack[start : start + need_size].clone()
+        self._num_used += need_size
+        self._slot_is_free[slots] = False
+        return slots
+
+    def free(self, indexes: Union[torch.Tensor, List[int]]) -> None:
+        """Gives slots back. Freeing HOLD_SLOT, an unknown slot or a free slot raises."""
+        # [n] int64 on the host
+        slots = torch.as_tensor(indexes, dtype=torch.int64).reshape(-1).cpu()
+        n = slots.numel()
+        if n == 0:
+            return
+        if int(slots.min()) < 0 or int(slots.max()) >= self.size:
+            raise ValueError(f"free of slots outside [0, {self.size}) (HOLD_SLOT={self.HOLD_SLOT} is never freed)")
+        if bool(self._slot_is_free[slots].any()) or torch.unique(slots).numel() != n:
+            raise ValueError("double free of KV cache slots")
+        self._slot_is_free[slots] = True
+        self._num_used -= n
+        self._slot_stack[self._num_used : self._num_used + n] = slots
+
+    def free_all(self) -> None:
+        self._init_free_list()

@@ -1,0 +1,97 @@
+"""req_idx-indexed tables shared by the router backend and the model.
+
+Every table has ``max_request_num + 1`` rows: the last one is the HOLD row, the
+req_idx that padding rows (DP ranks with fewer requests) point at. Nothing real
+is ever stored there and nothing reads it back.
+"""
+from typing import List
+
+import torch
+
+from lightllm.common.kv_cache_mem_manager import MemoryManager
+
+
+class ReqManager:
+    def __init__(self, max_request_num: int, max_sequence_length: int, mem_manager: MemoryManager, device: str):
+        self.max_request_num = max_request_num
+        self.max_sequence_length = max_sequence_length
+        self.mem_manager = mem_manager
+        self.HOLD_REQUEST_ID = max_request_num
+        # [max_request_num + 1, max_sequence_length] KV slot of every position of a request
+        self.req_to_token_indexs = torch.zeros(
+            (max_request_num + 1, max_sequence_length), dtype=torch.int64, device=device
+        )
+        self._free_req_idx: List[int] = list(range(max_request_num))
+
+    def get_paused_req_num(self) -> int:
+        return 0
+
+    @property
+    def can_alloc_num(self) -> int:
+        return len(self._free_req_idx)
+
+    def alloc(self) -> int:
+        if not self._free_req_idx:
+            raise RuntimeError("no free req_idx: running_max_req_size reached")
+        return self._free_req_idx.pop()
+
+    def free(self, req_idx: int) -> None:
+        assert 0 <= req_idx < self.max_request_num, f"bad req_idx {req_idx}"
+        assert req_idx not in self._free_req_idx, f"req_idx {req_idx} freed twice"
+        self._free_req_idx.append(req_idx)
+
+
+# Width of the per-request next-token table: column 0 holds the pending token,
+# columns 1..K the draft tokens of the next verify step (K = mtp_step <= 7).
+MTP_TABLE_WIDTH = 8
+
+
+class ReqSamplingParamsManager:
+    """Device tables of per-request sampling parameters and state, indexed by req_idx.
+
+    The ASD ledger (``req_to_asd_cum_regret``) and budgets exist only when ASD is
+    enabled. The HOLD row keeps neutral parameters and a budget of 0.
+    """
+
+    def __init__(self, max_request_num: int, vocab_size: int, device: str, asd_enabled: bool):
+        rows = max_request_num + 1
+        self.vocab_size = vocab_size
+        self.device = device
+        self.req_to_temperature = torch.ones(rows, dtype=torch.float32, device=device)  # [rows]
+        self.req_to_top_k = torch.ones(rows, dtype=torch.int32, device=device)  # [rows]
+        self.req_to_top_p = torch.ones(rows, dtype=torch.float32, device=device)  # [rows]
+        self.req_to_repetition_penalty = torch.ones(rows, dtype=torch.float32, device=device)  # [rows]
+        self.req_to_presence_penalty = torch.zeros(rows, dtype=torch.float32, device=device)  # [rows]
+        self.req_to_frequency_penalty = torch.zeros(rows, dtype=torch.float32, device=device)  # [rows]
+        # Penalty state: counts of generated tokens, and tokens seen in prompt or output.
+        self.req_to_out_token_counts = torch.zeros((rows, vocab_size), dtype=torch.int32, device=device)  # [rows, vocab]
+        self.req_to_token_seen = torch.zeros((rows, vocab_size), dtype=torch.bool, device=device)  # [rows, vocab]
+        self.req_to_asd_cum_regret = None
+        self.req_to_asd_budget = None
+        if asd_enabled:
+            self.req_to_asd_cum_regret = torch.zeros(rows, dtype=torch.float32, device=device)  # [rows]
+            self.req_to_asd_budget = torch.zeros(rows, dtype=torch.float32, device=device)  # [rows]
+
+    def init_req_sampling_params(self, req) -> None:
+        """Reset every table row of ``req.req_idx`` for a new request (the prefill seam)."""
+        p, idx = req.params, req.req_idx
+        self.req_to_temperature[idx] = p.temperature
+        self.req_to_top_k[idx] = p.top_k
+        self.req_to_top_p[idx] = p.top_p
+        self.req_to_repetition_penalty[idx] = p.repetition_penalty
+        self.req_to_presence_penalty[idx] = p.presence_penalty
+        self.req_to_frequency_penalty[idx] = p.frequency_penalty
+        self.req_to_out_token_counts[idx].zero_()
+        self.req_to_token_seen[idx].zero_()
+        if req.has_penalty:
+            prompt = torch.tensor(req.prompt_ids, dtype=torch.int64, device=self.device)
+            self.req_to_token_seen[idx, prompt] = True
+        if self.req_to_asd_cum_regret is not None:
+            self.req_to_asd_cum_regret[idx] = 0.0
+            self.req_to_asd_budget[idx] = req.asd_budget
+
+    def update_penalty_state(self, b_req_idx: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count committed tokens (``b_req_idx`` [n], ``token_ids`` [n]) for the penalties."""
+        ones = torch.ones_like(b_req_idx, dtype=torch.int32)
+        self.req_to_out_token_counts.index_put_((b_req_idx.long(), token_ids), ones, accumulate=True)
+        self.req_to_token_seen[b_req_idx.long(), token_ids] = True

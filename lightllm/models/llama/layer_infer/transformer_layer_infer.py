@@ -1,0 +1,67 @@
+"""One Llama decoder layer: pre-norm attention over the KV cache, then a SwiGLU MLP."""
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+from lightllm.common.basemodel.infer_struct import InferStateInfo
+from lightllm.common.basemodel.layer_infer.basic_ops import apply_rotary, rms_norm, silu_and_mul
+from lightllm.common.basemodel.layer_infer.torch_attention import paged_attention_torch
+from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
+from lightllm.models.llama.layer_infer.attention_backends import AttentionFn
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+
+
+class LlamaTransformerLayerInfer:
+    def __init__(self, layer_num: int, shape: AttentionShape, decode_attention: AttentionFn):
+        self.layer_num = layer_num  # index into the mem_manager's per-layer buffers
+        self.shape = shape
+        self.decode_attention = decode_attention
+        self.sm_scale = shape.head_dim**-0.5
+
+    def forward(
+        self, hidden: torch.Tensor, weight: TransformerLayerWeight, infer_state: InferStateInfo
+    ) -> torch.Tensor:
+        """hidden: [num_new_tokens, hidden] -> [num_new_tokens, hidden]."""
+        eps = self.shape.rms_norm_eps
+        hidden = hidden + self._attention(rms_norm(hidden, weight.input_norm, eps), weight, infer_state)
+        return hidden + self._ffn(rms_norm(hidden, weight.post_attention_norm, eps), weight)
+
+    def _qk_norm(
+        self, q: torch.Tensor, k: torch.Tensor, weight: TransformerLayerWeight
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Hook for per-head q/k norms (Qwen3); Llama has none."""
+        return q, k
+
+    def _attention(self, x: torch.Tensor, weight: TransformerLayerWeight, infer_state: InferStateInfo) -> torch.Tensor:
+        s = self.shape
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, weight.qkv_proj, weight.qkv_bias)  # [tokens, (q_heads + 2 * kv_heads) * head_dim]
+        q, k, v = qkv.split([s.q_heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
+        q = q.view(num_tokens, s.q_heads, s.head_dim)
+        k = k.view(num_tokens, s.kv_heads, s.head_dim)
+        v = v.view(num_tokens, s.kv_heads, s.head_dim)
+        q, k = self._qk_norm(q, k, weight)
+        q = apply_rotary(q, infer_state.position_cos, infer_state.position_sin)
+        k = apply_rotary(k, infer_state.position_cos, infer_state.position_sin)
+
+        mem = infer_state.mem_manager
+        k_cache = mem.k_buffer[self.layer_num]  # [num_slots, kv_heads, head_dim]
+        v_cache = mem.v_buffer[self.layer_num]
+        # New tokens' K/V go in first, so each token (and each later MTP row) sees them.
+        k_cache[infer_state.mem_indexes] = k
+        v_cache[infer_state.mem_indexes] = v
+        attention = paged_attention_torch if infer_state.is_prefill else self.decode_attention
+        o = attention(q, k_cache, v_cache, infer_state, self.sm_scale)  # [tokens, q_heads, head_dim]
+        return F.linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj, weight.o_bias)
+
+    def _ffn(self, x: torch.Tensor, weight: TransformerLayerWeight) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, weight.gate_up_proj)), weight.down_proj)

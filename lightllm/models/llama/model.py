@@ -1,0 +1,28 @@
+"""Llama-2/3 style models (SmolLM2 is one): rope (default, linear, llama3), GQA, SwiGLU."""
+from lightllm.common.basemodel.basemodel import TpPartBaseModel
+from lightllm.common.basemodel.infer_struct import InferStateInfo
+from lightllm.models.llama.layer_infer.attention_backends import get_decode_attention
+from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape, LlamaTransformerLayerInfer
+from lightllm.models.llama.rope import build_rotary_embedding
+
+
+class LlamaTpPartModel(TpPartBaseModel):
+    layer_infer_class = LlamaTransformerLayerInfer
+
+    def _init_infer_layers(self) -> None:
+        shape = AttentionShape(
+            q_heads=self.arch.q_heads,
+            kv_heads=self.arch.kv_heads,
+            head_dim=self.arch.head_dim,
+            rms_norm_eps=self.arch.rms_norm_eps,
+        )
+        decode_attention = get_decode_attention(self.kvargs.decode_attention_backend, self.device)
+        self.layers_infer = [
+            self.layer_infer_class(layer_num, shape, decode_attention) for layer_num in range(self.arch.num_layers)
+        ]
+
+    def _init_position_embedding(self) -> None:
+        self.rotary = build_rotary_embedding(self.config, self.arch.head_dim, self.device)
+
+    def _fill_position_embeddings(self, infer_state: InferStateInfo) -> None:
+        infer_state.position_cos, infer_state.position_sin = self.rotary.cos_sin(infer_state.positions, self.dtype)

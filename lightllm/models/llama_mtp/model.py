@@ -1,0 +1,138 @@
+"""DeepSeek-V3-style MTP draft modules for Llama/Qwen3 targets.
+
+One module computes ``h' = layer(eh_proj([enorm(embed(x_next)); hnorm(h)]))``;
+its logits come from the target's final norm and shared ``lm_head`` and it
+shares the target's embedding. ``*_with_att`` modules have a full decoder layer
+with its own KV cache; ``*_no_att`` modules have the MLP half only.
+
+Depth d (1..K) of a draft chain runs module d (vanilla) or the one module
+(eagle). Every depth has its own KV buffer, indexed by the target's KV slots:
+depth d at the row of target position s writes slot(s) of buffer d.
+"""
+import json
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from lightllm.common.basemodel.basemodel import TransformerArch
+from lightllm.common.basemodel.batch_objs import ModelInput
+from lightllm.common.basemodel.infer_struct import InferStateInfo
+from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm, silu_and_mul
+from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict, take_weight
+from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
+from lightllm.common.kv_cache_mem_manager import MemoryManager
+from lightllm.models.llama.layer_infer.attention_backends import get_decode_attention
+from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape
+
+DRAFT_MODEL_TYPE = "llama_mtp"
+
+
+@dataclass
+class MTPDraftConfig:
+    """config.json of a draft dir (Hugging Face-style, our own model_type)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int
+    with_attention: bool
+    num_modules: int = 1
+    qk_norm: bool = False
+    model_type: str = DRAFT_MODEL_TYPE
+
+    @classmethod
+    def load(cls, draft_dir: str) -> "MTPDraftConfig":
+        with open(os.path.join(draft_dir, "config.json")) as f:
+            raw = json.load(f)
+        if raw.get("model_type") != DRAFT_MODEL_TYPE:
+            raise ValueError(f"{draft_dir}: model_type must be {DRAFT_MODEL_TYPE!r}, got {raw.get('model_type')!r}")
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+
+    def save(self, draft_dir: str) -> None:
+        os.makedirs(draft_dir, exist_ok=True)
+        with open(os.path.join(draft_dir, "config.json"), "w") as f:
+            json.dump(self.__dict__, f, indent=2)
+
+
+@dataclass
+class MTPModuleWeight:
+    enorm: torch.Tensor  # [hidden]
+    hnorm: torch.Tensor  # [hidden]
+    eh_proj: torch.Tensor  # [hidden, 2 * hidden]
+    layer: Optional[TransformerLayerWeight]  # with attention
+    mlp_norm: Optional[torch.Tensor] = None  # [hidden], no attention
+    gate_up_proj: Optional[torch.Tensor] = None  # [2 * intermediate, hidden], no attention
+    down_proj: Optional[torch.Tensor] = None  # [hidden, intermediate], no attention
+
+
+def _load_modules(draft_dir: str, cfg: MTPDraftConfig, dtype, device) -> List[MTPModuleWeight]:
+    state = load_hf_state_dict(draft_dir, dtype, device)
+    modules = []
+    for m in range(cfg.num_modules):
+        p = f"model.layers.{m}."
+        enorm, hnorm = take_weight(state, p + "enorm.weight"), take_weight(state, p + "hnorm.weight")
+        eh = take_weight(state, p + "eh_proj.weight")
+        if cfg.with_attention:
+            modules.append(MTPModuleWeight(enorm, hnorm, eh, TransformerLayerWeight.from_state_dict(state, m, cfg.qk_norm)))
+        else:
+            gate_up = torch.cat([take_weight(state, p + "mlp.gate_proj.weight"), take_weight(state, p + "mlp.up_proj.weight")])
+            modules.append(MTPModuleWeight(enorm, hnorm, eh, None, take_weight(state, p + "post_attention_layernorm.weight"),
+                                           gate_up, take_weight(state, p + "mlp.down_proj.weight")))
+    return modules
+
+
+class LlamaMTPDraftModel:
+    """K draft depths over a target model (eagle: one module reused; vanilla: K modules)."""
+
+    def __init__(self, draft_dirs: List[str], mtp_mode: str, mtp_step: int, target):
+        self.target = target
+        self.mtp_step = mtp_step
+        self.eagle = mtp_mode.startswith("eagle")
+        self.with_att = mtp_mode.endswith("_with_att")
+        dtype, device = target.dtype, target.device
+        modules, cfg = [], None
+        for d in draft_dirs:
+            cfg = MTPDraftConfig.load(d)
+            if cfg.with_attention != self.with_att:
+                raise ValueError(f"{d}: with_attention={cfg.with_attention} does not fit --mtp_mode {mtp_mode}")
+            if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
+                raise ValueError(f"{d}: hidden/vocab size does not match the target model")
+            modules.extend(_load_modules(d, cfg, dtype, device))
+        need = 1 if self.eagle else mtp_step
+        if len(modules) < need:
+            raise ValueError(f"--mtp_mode {mtp_mode} with --mtp_step {mtp_step} needs {need} draft modules, got {len(modules)}")
+        self.cfg = cfg
+        self.modules = modules[:need]
+        self.eps = cfg.rms_norm_eps
+        self.mem_manager = None
+        if self.with_att:
+            arch = TransformerArch(1, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                   cfg.vocab_size, cfg.rms_norm_eps, True)
+            # one KV "layer" per depth, slots shared with the target's pool
+            self.mem_manager = MemoryManager(target.mem_manager.size, dtype, arch.kv_heads, arch.head_dim, mtp_step, device)
+            shape = AttentionShape(arch.q_heads, arch.kv_heads, arch.head_dim, arch.rms_norm_eps)
+            attn = get_decode_attention(target.kvargs.decode_attention_backend, target.device)
+            layer_cls = target.layer_infer_class
+            self.layers_infer = [layer_cls(depth, shape, attn) for depth in range(mtp_step)]
+
+    def module_for_depth(self, depth: int) -> MTPModuleWeight:
+        return self.modules[0 if self.eagle else depth]
+
+    @torch.no_grad()
+    def forward_depth(self, depth: int, model_input: ModelInput, hidden_in: torch.Tensor, token_in: torch.Tensor) -> torch.Tensor:
+        """depth: 0-based. hidden_in: [tokens, hidden], token_in: [tokens] -> hidden out [tokens, hidden]."""
+        w = self.module_for_depth(depth)
+        e = rms_norm(self.target.embed(token_in), w.enorm, self.eps)
+        h = rms_norm(hidden_in, w.hnorm, self.eps)
+        x = F.linear(torch.cat([e, h], dim=-1), w.eh_proj)
+        if self.with_att:
+            state = InferStateInfo.from_model_input(model_input, self.mem_manager, self.target.req_manager, self.target.device)
+            self.target._fill_position_embeddings(state)
+            return self.layers_infer[depth].forward(x, w.layer, state)
+        return x + F.linear(silu_and_mul(F.linear(rms_norm(x, w.mlp_norm, self.eps), w.gate_up_proj)), w.down_proj)

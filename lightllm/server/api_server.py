@@ -1,0 +1,17 @@
+"""python -m lightllm.server.api_server: parse flags -> StartArgs -> launch."""
+import dataclasses
+
+from lightllm.server.api_cli import make_argument_parser
+from lightllm.server.api_start import _launch_subprocesses
+from lightllm.server.core.objs.start_args_type import StartArgs
+
+
+def main(argv=None) -> None:
+    ns = make_argument_parser().parse_args(argv)
+    names = {f.name for f in dataclasses.fields(StartArgs)}
+    args = StartArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    _launch_subprocesses(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Validate StartArgs, start the model worker process, serve HTTP."""
+import dataclasses
+import math
+import multiprocessing as mp
+import os
+import sys
+from typing import List
+
+from lightllm.server.core.objs.start_args_type import StartArgs
+
+MAX_MTP_STEP = 7  # K + 1 must fit the per-request table (req_manager.MTP_TABLE_WIDTH)
+WORKER_START_TIMEOUT_S = 900
+
+
+class StartArgsError(ValueError):
+    """A bad flag value; the message names the flag."""
+
+
+def _need(cond: bool, flag: str, msg: str) -> None:
+    if not cond:
+        raise StartArgsError(f"{flag}: {msg}")
+
+
+def validate_start_args(args: StartArgs) -> StartArgs:
+    """Check every flag; return a copy with defaults resolved (model dir, dtype)."""
+    _need(1 <= args.port <= 65535, "--port", f"must be in 1..65535, got {args.port}")
+    _need(args.running_max_req_size >= 1, "--running_max_req_size", f"must be >= 1, got {args.running_max_req_size}")
+    _need(args.max_req_total_len >= 2, "--max_req_total_len", f"must be >= 2, got {args.max_req_total_len}")
+    if args.max_total_token_num is not None:
+        _need(args.max_total_token_num >= 1, "--max_total_token_num", f"must be >= 1, got {args.max_total_token_num}")
+    if args.batch_max_tokens is not None:
+        _need(args.batch_max_tokens >= 1, "--batch_max_tokens", f"must be >= 1, got {args.batch_max_tokens}")
+    _validate_mtp(args)
+    _validate_asd(args)
+    if args.model_dir is not None:
+        _need(os.path.isfile(os.path.join(args.model_dir, "config.json")), "--model_dir",
+              f"{args.model_dir!r} is not a Hugging Face model dir (no config.json)")
+        model_dir = args.model_dir
+    else:
+        from lightllm.utils.embedded_model import get_default_model_dir
+
+        try:
+            model_dir = get_default_model_dir()
+        except Exception as e:
+            raise StartArgsError(f"--model_dir: not given and the embedded model is unavailable: {e}") from None
+    resolved = dataclasses.replace(
+        args,
+        resolved_model_dir=model_dir,
+        batch_max_tokens=args.batch_max_tokens or args.max_req_total_len,
+        mtp_draft_model_dir=_resolve_draft_dirs(args, model_dir),
+    )
+    k = resolved.mtp_step
+    if resolved.max_total_token_num is not None:
+        _need(resolved.max_total_token_num >= resolved.max_req_total_len + k, "--max_total_token_num",
+              f"must be >= --max_req_total_len + --mtp_step ({resolved.max_req_total_len + k}), "
+              f"got {resolved.max_total_token_num}")
+    return resolved
+
+
+def _validate_mtp(args: StartArgs) -> None:
+    if args.mtp_mode is None:
+        _need(args.mtp_step == 0, "--mtp_step", "needs --mtp_mode")
+        _need(not args.mtp_draft_model_dir, "--mtp_draft_model_dir", "needs --mtp_mode")
+        return
+    _need(1 <= args.mtp_step <= MAX_MTP_STEP, "--mtp_step",
+          f"must be in 1..{MAX_MTP_STEP} with --mtp_mode, got {args.mtp_step}")
+    for d in args.mtp_draft_model_dir or []:
+        _need(os.path.isfile(os.path.join(d, "config.json")), "--mtp_draft_model_dir",
+              f"{d!r} is not a draft model dir (no config.json)")
+    if args.mtp_draft_model_dir and args.mtp_mode.startswith("vanilla"):
+        n = len(args.mtp_draft_model_dir)
+        _need(n in (1, args.mtp_step), "--mtp_draft_model_dir",
+              f"vanilla mode chains --mtp_step ({args.mtp_step}) modules: give 1 or {args.mtp_step} dirs, got {n}")
+    if args.mtp_draft_model_dir and args.mtp_mode.startswith("eagle"):
+        _need(len(args.mtp_draft_model_dir) == 1, "--mtp_draft_model_dir",
+              f"eagle mode reuses one module: give exactly 1 dir, got {len(args.mtp_draft_model_dir)}")
+
+
+def _resolve_draft_dirs(args: StartArgs, model_dir: str):
+    if args.mtp_mode is None or args.mtp_draft_model_dir:
+        return args.mtp_draft_model_dir
+    from lightllm.utils.embedded_model import default_draft_dir_for
+
+    draft = default_draft_dir_for(model_dir, args.mtp_mode)
+    _need(draft is not None, "--mtp_draft_model_dir",
+          f"required for --mtp_mode {args.mtp_mode} with this model (no default draft exists for it)")
+    return [draft]
+
+
+def _validate_asd(args: StartArgs) -> None:
+    flags = {
+        "--mtp_asd_regret_budget": args.mtp_asd_regret_budget,
+        "--mtp_asd_local_regret_ratio": args.mtp_asd_local_regret_ratio,
+        "--mtp_asd_block_max_mismatch": args.mtp_asd_block_max_mismatch,
+    }
+    for flag, v in flags.items():
+        if v is None:
+            continue
+        _need(args.mtp_mode is not None, flag, "needs an enabled --mtp_mode")
+        _need(not isinstance(v, bool) and isinstance(v, (int, float)), flag, f"must be a number, got {v!r}")
+        _need(math.isfinite(v), flag, f"must be finite, got {v}")
+        _need(v >= 0, flag, f"must be >= 0, got {v}")
+    m = args.mtp_asd_block_max_mismatch
+    _need(m is None or (isinstance(m, int) and not isinstance(m, bool)), "--mtp_asd_block_max_mismatch",
+          f"must be an integer, got {m!r}")
+    if args.mtp_asd_regret_budget is None:
+        for flag in ("--mtp_asd_local_regret_ratio", "--mtp_asd_block_max_mismatch"):
+            _need(flags[flag] is None, flag, "needs --mtp_asd_regret_budget (ASD is off without a budget)")
+
+
+def resolve_device_and_dtype(args: StartArgs):
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.data_type or ("bfloat16" if device == "cuda" else "float32")
+    return device, dtype
+
+
+def start_worker(args: StartArgs):
+    """Start the router + model worker process; return (process, in_q, out_q, ready_info)."""
+    from lightllm.server.router.manager import WorkerError, router_worker_main
+
+    device, dtype = resolve_device_and_dtype(args)
+    ctx = mp.get_context("spawn")
+    in_q, out_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=router_worker_main, args=(args, device, dtype, in_q, out_q), daemon=True)
+    proc.start()
+    import queue as _queue
+
+    waited = 0.0
+    poll_s = 1.0
+    while True:
+        try:
+            msg = out_q.get(timeout=poll_s)
+            break
+        except _queue.Empty:
+            waited += poll_s
+            if not proc.is_alive():
+                raise RuntimeError(f"model worker exited during start-up (exit code {proc.exitcode})")
+            if waited > WORKER_START_TIMEOUT_S:
+                proc.kill()
+                raise RuntimeError("model worker did not start in time")
+    if isinstance(msg, WorkerError):
+        proc.join(timeout=5)
+        raise RuntimeError(f"model worker failed to start: {msg.message}")
+    return proc, in_q, out_q, msg
+
+
+def _launch_subprocesses(args: StartArgs) -> None:
+    try:
+        args = validate_start_args(args)
+    except StartArgsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        proc, in_q, out_q, ready = start_worker(args)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    import uvicorn
+
+    from lightllm.server.api_http import create_app
+    from lightllm.server.httpserver.manager import HttpServerManager
+
+    manager = HttpServerManager(args, in_q, out_q, ready, worker=proc)
+    app = create_app(manager)
+    logging.getLogger(__name__).info(
+        "serving %s on http://%s:%d (device %s, %s, KV pool %d tokens)",
+        args.resolved_model_dir, args.host, args.port, ready.device, ready.data_type, ready.max_total_token_num,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -1,0 +1,32 @@
+"""Server start-up arguments (LightLLM's StartArgs), parsed once and never mutated after validation."""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+MTP_MODES = ("vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att")
+DATA_TYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class StartArgs:
+    model_dir: Optional[str] = None  # None: the embedded SmolLM2-135M-Instruct
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_total_token_num: Optional[int] = None  # KV pool size in tokens; None: sized from free memory
+    running_max_req_size: int = 64
+    max_req_total_len: int = 4096  # prompt + new tokens of one request
+    batch_max_tokens: Optional[int] = None  # prefill tokens per step (chunked prefill); None: max_req_total_len
+    data_type: Optional[str] = None  # None: bfloat16 on CUDA, float32 on CPU
+    # MTP speculative decoding
+    mtp_mode: Optional[str] = None
+    mtp_step: int = 0
+    mtp_draft_model_dir: Optional[List[str]] = None
+    # ASD: approximate acceptance for greedy MTP verification
+    mtp_asd_regret_budget: Optional[float] = None
+    mtp_asd_local_regret_ratio: Optional[float] = None
+    mtp_asd_block_max_mismatch: Optional[int] = None
+    # Resolved during validation (never set by users)
+    resolved_model_dir: Optional[str] = field(default=None, repr=False)
+
+    @property
+    def asd_enabled(self) -> bool:
+        return self.mtp_asd_regret_budget is not None

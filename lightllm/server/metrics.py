@@ -1,0 +1,41 @@
+"""Prometheus metrics of the HTTP server (one registry per server)."""
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# accept_len of one request in one verify step is 1..MTP_TABLE_WIDTH
+ACCEPT_LEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8)
+LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("lightllm_request_count", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.bad_requests = Counter("lightllm_bad_request_count", "Requests refused with HTTP 400", registry=r)
+        self.prompt_tokens = Counter("lightllm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("lightllm_generation_tokens", "Generated tokens", registry=r)
+        self.mtp_accepted = Counter("lightllm_mtp_accepted_tokens", "Draft tokens accepted by MTP verification", registry=r)
+        self.mtp_accept_len = Histogram(
+            "lightllm_mtp_accept_len", "Committed tokens per request per MTP verify step", buckets=ACCEPT_LEN_BUCKETS, registry=r
+        )
+        self.mtp_mean_tokens_per_step = Gauge(
+            "lightllm_mtp_mean_tokens_per_step", "Mean committed tokens per request per decode step", registry=r
+        )
+        self.asd_relaxed = Counter("lightllm_asd_relaxed_tokens", "Draft tokens committed by ASD despite a mismatch", registry=r)
+        self.asd_regret = Counter("lightllm_asd_regret_spent", "ASD regret spent by finished requests", registry=r)
+        self.request_latency = Histogram(
+            "lightllm_request_duration_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.ttft = Histogram(
+            "lightllm_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self._steps = 0
+        self._step_tokens = 0
+
+    def observe_step(self, accept_len: int) -> None:
+        self.mtp_accept_len.observe(accept_len)
+        self._steps += 1
+        self._step_tokens += accept_len
+        self.mtp_mean_tokens_per_step.set(self._step_tokens / self._steps)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

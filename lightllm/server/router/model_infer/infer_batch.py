@@ -1,0 +1,60 @@
+"""Request state inside the model worker."""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from lightllm.server.core.objs.sampling_params import SamplingParams
+
+
+class FinishReason:
+    EOS = "eos"  # the model's eos token
+    STOP = "stop"  # a stop sequence
+    LENGTH = "length"  # max_new_tokens
+    ABORT = "abort"  # client went away
+
+
+@dataclass
+class InferReq:
+    req_id: int
+    prompt_ids: List[int]
+    params: SamplingParams
+    eos_token_ids: List[int]
+    asd_budget: float = 0.0  # 0 for sampled requests (they are verified strictly)
+    req_idx: int = -1
+    kv_len: int = 0  # positions whose KV is in the target cache
+    slots: List[int] = field(default_factory=list)  # KV slot of each cached position
+    output_ids: List[int] = field(default_factory=list)
+    output_logprobs: List[float] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    # MTP / ASD counters reported in the response
+    mtp_accepted_token_num: int = 0
+    asd_relaxed_token_num: int = 0
+    asd_regret_spent: float = 0.0
+    decode_steps: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.kv_len < self.prompt_len
+
+    @property
+    def has_penalty(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+    def append_token(self, token_id: int, logprob: float) -> bool:
+        """Commit one generated token; True when the request is finished after it."""
+        self.output_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        p = self.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_reason = FinishReason.EOS
+        elif any(
+            len(s) <= len(self.output_ids) and self.output_ids[-len(s):] == s for s in p.stop_token_ids
+        ):
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_ids) >= p.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None

@@ -1,0 +1,282 @@
+"""Model worker backend: owns the model, the req_idx tables and the KV pool.
+
+One shared decode flow (``verify_draft_commit``) serves every decode call site;
+the modes only differ in how rows are laid out and run.
+"""
+import logging
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from lightllm.common.basemodel.basemodel import ModelKvArgs
+from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
+from lightllm.common.req_manager import MTP_TABLE_WIDTH, ReqSamplingParamsManager
+from lightllm.models.registry import load_model
+from lightllm.server.core.objs.start_args_type import StartArgs
+from lightllm.server.router.model_infer.infer_batch import InferReq
+from lightllm.server.router.model_infer.mode_backend.generic_post_process import sample, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+# Draft column value meaning "no proposal for this step"; such a column never matches nor relaxes.
+NO_DRAFT_TOKEN_ID = -1
+
+
+@dataclass
+class ReqStepUpdate:
+    """What one step produced for one request (sent to the HTTP server)."""
+
+    req_id: int
+    token_ids: List[int]
+    logprobs: List[float]
+    finish_reason: Optional[str]
+    prompt_tokens: int
+    mtp_accepted_token_num: int
+    asd_relaxed_token_num: int
+    asd_regret_spent: float
+    accept_len: int = 0  # 0 for prefill steps
+
+
+@dataclass
+class DecodeRows:
+    """Row layout of one decode forward: K+1 consecutive rows per request."""
+
+    reqs: List[InferReq]  # [num_reqs]
+    mtp_step: int  # K
+    b_req_idx: torch.Tensor  # [rows] int32
+    b_mtp_index: torch.Tensor  # [rows] int32
+    b_seq_len: torch.Tensor  # [rows] int32
+    b_seq_len_cpu: torch.Tensor  # [rows] int32
+    mem_indexes: torch.Tensor  # [rows] int64
+    mem_indexes_cpu: torch.Tensor  # [rows] int64
+    b_req_mtp_start_loc: torch.Tensor  # [num_reqs] int32
+    model_input: Optional[ModelInput] = None  # set by decode_forward; the draft reuses it
+
+    @property
+    def rows_per_req(self) -> int:
+        return self.mtp_step + 1
+
+
+CPU_DEFAULT_KV_TOKENS = 16384  # CPU default KV pool when --max_total_token_num is unset
+GPU_KV_MEMORY_FRACTION = 0.5  # share of free GPU memory the default KV pool may take
+
+
+def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_step: int) -> int:
+    """--max_total_token_num, or a default: enough for every request at full length,
+    bounded by free memory (CUDA) or a fixed size (CPU), never below one full request."""
+    if args.max_total_token_num is not None:
+        return args.max_total_token_num
+    per_req = args.max_req_total_len + mtp_step
+    wanted = args.running_max_req_size * per_req
+    if device == "cuda":
+        from transformers import AutoConfig
+
+        from lightllm.common.basemodel.basemodel import DATA_TYPES, TransformerArch
+
+        arch = TransformerArch.from_hf_config(AutoConfig.from_pretrained(args.resolved_model_dir))
+        elem = torch.empty((), dtype=DATA_TYPES[dtype]).element_size()
+        # target layers plus one draft KV buffer per MTP depth
+        per_token = (arch.num_layers + mtp_step) * 2 * arch.kv_heads * arch.head_dim * elem
+        free, _ = torch.cuda.mem_get_info()
+        limit = int(GPU_KV_MEMORY_FRACTION * free / per_token)
+    else:
+        limit = CPU_DEFAULT_KV_TOKENS
+    return max(min(wanted, limit), per_req)
+
+
+class ModeBackend:
+    def __init__(self, args: StartArgs, device: str, dtype: str):
+        self.args = args
+        self.device = device
+        self.mtp_step = args.mtp_step if args.mtp_mode else 0
+        kvargs = ModelKvArgs(
+            model_dir=args.resolved_model_dir,
+            max_total_token_num=resolve_max_total_token_num(args, device, dtype, self.mtp_step),
+            max_req_num=args.running_max_req_size,
+            max_seq_length=args.max_req_total_len + self.mtp_step + 1,
+            data_type=dtype,
+            device=device,
+        )
+        self.model = load_model(kvargs)
+        self.req_manager = self.model.req_manager
+        self.mem_manager = self.model.mem_manager
+        self.vocab_size = self.model.vocab_size
+        self.params_manager = ReqSamplingParamsManager(
+            args.running_max_req_size, self.vocab_size, device, asd_enabled=args.asd_enabled
+        )
+        # [max_req + 1, MTP_TABLE_WIDTH] column 0: pending token, 1..K: drafts
+        self.req_to_next_token_ids = torch.full(
+            (args.running_max_req_size + 1, MTP_TABLE_WIDTH), NO_DRAFT_TOKEN_ID, dtype=torch.int64, device=device
+        )
+        self.draft = None  # MTP draft proposer
+        if self.mtp_step:
+            from lightllm.models.llama_mtp.model import LlamaMTPDraftModel
+            from lightllm.server.router.model_infer.mtp_speculative.draft import DraftProposer
+
+            self.draft = DraftProposer(
+                LlamaMTPDraftModel(args.mtp_draft_model_dir, args.mtp_mode, self.mtp_step, self.model)
+            )
+        self.asd_config = None
+        if args.asd_enabled:
+            from lightllm.server.router.model_infer.mtp_speculative.utils import AsdConfig
+
+            g = args.mtp_asd_local_regret_ratio
+            m = args.mtp_asd_block_max_mismatch
+            self.asd_config = AsdConfig(
+                local_regret_ratio=math.inf if g is None else g,
+                block_max_mismatch=self.mtp_step if m is None else m,
+            )
+
+    # ---- request lifecycle ----
+    def add_req(self, req: InferReq) -> None:
+        req.req_idx = self.req_manager.alloc()
+        self.params_manager.init_req_sampling_params(req)
+        self.req_to_next_token_ids[req.req_idx].fill_(NO_DRAFT_TOKEN_ID)
+
+    def free_req(self, req: InferReq) -> None:
+        if req.slots:
+            self.mem_manager.free(req.slots)
+            req.slots = []
+        if req.req_idx >= 0:
+            self.req_manager.free(req.req_idx)
+            req.req_idx = -1
+
+    def _to_dev(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    # ---- prefill ----
+    def prefill(self, reqs: List[InferReq], chunk_lens: List[int]) -> List[ReqStepUpdate]:
+        """Prefill the next ``chunk_lens[i]`` prompt tokens of each request."""
+        input_ids, slots_all, b_seq, b_ready = [], [], [], []
+        for req, n in zip(reqs, chunk_lens):
+            slots = self.mem_manager.alloc(n)
+            pos = torch.arange(req.kv_len, req.kv_len + n, device=self.device)
+            self.req_manager.req_to_token_indexs[req.req_idx, pos] = slots.to(self.device)
+            req.slots.extend(slots.tolist())
+            input_ids.extend(req.prompt_ids[req.kv_len:req.kv_len + n])
+            slots_all.append(slots)
+            b_ready.append(req.kv_len)
+            b_seq.append(req.kv_len + n)
+        b_seq_cpu = torch.tensor(b_seq, dtype=torch.int32)
+        b_ready_cpu = torch.tensor(b_ready, dtype=torch.int32)
+        model_input = ModelInput(
+            batch_size=len(reqs),
+            total_token_num=int(b_seq_cpu.sum()),
+            max_len_in_batch=int(b_seq_cpu.max()),
+            input_ids=self._to_dev(input_ids, torch.int64),
+            mem_indexes=torch.cat(slots_all).to(self.device),
+            b_req_idx=self._to_dev([r.req_idx for r in reqs], torch.int32),
+            b_seq_len=b_seq_cpu.to(self.device),
+            is_prefill=True,
+            b_ready_cache_len=b_ready_cpu.to(self.device),
+            b_seq_len_cpu=b_seq_cpu,
+            b_ready_cache_len_cpu=b_ready_cpu,
+        )
+        out = self.model.forward(model_input)
+        for req, n in zip(reqs, chunk_lens):
+            req.kv_len += n
+        done = [i for i, r in enumerate(reqs) if not r.in_prefill]
+        updates, first_tokens = self._first_tokens([reqs[i] for i in done], out, done) if done else ([], {})
+        if self.draft is not None:
+            self.draft.propose_after_prefill(self, reqs, model_input, out, b_ready, first_tokens)
+        return updates
+
+    def _first_tokens(self, reqs: List[InferReq], out: ModelOutput, item_ids: List[int]):
+        """Sample each finished prompt's first token; returns (updates, {item: token})."""
+        sel = torch.tensor(item_ids, device=self.device)
+        b_req_idx = self._to_dev([r.req_idx for r in reqs], torch.int32)
+        s = sample(out.logits[sel], b_req_idx, self.params_manager, reqs, [self._seed(r, 0) for r in reqs])
+        logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
+        self.req_to_next_token_ids[b_req_idx.long(), 0] = s.next_token_ids
+        ids_cpu, lp_cpu = s.next_token_ids.tolist(), logprobs.tolist()
+        updates = []
+        for req, tok, lp in zip(reqs, ids_cpu, lp_cpu):
+            req.append_token(tok, lp)
+            updates.append(self._update(req, [tok], [lp], accept_len=0))
+        self._update_penalties(reqs, [[t] for t in ids_cpu])
+        return updates, dict(zip(item_ids, ids_cpu))
+
+    @staticmethod
+    def _seed(req: InferReq, mtp_index: int) -> Optional[int]:
+        if req.params.seed is None:
+            return None
+        return req.params.seed + len(req.output_ids) + mtp_index
+
+    def _update(self, req: InferReq, toks, lps, accept_len: int) -> ReqStepUpdate:
+        return ReqStepUpdate(
+            req_id=req.req_id,
+            token_ids=toks,
+            logprobs=lps,
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.prompt_len,
+            mtp_accepted_token_num=req.mtp_accepted_token_num,
+            asd_relaxed_token_num=req.asd_relaxed_token_num,
+            asd_regret_spent=req.asd_regret_spent,
+            accept_len=accept_len,
+        )
+
+    def _update_penalties(self, reqs: List[InferReq], committed: List[List[int]]) -> None:
+        idx, toks = [], []
+        for req, ts in zip(reqs, committed):
+            if req.has_penalty and ts:
+                idx.extend([req.req_idx] * len(ts))
+                toks.extend(ts)
+        if idx:
+            self.params_manager.update_penalty_state(
+                self._to_dev(idx, torch.int32), self._to_dev(toks, torch.int64)
+            )
+
+    # ---- decode ----
+    def prepare_decode_rows(self, reqs: List[InferReq]) -> DecodeRows:
+        """Allocate K+1 KV slots per request and point its next positions at them."""
+        k1 = self.mtp_step + 1
+        n = len(reqs)
+        slots = self.mem_manager.alloc(n * k1)  # [rows] host
+        req_idx_cpu = torch.tensor([r.req_idx for r in reqs], dtype=torch.int32).repeat_interleave(k1)
+        mtp_index_cpu = torch.arange(k1, dtype=torch.int32).repeat(n)
+        kv_cpu = torch.tensor([r.kv_len for r in reqs], dtype=torch.int32).repeat_interleave(k1)
+        pos_cpu = kv_cpu + mtp_index_cpu  # position of each row's input token
+        b_req_idx = req_idx_cpu.to(self.device)
+        mem_indexes = slots.to(self.device)
+        self.req_manager.req_to_token_indexs[b_req_idx.long(), pos_cpu.to(self.device).long()] = mem_indexes
+        seq_cpu = pos_cpu + 1
+        return DecodeRows(
+            reqs=reqs,
+            mtp_step=self.mtp_step,
+            b_req_idx=b_req_idx,
+            b_mtp_index=mtp_index_cpu.to(self.device),
+            b_seq_len=seq_cpu.to(self.device),
+            b_seq_len_cpu=seq_cpu,
+            mem_indexes=mem_indexes,
+            mem_indexes_cpu=slots,
+            b_req_mtp_start_loc=torch.arange(0, n * k1, k1, dtype=torch.int32).to(self.device),
+        )
+
+    def decode_forward(self, rows: DecodeRows) -> ModelOutput:
+        model_input = ModelInput(
+            batch_size=int(rows.b_req_idx.shape[0]),
+            total_token_num=int(rows.b_seq_len_cpu.sum()),
+            max_len_in_batch=int(rows.b_seq_len_cpu.max()),
+            input_ids=self.req_to_next_token_ids[rows.b_req_idx.long(), rows.b_mtp_index.long()],
+            mem_indexes=rows.mem_indexes,
+            b_req_idx=rows.b_req_idx,
+            b_seq_len=rows.b_seq_len,
+            is_prefill=False,
+            b_mtp_index=rows.b_mtp_index,
+            b_seq_len_cpu=rows.b_seq_len_cpu,
+        )
+        rows.model_input = model_input
+        return self.model.forward(model_input)
+
+    def decode(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:
+        rows = self.prepare_decode_rows(reqs)
+        out = self.decode_forward(rows)
+        return self.verify_draft_commit(rows, out)
+
+    def verify_draft_commit(self, rows: DecodeRows, out: ModelOutput) -> List[ReqStepUpdate]:
+        """The one decode flow: sample -> verify -> (host copy) -> draft -> scatter -> commit."""
+        from lightllm.server.router.model_infer.mtp_speculative.utils import verify_draft_commit
+
+        return verify_draft_commit(self, rows, out)

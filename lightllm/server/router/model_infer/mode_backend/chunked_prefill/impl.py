@@ -1,0 +1,35 @@
+"""Chunked-prefill backend: each step either prefills prompt chunks or decodes every running request."""
+from typing import List
+
+from lightllm.server.router.model_infer.infer_batch import InferReq
+from lightllm.server.router.model_infer.mode_backend.base_backend import ModeBackend, ReqStepUpdate
+
+
+class ChunkedPrefillBackend(ModeBackend):
+    def __init__(self, args, device, dtype):
+        super().__init__(args, device, dtype)
+        self.batch_max_tokens = args.batch_max_tokens
+        self._last_was_prefill = False
+
+    def run_step(self, running: List[InferReq]) -> List[ReqStepUpdate]:
+        """One engine step. Prefill and decode alternate while both have work,
+        so a stream of long prompts never starves running decodes."""
+        prefilling = [r for r in running if r.in_prefill]
+        decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
+        if prefilling and (not decoding or not self._last_was_prefill):
+            self._last_was_prefill = True
+            return self.prefill_chunks(prefilling)
+        self._last_was_prefill = False
+        return self.decode(decoding) if decoding else []
+
+    def prefill_chunks(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:
+        budget = self.batch_max_tokens
+        picked, chunk_lens = [], []
+        for req in reqs:
+            if budget <= 0:
+                break
+            n = min(req.prompt_len - req.kv_len, budget)
+            picked.append(req)
+            chunk_lens.append(n)
+            budget -= n
+        return self.prefill(picked, chunk_lens)

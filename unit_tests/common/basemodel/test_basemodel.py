@@ -1,0 +1,79 @@
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lightllm.common.basemodel.basemodel import ModelKvArgs
+from lightllm.common.basemodel.layer_weights.hf_load_utils import SHARD_INDEX_NAME
+from lightllm.models.registry import load_model
+from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+
+KV_SLOTS = 32
+MAX_REQS = 4
+MAX_SEQ_LEN = 16
+
+
+def _kvargs(model_dir: str, **overrides) -> ModelKvArgs:
+    args = dict(model_dir=model_dir, max_total_token_num=KV_SLOTS, max_req_num=MAX_REQS, max_seq_length=MAX_SEQ_LEN)
+    args.update(overrides)
+    return ModelKvArgs(**args)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("data_type", "int8", "valid names: float32, bfloat16, float16"),
+        ("device", "mps", "valid types: cpu, cuda"),
+        ("max_total_token_num", 0, "max_total_token_num must be positive"),
+    ],
+)
+def test_kvargs_are_validated(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        _kvargs("unused", **{field: value})
+
+
+def test_unknown_decode_attention_backend_lists_valid_names(tmp_path):
+    model_dir = save_checkpoint(build_hf_model("llama"), str(tmp_path), sharded=False)
+    with pytest.raises(ValueError, match="valid names: auto, torch, triton"):
+        load_model(_kvargs(model_dir, decode_attention_backend="flash"))
+
+
+def test_sharded_and_single_file_checkpoints_load_the_same(tmp_path):
+    hf_model = build_hf_model("qwen3")
+    single = load_model(_kvargs(save_checkpoint(hf_model, str(tmp_path / "single"), sharded=False)))
+    sharded_dir = save_checkpoint(hf_model, str(tmp_path / "sharded"), sharded=True)
+    assert os.path.isfile(os.path.join(sharded_dir, SHARD_INDEX_NAME))
+    sharded = load_model(_kvargs(sharded_dir))
+    for a, b in zip(single.trans_layers_weight, sharded.trans_layers_weight):
+        assert torch.equal(a.qkv_proj, b.qkv_proj) and torch.equal(a.q_norm, b.q_norm)
+    assert torch.equal(single.pre_post_weight.lm_head, sharded.pre_post_weight.lm_head)
+
+
+def test_tied_and_untied_lm_head(tmp_path):
+    tied = load_model(_kvargs(save_checkpoint(build_hf_model("llama"), str(tmp_path / "tied"), sharded=False)))
+    assert tied.pre_post_weight.lm_head is tied.pre_post_weight.embed_tokens
+    untied = load_model(_kvargs(save_checkpoint(build_hf_model("qwen3"), str(tmp_path / "untied"), sharded=False)))
+    assert not torch.equal(untied.pre_post_weight.lm_head, untied.pre_post_weight.embed_tokens)
+
+
+def test_model_exposes_sizes_and_managers(tmp_path):
+    model = load_model(_kvargs(save_checkpoint(build_hf_model("qwen3"), str(tmp_path), sharded=False)))
+    assert (model.vocab_size, model.hidden_size) == (model.config.vocab_size, model.config.hidden_size)
+    assert model.dtype == torch.float32 and model.device == torch.device("cpu")
+    assert model.mem_manager.k_buffer.shape[1:] == (KV_SLOTS + 1, model.config.num_key_value_heads, model.config.head_dim)
+    assert model.req_manager.req_to_token_indexs.shape == (MAX_REQS + 1, MAX_SEQ_LEN)
+    embedded = model.embed(torch.tensor([1, 2, 3]))
+    assert embedded.shape == (3, model.hidden_size)
+    logits = model.compute_logits(embedded)
+    assert logits.shape == (3, model.vocab_size) and logits.dtype == torch.float32
+
+
+def test_missing_weight_is_named(tmp_path):
+    model_dir = save_checkpoint(build_hf_model("qwen3"), str(tmp_path), sharded=False)
+    path = os.path.join(model_dir, "model.safetensors")
+    state = load_file(path)
+    del state["model.layers.1.self_attn.k_norm.weight"]
+    save_file(state, path)
+    with pytest.raises(KeyError, match="model.layers.1.self_attn.k_norm.weight"):
+        load_model(_kvargs(model_dir))

@@ -1,0 +1,86 @@
+"""Tiny random Llama / Qwen3 checkpoints written with transformers, for parity tests."""
+import os
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+WEIGHT_STD = 0.15  # large enough that logits spread over several units
+NORM_WEIGHT_STD = 0.2  # norm weights are 1 + noise
+SHARD_SIZE = "40KB"  # forces a sharded checkpoint with an index file
+MAX_POSITIONS = 256
+
+MODEL_KINDS = ("llama", "qwen3")
+
+
+def _llama_config() -> LlamaConfig:
+    # GQA 4/2, tied embeddings, llama3 rope scaling with a short original context
+    # so that low, medium and high frequencies all occur.
+    return LlamaConfig(
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def _qwen3_config() -> Qwen3Config:
+    # GQA 4/1, head_dim * heads != hidden, untied lm_head.
+    return Qwen3Config(
+        vocab_size=293,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_theta=1000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def build_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A random fp32 transformers model of ``kind`` ("llama" or "qwen3"), in eval mode."""
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(_llama_config())
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(_qwen3_config())
+    else:
+        raise ValueError(f"unknown kind {kind!r}; valid names: {', '.join(MODEL_KINDS)}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + NORM_WEIGHT_STD * torch.randn_like(param))
+            else:
+                param.normal_(0.0, WEIGHT_STD)
+    return model.eval()
+
+
+def save_checkpoint(model: torch.nn.Module, model_dir: str, sharded: bool) -> str:
+    os.makedirs(model_dir, exist_ok=True)
+    if sharded:
+        model.save_pretrained(model_dir, safe_serialization=True, max_shard_size=SHARD_SIZE)
+    else:
+        model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir

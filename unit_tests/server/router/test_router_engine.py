@@ -1,0 +1,88 @@
+"""Continuous batching on tiny random models: every request gets exactly transformers' answer."""
+import random
+
+import pytest
+
+from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.server.router.engine_util import hf_greedy, make_router, run_to_completion
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory):
+    hf = build_hf_model(request.param, seed=1)
+    d = save_checkpoint(hf, str(tmp_path_factory.mktemp(request.param)), sharded=False)
+    return hf, d
+
+
+def _prompts(n, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def test_many_concurrent_requests_match_transformers(tiny):
+    hf, d = tiny
+    prompts = _prompts(12, hf.config.vocab_size)
+    lens = [3 + (i * 5) % 17 for i in range(len(prompts))]
+    router = make_router(d, max_req_total_len=96, running_max_req_size=5, batch_max_tokens=64,
+                         max_total_token_num=400)
+    res = run_to_completion(router, prompts, [{"max_new_tokens": n, "ignore_eos": True} for n in lens])
+    for i, p in enumerate(prompts):
+        assert res[i]["tokens"] == hf_greedy(hf, p, lens[i]), f"request {i}"
+        assert res[i]["finish_reason"] == "length"
+    assert router.backend.mem_manager.can_use_mem_size == router.backend.mem_manager.size
+
+
+def test_chunked_prefill_of_a_long_prompt(tiny):
+    hf, d = tiny
+    prompt = _prompts(1, hf.config.vocab_size, seed=3)[0] * 4  # ~ up to 160 tokens
+    router = make_router(d, max_req_total_len=220, batch_max_tokens=16, max_total_token_num=400)
+    steps = []
+    res = run_to_completion(router, [prompt], [{"max_new_tokens": 8, "ignore_eos": True}],
+                            on_step=lambda r: steps.append(1))
+    assert res[0]["tokens"] == hf_greedy(hf, prompt, 8)
+    assert len(steps) >= len(prompt) // 16  # really prefilled in chunks
+
+
+def test_eos_stop_sequence_and_length(tiny):
+    hf, d = tiny
+    prompt = _prompts(1, hf.config.vocab_size, seed=5)[0]
+    ref = hf_greedy(hf, prompt, 12)
+    router = make_router(d, max_req_total_len=96, max_total_token_num=400)
+    # eos = the 4th reference token: the request ends right there, eos included
+    res = run_to_completion(router, [prompt], [{"max_new_tokens": 12}], eos=[ref[3]])
+    first = ref.index(ref[3])
+    assert res[0]["tokens"] == ref[: first + 1] and res[0]["finish_reason"] == "eos"
+    router = make_router(d, max_req_total_len=96, max_total_token_num=400)
+    res = run_to_completion(router, [prompt], [{"max_new_tokens": 12, "ignore_eos": True}], eos=[ref[3]])
+    assert res[0]["tokens"] == ref and res[0]["finish_reason"] == "length"
+
+
+def test_abort_frees_kv_at_once(tiny):
+    hf, d = tiny
+    router = make_router(d, max_req_total_len=96, max_total_token_num=400)
+    from lightllm.server.core.objs.sampling_params import SamplingParams
+    from lightllm.server.router.manager import AddReq
+
+    router.add_req(AddReq(1, [1, 2, 3, 4], SamplingParams.from_request({"max_new_tokens": 50}), [], 0.0))
+    router.add_req(AddReq(2, [5, 6], SamplingParams.from_request({"max_new_tokens": 50}), [], 0.0))
+    for _ in range(3):
+        router.step()
+    mem = router.backend.mem_manager
+    assert mem.can_use_mem_size < mem.size
+    ups = router.abort(1) + router.abort(2)
+    assert [u.finish_reason for u in ups] == ["abort", "abort"]
+    assert mem.can_use_mem_size == mem.size and not router.has_work
+    assert router.queue.reserved_tokens == 0
+
+
+def test_kv_pool_exhaustion_requests_wait(tiny):
+    hf, d = tiny
+    prompts = _prompts(6, hf.config.vocab_size, seed=7)
+    # each request reserves prompt + 20 tokens; the pool fits about two at once
+    router = make_router(d, max_req_total_len=64, max_total_token_num=64 + 30)
+    max_running = []
+    res = run_to_completion(router, prompts, [{"max_new_tokens": 20, "ignore_eos": True}] * 6,
+                            on_step=lambda r: max_running.append(len(r.running)))
+    assert max(max_running) < 6
+    for i, p in enumerate(prompts):
+        assert res[i]["tokens"] == hf_greedy(hf, p, 20)

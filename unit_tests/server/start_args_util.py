@@ -1,0 +1,10 @@
+import json
+import os
+
+
+def fake_model_dir(tmp_path, name="model") -> str:
+    """A dir that passes the start-up checks (a config.json); never loaded."""
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return os.fspath(d)

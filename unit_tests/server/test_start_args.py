@@ -1,0 +1,53 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightllm.server.api_start import StartArgsError, validate_start_args
+from lightllm.server.core.objs.start_args_type import StartArgs
+from unit_tests.server.start_args_util import fake_model_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        ({"port": 0}, "--port"),
+        ({"running_max_req_size": 0}, "--running_max_req_size"),
+        ({"max_req_total_len": 1}, "--max_req_total_len"),
+        ({"max_total_token_num": 0}, "--max_total_token_num"),
+        ({"max_total_token_num": 100, "max_req_total_len": 200}, "--max_total_token_num"),
+        ({"batch_max_tokens": 0}, "--batch_max_tokens"),
+        ({"model_dir": "/nonexistent/model"}, "--model_dir"),
+    ],
+)
+def test_bad_flag_is_a_clear_error(tmp_path, kwargs, flag):
+    kwargs.setdefault("model_dir", fake_model_dir(tmp_path))
+    with pytest.raises(StartArgsError) as e:
+        validate_start_args(StartArgs(**kwargs))
+    assert str(e.value).startswith(flag + ":")
+
+
+def test_good_flags_resolve_defaults(tmp_path):
+    args = validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), max_req_total_len=64))
+    assert args.resolved_model_dir == args.model_dir
+    assert args.batch_max_tokens == 64
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--port", "0"], "error: --port: must be in 1..65535"),
+        (["--port", "abc"], "argument --port: invalid int value"),
+        (["--mtp_asd_regret_budget", "1.0"], "error: --mtp_asd_regret_budget: needs an enabled --mtp_mode"),
+        (["--data_type", "int3"], "argument --data_type: invalid choice"),
+    ],
+)
+def test_cli_bad_flag_exits_without_traceback(tmp_path, argv, needle):
+    cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", fake_model_dir(tmp_path), *argv]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode != 0
+    assert needle in p.stderr
+    assert "Traceback" not in p.stderr
