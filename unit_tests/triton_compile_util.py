@@ -3,6 +3,10 @@
 The interpreter accepts code the compiler rejects (``break``, some casts), so CI
 compiles every kernel for the real target as well.
 """
+import os
+import subprocess
+import sys
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -21,3 +25,21 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict):
     jit_fn = JITFunction(raw)
     src = ASTSource(fn=jit_fn, signature=signature, constexprs={(jit_fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=SM90_TARGET)
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD_TIMEOUT_S = 300
+
+
+def run_compile_child(argv: list) -> str:
+    """Run ``python argv...`` in the repo without TRITON_INTERPRET and return its stdout.
+
+    In interpreter mode the @triton.jit helpers of triton.language (tl.sum, tl.max)
+    are interpreter objects the real compiler cannot call, so sm_90 compiles run in a
+    fresh process."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    child = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                           timeout=CHILD_TIMEOUT_S)
+    assert child.returncode == 0, child.stderr[-4000:]
+    return child.stdout

@@ -65,7 +65,8 @@ class MemoryManager:
         return slots
 
     def free(self, indexes: Union[torch.Tensor, List[int]]) -> None:
-        """Gives slots back. Freeing HOLD_SLOT, an unknown slot or a free slot raises."""
+        """Gives slots back. Freeing HOLD_SLOT, an unknown slot or a free slot raises.
+        Slots on the GPU are copied to the host first (a sync): pass host tensors."""
         # [n] int64 on the host
         slots = torch.as_tensor(indexes, dtype=torch.int64).reshape(-1).cpu()
         n = slots.numel()

@@ -28,6 +28,9 @@ class ServerMetrics:
         self.ttft = Histogram(
             "lightllm_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS_S, registry=r
         )
+        self.kv_used_tokens = Gauge("lightllm_kv_used_tokens", "KV cache slots in use", registry=r)
+        self.running_reqs = Gauge("lightllm_running_requests", "Requests being served", registry=r)
+        self.waiting_reqs = Gauge("lightllm_waiting_requests", "Requests waiting for admission", registry=r)
         self._steps = 0
         self._step_tokens = 0
 
@@ -36,6 +39,11 @@ class ServerMetrics:
         self._steps += 1
         self._step_tokens += accept_len
         self.mtp_mean_tokens_per_step.set(self._step_tokens / self._steps)
+
+    def observe_worker(self, stats) -> None:
+        self.kv_used_tokens.set(stats.kv_used_tokens)
+        self.running_reqs.set(stats.running_reqs)
+        self.waiting_reqs.set(stats.waiting_reqs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

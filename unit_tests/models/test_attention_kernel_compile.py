@@ -4,12 +4,7 @@ Runs in a fresh process without TRITON_INTERPRET: in interpreter mode the
 @triton.jit helpers inside triton.language (tl.sum, tl.max) are interpreter
 objects that the real compiler cannot call.
 """
-import os
-import subprocess
-import sys
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMPILE_TIMEOUT_S = 120
+from unit_tests.triton_compile_util import run_compile_child
 
 COMPILE_SCRIPT = """
 from unit_tests.triton_compile_util import compile_for_sm90
@@ -19,7 +14,7 @@ from lightllm.models.llama.triton_kernel.token_attention import TOKEN_BLOCK, _to
 for dtype, head_dim, group in (("*bf16", 64, 3), ("*bf16", 128, 2), ("*fp32", 80, 1)):
     signature = {
         "q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype,
-        "req_to_token_ptr": "*i64", "b_req_idx_ptr": "*i32", "b_seq_len_ptr": "*i32", "out_ptr": dtype,
+        "req_to_token_ptr": "*i64", "b_req_idx_ptr": "*i64", "b_seq_len_ptr": "*i32", "out_ptr": dtype,
         "sm_scale": "fp32",
         "stride_q_row": "i32", "stride_q_head": "i32", "stride_k_slot": "i32", "stride_k_head": "i32",
         "stride_v_slot": "i32", "stride_v_head": "i32", "stride_req_row": "i32",
@@ -34,14 +29,4 @@ for dtype, head_dim, group in (("*bf16", 64, 3), ("*bf16", 128, 2), ("*fp32", 80
 
 
 def test_token_decode_attention_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=COMPILE_TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_compile_child(["-c", COMPILE_SCRIPT])

@@ -222,9 +222,10 @@ def test_cuda_forward_matches_hf(hf_and_dir, data_type):
     driver.prefill([(req_b, b[:3])])
     out = driver.prefill([(req_a, a[:n]), (req_b, b[3:6])])
     got, want = [out.logits[0], out.logits[1]], [ref_a[n - 1], ref_b[5]]
-    steps = [
+    mtp_rows = [(req_a, a[n + 1]), (req_a, a[n + 2]), (req_a, a[n + 3]), (req_b, b[7])]
+    steps = [  # (rows, indexes of the real rows, expected logits of the real rows)
         ([(req_a, a[n]), PAD_ROW, (req_b, b[6])], [0, 2], [ref_a[n], ref_b[6]]),
-        ([(req_a, a[n + 1]), (req_a, a[n + 2]), (req_a, a[n + 3]), (req_b, b[7])], [0, 1, 2, 3], [*ref_a[n + 1 :], ref_b[7]]),
+        (mtp_rows, [0, 1, 2, 3], [*ref_a[n + 1 :], ref_b[7]]),
     ]
     for rows, real_rows, expected in steps:
         model_input = driver.decode_input(rows)

@@ -78,6 +78,14 @@ class TransformerArch:
 
 
 class TpPartBaseModel:
+    """A loaded model with its KV cache (``mem_manager``) and request table (``req_manager``).
+
+    Before ``forward`` the backend has allocated ``mem_indexes`` and written them into
+    ``req_manager.req_to_token_indexs[req_idx, pos]`` for every new position. Padding rows
+    use ``req_manager.HOLD_REQUEST_ID`` and ``mem_manager.HOLD_SLOT``.
+    ``embed`` and ``compute_logits`` are shared with MTP draft modules.
+    """
+
     # Qwen3-style per-head q/k RMSNorm weights in every layer.
     has_qk_norm = False
 

@@ -29,14 +29,11 @@ class RotaryEmbedding:
 def read_rope_parameters(config: Any) -> Dict[str, Any]:
     """A dict with at least ``rope_theta`` and ``rope_type``, whatever the transformers version."""
     params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        out = dict(params)
-    else:
-        scaling = getattr(config, "rope_scaling", None) or {}
-        out = dict(scaling)
+    out = dict(params) if isinstance(params, dict) else dict(getattr(config, "rope_scaling", None) or {})
+    if "rope_theta" not in out:
         out["rope_theta"] = getattr(config, "rope_theta", None) or DEFAULT_ROPE_THETA
-        if "type" in out and "rope_type" not in out:
-            out["rope_type"] = out.pop("type")
+    if "type" in out and "rope_type" not in out:
+        out["rope_type"] = out.pop("type")
     out.setdefault("rope_type", DEFAULT_ROPE_TYPE)
     return out
 

@@ -74,12 +74,13 @@ class HttpServerManager:
 
     def _read_worker(self) -> None:
         while True:
-            updates = self.out_q.get()
-            if updates is None:
+            msg = self.out_q.get()
+            if msg is None:
                 return
-            self._loop.call_soon_threadsafe(self._dispatch, updates)
+            self._loop.call_soon_threadsafe(self._dispatch, *msg)
 
-    def _dispatch(self, updates) -> None:
+    def _dispatch(self, updates, stats) -> None:
+        self.metrics.observe_worker(stats)
         for u in updates:
             if u.accept_len:
                 self.metrics.observe_step(u.accept_len)
@@ -163,6 +164,7 @@ class HttpServerManager:
                 yield res
         except (asyncio.CancelledError, GeneratorExit):
             self.in_q.put(AbortReq(req_id))  # client went away: free its KV at once
+            self.metrics.requests.labels(finish_reason="abort").inc()
             raise
         finally:
             self._streams.pop(req_id, None)

@@ -38,6 +38,15 @@ class WorkerReady:
 
 
 @dataclass
+class WorkerStats:
+    """Sent with every batch of updates: the worker's load."""
+
+    kv_used_tokens: int
+    running_reqs: int
+    waiting_reqs: int
+
+
+@dataclass
 class WorkerError:
     message: str
 
@@ -134,7 +143,8 @@ def router_worker_main(args, device: str, dtype: str, in_q, out_q) -> None:
                 updates.extend(router.abort(m.req_id))
         updates.extend(router.step())
         if updates:
-            out_q.put(updates)
+            mem = backend.mem_manager
+            out_q.put((updates, WorkerStats(mem.size - mem.can_use_mem_size, len(router.running), len(router.queue.waiting))))
         if backend.mtp_step and router._steps >= next_log:
             next_log += log_every_steps
             logger.info("mtp mean tokens per step %.3f", router.mean_tokens_per_step)

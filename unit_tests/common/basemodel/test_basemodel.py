@@ -61,7 +61,8 @@ def test_model_exposes_sizes_and_managers(tmp_path):
     model = load_model(_kvargs(save_checkpoint(build_hf_model("qwen3"), str(tmp_path), sharded=False)))
     assert (model.vocab_size, model.hidden_size) == (model.config.vocab_size, model.config.hidden_size)
     assert model.dtype == torch.float32 and model.device == torch.device("cpu")
-    assert model.mem_manager.k_buffer.shape[1:] == (KV_SLOTS + 1, model.config.num_key_value_heads, model.config.head_dim)
+    kv_shape = (KV_SLOTS + 1, model.config.num_key_value_heads, model.config.head_dim)
+    assert model.mem_manager.k_buffer.shape[1:] == kv_shape
     assert model.req_manager.req_to_token_indexs.shape == (MAX_REQS + 1, MAX_SEQ_LEN)
     embedded = model.embed(torch.tensor([1, 2, 3]))
     assert embedded.shape == (3, model.hidden_size)

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
-from unit_tests.server.router.engine_util import hf_greedy, make_router, run_to_completion
+from unit_tests.server.router.engine_util import hf_greedy, make_engine
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -23,23 +23,22 @@ def test_many_concurrent_requests_match_transformers(tiny):
     hf, d = tiny
     prompts = _prompts(12, hf.config.vocab_size)
     lens = [3 + (i * 5) % 17 for i in range(len(prompts))]
-    router = make_router(d, max_req_total_len=96, running_max_req_size=5, batch_max_tokens=64,
-                         max_total_token_num=400)
-    res = run_to_completion(router, prompts, [{"max_new_tokens": n, "ignore_eos": True} for n in lens])
+    eng = make_engine(d, max_req_total_len=96, running_max_req_size=5, batch_max_tokens=64,
+                      max_total_token_num=400)
+    res = eng.generate(prompts, [{"max_new_tokens": n, "ignore_eos": True} for n in lens])
     for i, p in enumerate(prompts):
-        assert res[i]["tokens"] == hf_greedy(hf, p, lens[i]), f"request {i}"
-        assert res[i]["finish_reason"] == "length"
-    assert router.backend.mem_manager.can_use_mem_size == router.backend.mem_manager.size
+        assert res[i].token_ids == hf_greedy(hf, p, lens[i]), f"request {i}"
+        assert res[i].finish_reason == "length"
+    assert eng.backend.mem_manager.can_use_mem_size == eng.backend.mem_manager.size
 
 
 def test_chunked_prefill_of_a_long_prompt(tiny):
     hf, d = tiny
     prompt = _prompts(1, hf.config.vocab_size, seed=3)[0] * 4  # ~ up to 160 tokens
-    router = make_router(d, max_req_total_len=220, batch_max_tokens=16, max_total_token_num=400)
+    eng = make_engine(d, max_req_total_len=220, batch_max_tokens=16, max_total_token_num=400)
     steps = []
-    res = run_to_completion(router, [prompt], [{"max_new_tokens": 8, "ignore_eos": True}],
-                            on_step=lambda r: steps.append(1))
-    assert res[0]["tokens"] == hf_greedy(hf, prompt, 8)
+    res = eng.generate([prompt], [{"max_new_tokens": 8, "ignore_eos": True}], on_step=lambda r: steps.append(1))
+    assert res[0].token_ids == hf_greedy(hf, prompt, 8)
     assert len(steps) >= len(prompt) // 16  # really prefilled in chunks
 
 
@@ -47,19 +46,26 @@ def test_eos_stop_sequence_and_length(tiny):
     hf, d = tiny
     prompt = _prompts(1, hf.config.vocab_size, seed=5)[0]
     ref = hf_greedy(hf, prompt, 12)
-    router = make_router(d, max_req_total_len=96, max_total_token_num=400)
+    eng = make_engine(d, max_req_total_len=96, max_total_token_num=400)
     # eos = the 4th reference token: the request ends right there, eos included
-    res = run_to_completion(router, [prompt], [{"max_new_tokens": 12}], eos=[ref[3]])
+    res = eng.generate([prompt], [{"max_new_tokens": 12}], eos_token_ids=[ref[3]])
     first = ref.index(ref[3])
-    assert res[0]["tokens"] == ref[: first + 1] and res[0]["finish_reason"] == "eos"
-    router = make_router(d, max_req_total_len=96, max_total_token_num=400)
-    res = run_to_completion(router, [prompt], [{"max_new_tokens": 12, "ignore_eos": True}], eos=[ref[3]])
-    assert res[0]["tokens"] == ref and res[0]["finish_reason"] == "length"
+    assert res[0].token_ids == ref[: first + 1] and res[0].finish_reason == "eos"
+    res = eng.generate([prompt], [{"max_new_tokens": 12, "ignore_eos": True}], eos_token_ids=[ref[3]])
+    assert res[0].token_ids == ref and res[0].finish_reason == "length"
+    # a stop sequence given as token ids ends the request after it
+    from lightllm.server.core.objs.sampling_params import SamplingParams
+
+    sp = SamplingParams.from_request({"max_new_tokens": 12, "ignore_eos": True})
+    sp.stop_token_ids = [ref[5:7]]
+    res = eng.generate([prompt], [sp])
+    end = next(i for i in range(2, 13) if ref[i - 2:i] == ref[5:7])
+    assert res[0].token_ids == ref[:end] and res[0].finish_reason == "stop"
 
 
 def test_abort_frees_kv_at_once(tiny):
     hf, d = tiny
-    router = make_router(d, max_req_total_len=96, max_total_token_num=400)
+    router = make_engine(d, max_req_total_len=96, max_total_token_num=400).router
     from lightllm.server.core.objs.sampling_params import SamplingParams
     from lightllm.server.router.manager import AddReq
 
@@ -79,10 +85,10 @@ def test_kv_pool_exhaustion_requests_wait(tiny):
     hf, d = tiny
     prompts = _prompts(6, hf.config.vocab_size, seed=7)
     # each request reserves prompt + 20 tokens; the pool fits about two at once
-    router = make_router(d, max_req_total_len=64, max_total_token_num=64 + 30)
+    eng = make_engine(d, max_req_total_len=64, max_total_token_num=64 + 30)
     max_running = []
-    res = run_to_completion(router, prompts, [{"max_new_tokens": 20, "ignore_eos": True}] * 6,
-                            on_step=lambda r: max_running.append(len(r.running)))
+    res = eng.generate(prompts, [{"max_new_tokens": 20, "ignore_eos": True}] * 6,
+                       on_step=lambda r: max_running.append(len(r.running)))
     assert max(max_running) < 6
     for i, p in enumerate(prompts):
-        assert res[i]["tokens"] == hf_greedy(hf, p, 20)
+        assert res[i].token_ids == hf_greedy(hf, p, 20)

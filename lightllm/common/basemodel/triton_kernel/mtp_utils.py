@@ -74,7 +74,8 @@ def _fwd_kernel_mtp_verify(
         mask=is_draft,
         other=_NO_DRAFT_TOKEN_ID_CONST,
     )
-    target = tl.load(new_next_token_ids + start + offs, mask=is_draft, other=_NO_DRAFT_TOKEN_ID_CONST)  # [BLOCK_SIZE] t_j
+    # [BLOCK_SIZE] t_j
+    target = tl.load(new_next_token_ids + start + offs, mask=is_draft, other=_NO_DRAFT_TOKEN_ID_CONST)
     # The first mismatch stops; lanes past K always stop, so accept_len <= K + 1.
     stop = (~is_draft) | (draft != target)
     accepted = tl.min(tl.where(stop, offs, BLOCK_SIZE), axis=0)
@@ -118,11 +119,13 @@ def _fwd_kernel_mtp_asd_verify(
         mask=is_draft,
         other=_NO_DRAFT_TOKEN_ID_CONST,
     )
-    target = tl.load(new_next_token_ids + start + offs, mask=is_draft, other=_NO_DRAFT_TOKEN_ID_CONST)  # [BLOCK_SIZE] t_j
+    # [BLOCK_SIZE] t_j
+    target = tl.load(new_next_token_ids + start + offs, mask=is_draft, other=_NO_DRAFT_TOKEN_ID_CONST)
     # m == 0 or g == 0: strict identity, even on ties.
     strict = (block_max_mismatch == 0) | (local_regret_ratio == 0.0)
     mismatch = is_draft & (draft != target)  # [BLOCK_SIZE]
-    # Only in-vocabulary ids of a mismatched row are ever read.
+    # Only in-vocabulary ids of a mismatched row are ever read (t_j is checked too,
+    # defensively: sampling never yields an id outside the vocabulary).
     in_vocab = (draft >= 0) & (draft < vocab_size) & (target >= 0) & (target < vocab_size)
     readable = mismatch & in_vocab & (~strict)  # [BLOCK_SIZE]
 
@@ -200,6 +203,11 @@ def _fwd_kernel_mtp_scatter_next_token_ids(
 # ----------------------------------------------------------------------------- wrappers
 
 
+def verify_block_size(table_width: int) -> int:
+    """Lanes per program for a next-token table of ``table_width`` columns (W)."""
+    return triton.next_power_of_2(table_width)
+
+
 def _check_tensor(name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], ndim: int, device: torch.device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -219,11 +227,6 @@ def _check_tensor(name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], ndi
 def _check_device(device: torch.device):
     if device.type != "cuda" and not _TRITON_INTERPRET:
         raise ValueError(f"MTP verify kernels need CUDA tensors (got {device}); CPU runs only under TRITON_INTERPRET=1")
-
-
-def verify_block_size(table_width: int) -> int:
-    """Lanes per program for a next-token table of ``table_width`` columns (W)."""
-    return triton.next_power_of_2(table_width)
 
 
 def _check_verify_inputs(

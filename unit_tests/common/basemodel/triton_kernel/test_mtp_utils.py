@@ -129,14 +129,20 @@ def test_mtp_verify_wide_table_and_hold_rows(device, num_drafts):
 @pytest.mark.parametrize("device", DEVICES)
 def test_mtp_verify_rejects_bad_inputs(device):
     batch = make_verify_batch(seed=0, num_reqs=2, num_drafts=2, vocab_size=5).to(device)
+    table, start_loc, next_ids, b_req_idx = (
+        batch.req_to_next_token_ids,
+        batch.b_req_mtp_start_loc,
+        batch.new_next_token_ids,
+        batch.b_req_idx,
+    )
     with pytest.raises(TypeError, match="new_next_token_ids"):
-        mtp_verify(batch.req_to_next_token_ids, batch.b_req_mtp_start_loc, batch.new_next_token_ids.int(), batch.b_req_idx)
+        mtp_verify(table, start_loc, next_ids.int(), b_req_idx)
     with pytest.raises(ValueError, match="req_to_next_token_ids"):
-        mtp_verify(
-            batch.req_to_next_token_ids[:, ::2], batch.b_req_mtp_start_loc, batch.new_next_token_ids, batch.b_req_idx
-        )
+        mtp_verify(table[:, ::2], start_loc, next_ids, b_req_idx)
     with pytest.raises(ValueError, match="b_req_idx"):
-        mtp_verify(batch.req_to_next_token_ids, batch.b_req_mtp_start_loc, batch.new_next_token_ids, batch.b_req_idx[:-1])
+        mtp_verify(table, start_loc, next_ids, b_req_idx[:-1])
+    with pytest.raises(ValueError, match="columns"):
+        mtp_verify(torch.zeros((3, 17), dtype=torch.int64, device=device), start_loc, next_ids, b_req_idx)
 
 
 # ----------------------------------------------------------------------------- scatter

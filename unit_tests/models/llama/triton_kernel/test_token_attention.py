@@ -64,7 +64,8 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="int64"):
         token_decode_attention(q, k_cache, v_cache, table.int(), b_req_idx, b_seq_len, scale)
     with pytest.raises(ValueError, match="contiguous"):
-        token_decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache, table, b_req_idx, b_seq_len, scale)
+        strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)  # head_dim no longer contiguous
+        token_decode_attention(strided_q, k_cache, v_cache, table, b_req_idx, b_seq_len, scale)
 
 
 @pytest.mark.cuda

@@ -354,3 +354,26 @@ def test_property8_no_proposal_columns_are_never_relaxed(device):
     assert accepted_index[:4] == [1, 0, 0, 0]
     assert committed[:4] == step.new_next_token_ids.tolist()[:4]
     assert spent.tolist()[:2] == [0.0, 0.5]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_draft_token_is_never_relaxed(device):
+    """A draft whose logit is -inf (masked by a logit bias or a penalty) has r = inf:
+    refused by the budget test even with g unset (inf / v <= inf holds). A NaN row
+    gives r = NaN, which fails every gate."""
+    ninf, nan = float("-inf"), float("nan")
+    step = build_step(
+        [
+            Req(0, [2, 1], [[0.0, 1.0, ninf, 3.0], ROW_T1, ROW_ANY]),  # t = 3: r = 3 - (-inf) = inf
+            Req(1, [2, 1], [[nan, 1.0, 0.0, 3.0], ROW_T1, ROW_ANY], targets=[3, 1, 0]),  # NaN elsewhere: r = 3 - 0 = 3
+            Req(2, [2, 1], [[0.0, 1.0, nan, 3.0], ROW_T1, ROW_ANY], targets=[3, 1, 0]),  # r = 3 - NaN = NaN
+        ],
+        device,
+    )
+    budget = ledger({0: BIG_BUDGET, 1: BIG_BUDGET, 2: BIG_BUDGET}, device)
+    spent = ledger({}, device)
+    accept_len, _, committed = asd(step, spent, budget)
+    # Request 1 only has a NaN elsewhere in its row: its finite regret 3 is relaxed.
+    assert accept_len == [1, 3, 1]
+    assert committed == [3, 1, 0] + [2, 1, 0] + [3, 1, 0]
+    assert spent.tolist() == [0.0, 3.0, 0.0, 0.0, 0.0]

@@ -1,0 +1,112 @@
+"""Strict MTP is lossless: greedy MTP output equals the engine without MTP, in all four modes."""
+import random
+
+import pytest
+import torch
+
+from lightllm.models.llama_mtp.train_module import MTPDraftTrainModule, random_draft
+from lightllm.server.core.objs.sampling_params import SamplingParams
+from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.server.router.engine_util import hf_greedy, make_engine
+
+MODES = ["vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory):
+    hf = build_hf_model(request.param, seed=2)
+    root = tmp_path_factory.mktemp("mtp_" + request.param)
+    d = save_checkpoint(hf, str(root / "target"), sharded=False)
+    drafts = {
+        (att, n): random_draft(hf.config, str(root / f"draft_{att}_{n}"), att, n, seed=3)
+        for att in (True, False) for n in (1, 3)
+    }
+    return hf, d, drafts
+
+
+def _draft_dirs(drafts, mode, k):
+    att = mode.endswith("_with_att")
+    return [drafts[(att, 1)]] if mode.startswith("eagle") else [drafts[(att, 3)]]
+
+
+def _workload(vocab, seed=0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(7)]
+    params = [{"max_new_tokens": 4 + 3 * i, "ignore_eos": True} for i in range(len(prompts))]
+    return prompts, params
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_strict_mtp_is_token_identical_to_plain_decoding(tiny, mode):
+    hf, d, drafts = tiny
+    k = 3
+    prompts, params = _workload(hf.config.vocab_size)
+    common = dict(max_req_total_len=96, running_max_req_size=4, batch_max_tokens=48, max_total_token_num=600)
+    plain = make_engine(d, **common).generate(prompts, params)
+    mtp_eng = make_engine(d, mtp_mode=mode, mtp_step=k, mtp_draft_model_dir=_draft_dirs(drafts, mode, k), **common)
+    mtp = mtp_eng.generate(prompts, params)
+    for i in range(len(prompts)):
+        assert mtp[i].token_ids == plain[i].token_ids, f"request {i}"
+        assert mtp[i].token_ids == hf_greedy(hf, prompts[i], params[i]["max_new_tokens"])
+        assert all(1 <= a <= k + 1 for a in mtp[i].accept_lens)
+        assert mtp[i].mtp_accepted_token_num == sum(a - 1 for a in mtp[i].accept_lens) - _overshoot(mtp[i], params[i])
+    assert mtp_eng.backend.mem_manager.can_use_mem_size == mtp_eng.backend.mem_manager.size
+
+
+def _overshoot(res, p):
+    """Accepted drafts dropped because max_new_tokens ended the request inside a block."""
+    committed = sum(res.accept_lens) + 1  # + the token sampled at prefill
+    return committed - len(res.token_ids)
+
+
+def test_eos_and_stop_inside_an_accepted_block(tiny):
+    """A self-draft (the target's own greedy tokens as drafts) accepts whole blocks;
+    eos / a stop sequence in the middle of a block ends the request right there."""
+    hf, d, drafts = tiny
+    prompt = [5, 6, 7, 8]
+    ref = hf_greedy(hf, prompt, 20)
+    eng = make_engine(d, mtp_mode="eagle_with_att", mtp_step=4, mtp_draft_model_dir=[drafts[(True, 1)]],
+                      max_req_total_len=96, max_total_token_num=400)
+    eos = ref[6]
+    res = eng.generate([prompt], [{"max_new_tokens": 20}], eos_token_ids=[eos])[0]
+    assert res.token_ids == ref[: ref.index(eos) + 1] and res.finish_reason == "eos"
+    sp = SamplingParams.from_request({"max_new_tokens": 20, "ignore_eos": True})
+    sp.stop_token_ids = [ref[8:10]]
+    res = eng.generate([prompt], [sp])[0]
+    end = next(i for i in range(2, 21) if ref[i - 2:i] == ref[8:10])
+    assert res.token_ids == ref[:end] and res.finish_reason == "stop"
+    assert eng.backend.mem_manager.can_use_mem_size == eng.backend.mem_manager.size
+
+
+@pytest.mark.parametrize("att", [True, False])
+def test_draft_proposals_match_the_reference_module(tiny, att):
+    """After prefill, the engine's K proposals equal the PyTorch training module's greedy chain."""
+    hf, d, drafts = tiny
+    k = 3
+    eng = make_engine(d, mtp_mode="eagle_with_att" if att else "eagle_no_att", mtp_step=k,
+                      mtp_draft_model_dir=[drafts[(att, 1)]], max_req_total_len=64, max_total_token_num=200)
+    prompt = [11, 12, 13, 14, 15, 16, 17]
+    res = eng.generate([prompt], [{"max_new_tokens": 1, "ignore_eos": True}])[0]
+    first = res.token_ids[0]
+    # reference: hidden states from transformers (input of the final norm), then the chain
+    captured = {}
+    hook = hf.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("h", i[0]))
+    with torch.no_grad():
+        hf(torch.tensor([prompt]))
+    hook.remove()
+    mod = MTPDraftTrainModule.load_draft(hf.config, drafts[(att, 1)]).eval()
+    seq = prompt + [first]
+    hidden, guess = captured["h"], None
+    proposals = []
+    with torch.no_grad():
+        for depth in range(k):
+            toks = [seq[s + depth + 1] if s + depth + 1 < len(seq) else None for s in range(len(prompt))]
+            t = torch.tensor([[x if x is not None else int(guess[s]) for s, x in enumerate(toks)]])
+            hidden = mod.step(depth, hidden, t, hf.model.embed_tokens)
+            logits = hf.lm_head(hf.model.norm(hidden))[0]
+            guess = logits.argmax(-1)
+            proposals.append(int(guess[-1]))
+    # the engine freed the request; its table row still holds the last proposals
+    table = eng.backend.req_to_next_token_ids
+    rows = [r for r in range(table.shape[0]) if int(table[r, 0]) == first]
+    assert any(table[r, 1:k + 1].tolist() == proposals for r in rows)
