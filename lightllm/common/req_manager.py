@@ -2,7 +2,9 @@
 
 Every table has ``max_request_num + 1`` rows: the last one is the HOLD row, the
 req_idx that padding rows (DP ranks with fewer requests) point at. Nothing real
-is ever stored there and nothing reads it back.
+is ever stored there and nothing reads it back. Its ``req_to_token_indexs`` row points
+every position at ``mem_manager.HOLD_SLOT``, so a padding row's attention reads only the
+HOLD slot it writes.
 """
 from typing import List
 
@@ -21,6 +23,7 @@ class ReqManager:
         self.req_to_token_indexs = torch.zeros(
             (max_request_num + 1, max_sequence_length), dtype=torch.int64, device=device
         )
+        self.req_to_token_indexs[self.HOLD_REQUEST_ID] = mem_manager.HOLD_SLOT
         self._free_req_idx: List[int] = list(range(max_request_num))
 
     def get_paused_req_num(self) -> int:

@@ -32,4 +32,18 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    help="ASD: local cap g on regret / suffix value (unset: no local gate).")
     p.add_argument("--mtp_asd_block_max_mismatch", type=int, default=d.mtp_asd_block_max_mismatch,
                    help="ASD: most relaxed tokens per verify step m (unset: no cap).")
+    p.add_argument("--tp", type=int, default=d.tp,
+                   help="Tensor parallel ranks: one worker process each (one GPU each on CUDA; gloo on CPU).")
+    p.add_argument("--dp", type=int, default=d.dp,
+                   help="Data parallel groups (must divide --tp): each group runs its own requests and KV cache "
+                        "with attention split over tp / dp ranks; the MLP stays split over all tp ranks.")
+    p.add_argument("--enable_decode_microbatch_overlap", action="store_true",
+                   default=d.enable_decode_microbatch_overlap,
+                   help="Split each decode batch in two micro-batches whose forwards interleave, so one's "
+                        "communication overlaps the other's compute (uses the DP backend, also with --dp 1).")
+    p.add_argument("--nnodes", type=int, default=d.nnodes, help="Hosts the --tp ranks are spread over.")
+    p.add_argument("--node_rank", type=int, default=d.node_rank,
+                   help="This host's index (0..nnodes-1); node 0 serves HTTP, the others only run ranks.")
+    p.add_argument("--nccl_host", type=str, default=d.nccl_host, help="Address of node 0 for the rank rendezvous.")
+    p.add_argument("--nccl_port", type=int, default=d.nccl_port, help="Port on --nccl_host for the rank rendezvous.")
     return p

@@ -1,10 +1,11 @@
-"""Validate StartArgs, start the model worker process, serve HTTP."""
+"""Validate StartArgs, start the model worker process(es), serve HTTP."""
 import dataclasses
+import json
 import math
 import multiprocessing as mp
 import os
 import sys
-from typing import List
+from typing import List, Optional
 
 from lightllm.server.core.objs.start_args_type import StartArgs
 
@@ -32,6 +33,7 @@ def validate_start_args(args: StartArgs) -> StartArgs:
         _need(args.batch_max_tokens >= 1, "--batch_max_tokens", f"must be >= 1, got {args.batch_max_tokens}")
     _validate_mtp(args)
     _validate_asd(args)
+    _validate_parallel(args)
     if args.model_dir is not None:
         _need(os.path.isfile(os.path.join(args.model_dir, "config.json")), "--model_dir",
               f"{args.model_dir!r} is not a Hugging Face model dir (no config.json)")
@@ -49,6 +51,7 @@ def validate_start_args(args: StartArgs) -> StartArgs:
         batch_max_tokens=args.batch_max_tokens or args.max_req_total_len,
         mtp_draft_model_dir=_resolve_draft_dirs(args, model_dir),
     )
+    _validate_heads(resolved)
     k = resolved.mtp_step
     if resolved.max_total_token_num is not None:
         _need(resolved.max_total_token_num >= resolved.max_req_total_len + k, "--max_total_token_num",
@@ -108,6 +111,46 @@ def _validate_asd(args: StartArgs) -> None:
             _need(flags[flag] is None, flag, "needs --mtp_asd_regret_budget (ASD is off without a budget)")
 
 
+def _validate_parallel(args: StartArgs) -> None:
+    for flag, v in (("--tp", args.tp), ("--dp", args.dp), ("--nnodes", args.nnodes)):
+        _need(not isinstance(v, bool) and isinstance(v, int) and v >= 1, flag, f"must be an integer >= 1, got {v!r}")
+    _need(args.tp % args.dp == 0, "--dp", f"must divide --tp ({args.tp}), got {args.dp}")
+    _need(args.tp % args.nnodes == 0, "--nnodes",
+          f"must divide --tp ({args.tp}): every node runs --tp / --nnodes ranks, got {args.nnodes}")
+    _need(0 <= args.node_rank < args.nnodes, "--node_rank", f"must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    _need(1 <= args.nccl_port <= 65535, "--nccl_port", f"must be in 1..65535, got {args.nccl_port}")
+    if args.tp > 1:
+        _need(args.nccl_port != args.port, "--nccl_port", f"must differ from --port ({args.port})")
+
+
+def _read_heads(config_path: str):
+    """(num_attention_heads, num_key_value_heads) of a config.json, or None when it has no heads."""
+    with open(config_path) as f:
+        cfg = json.load(f)
+    q = cfg.get("num_attention_heads")
+    if q is None:
+        return None
+    return q, cfg.get("num_key_value_heads") or q
+
+
+def _validate_heads(args: StartArgs) -> None:
+    """Attention heads are split over the --tp / --dp ranks of a DP group: q and kv heads
+    of the model (and of draft modules with attention) must divide evenly."""
+    attn_tp = args.tp // args.dp
+    if attn_tp == 1:
+        return
+    dirs = [("the model", args.resolved_model_dir)]
+    if args.mtp_mode is not None and args.mtp_mode.endswith("_with_att"):
+        dirs += [("draft " + d, d) for d in args.mtp_draft_model_dir or []]
+    for what, d in dirs:
+        heads = _read_heads(os.path.join(d, "config.json"))
+        if heads is None:
+            continue
+        for name, n in zip(("num_attention_heads", "num_key_value_heads"), heads):
+            _need(n % attn_tp == 0, "--tp",
+                  f"{what} has {name} = {n}, not divisible by --tp / --dp = {attn_tp} (heads are split over them)")
+
+
 def resolve_device_and_dtype(args: StartArgs):
     import torch
 
@@ -116,15 +159,64 @@ def resolve_device_and_dtype(args: StartArgs):
     return device, dtype
 
 
-def start_worker(args: StartArgs):
-    """Start the router + model worker process; return (process, in_q, out_q, ready_info)."""
-    from lightllm.server.router.manager import WorkerError, router_worker_main
+class WorkerProcesses:
+    """This node's rank processes (router + model worker each), in rank order."""
 
-    device, dtype = resolve_device_and_dtype(args)
+    def __init__(self, procs: List[mp.Process]):
+        self.procs = procs
+
+    def is_alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        """The first non-zero exit code, 0 when all exited cleanly, None while any runs."""
+        codes = [p.exitcode for p in self.procs]
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c != 0), 0)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        for p in self.procs:
+            p.join(timeout)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        self.join(timeout=10)
+
+
+def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[str] = None):
+    """Start this node's ranks (``--tp / --nnodes`` processes, each a router + model worker).
+
+    Returns (workers, in_q, out_q, ready_info). On node 0 rank 0 owns the queues and this
+    waits for its WorkerReady; on other nodes the queues and ready_info are None."""
+    from lightllm.server.router.manager import WorkerError, router_worker_main
+    from lightllm.utils.dist_utils import local_ranks
+
+    d, t = resolve_device_and_dtype(args)
+    device, dtype = device or d, dtype or t
+    ranks = local_ranks(args.tp, args.nnodes, args.node_rank)
+    if device == "cuda":
+        import torch
+
+        found = torch.cuda.device_count()
+        if found < len(ranks):
+            raise RuntimeError(f"--tp {args.tp} over --nnodes {args.nnodes} needs {len(ranks)} GPUs on this node, "
+                               f"found {found}")
     ctx = mp.get_context("spawn")
-    in_q, out_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=router_worker_main, args=(args, device, dtype, in_q, out_q), daemon=True)
-    proc.start()
+    is_driver_node = ranks[0] == 0
+    in_q, out_q = (ctx.Queue(), ctx.Queue()) if is_driver_node else (None, None)
+    procs = []
+    for rank in ranks:
+        queues = (in_q, out_q) if rank == 0 else (None, None)
+        proc = ctx.Process(target=router_worker_main, args=(args, device, dtype, *queues, rank), daemon=True)
+        proc.start()
+        procs.append(proc)
+    workers = WorkerProcesses(procs)
+    if not is_driver_node:
+        return workers, None, None, None
     import queue as _queue
 
     waited = 0.0
@@ -135,15 +227,17 @@ def start_worker(args: StartArgs):
             break
         except _queue.Empty:
             waited += poll_s
-            if not proc.is_alive():
-                raise RuntimeError(f"model worker exited during start-up (exit code {proc.exitcode})")
+            if not workers.is_alive():
+                workers.kill()
+                raise RuntimeError(f"model worker exited during start-up (exit code {workers.exitcode})")
             if waited > WORKER_START_TIMEOUT_S:
-                proc.kill()
+                workers.kill()
                 raise RuntimeError("model worker did not start in time")
     if isinstance(msg, WorkerError):
-        proc.join(timeout=5)
+        workers.join(timeout=5)
+        workers.kill()
         raise RuntimeError(f"model worker failed to start: {msg.message}")
-    return proc, in_q, out_q, msg
+    return workers, in_q, out_q, msg
 
 
 def _launch_subprocesses(args: StartArgs) -> None:
@@ -156,16 +250,21 @@ def _launch_subprocesses(args: StartArgs) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        proc, in_q, out_q, ready = start_worker(args)
+        workers, in_q, out_q, ready = start_worker(args)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    if args.node_rank > 0:  # ranks only: node 0 serves HTTP and drives every step
+        logging.getLogger(__name__).info("node %d: %d ranks joined %s:%d", args.node_rank, len(workers.procs),
+                                         args.nccl_host, args.nccl_port)
+        workers.join()
+        sys.exit(workers.exitcode or 0)
     import uvicorn
 
     from lightllm.server.api_http import create_app
     from lightllm.server.httpserver.manager import HttpServerManager
 
-    manager = HttpServerManager(args, in_q, out_q, ready, worker=proc)
+    manager = HttpServerManager(args, in_q, out_q, ready, worker=workers)
     app = create_app(manager)
     logging.getLogger(__name__).info(
         "serving %s on http://%s:%d (device %s, %s, KV pool %d tokens)",

@@ -1,15 +1,21 @@
-"""The router and backend in-process, without HTTP: batch generation for tools and tests."""
+"""The router and backend without HTTP: batch generation for tools and tests.
+
+One rank (``--tp 1``): the router runs in this process. Several ranks: the same worker
+processes as the server (``start_worker``), driven through rank 0's queues.
+"""
+import queue
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from lightllm.server.api_start import resolve_device_and_dtype, validate_start_args
+from lightllm.server.api_start import resolve_device_and_dtype, start_worker, validate_start_args
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.core.objs.start_args_type import StartArgs
-from lightllm.server.router.manager import AddReq, RouterManager, build_backend
+from lightllm.server.router.manager import AddReq, RouterManager, WorkerError, build_backend
 
 MAX_IDLE_STEPS = 1000  # steps without any update before the engine is declared stuck
+WORKER_IDLE_TIMEOUT_S = 600  # worker processes: seconds without any update before declaring them stuck
 
 
 @dataclass
@@ -27,12 +33,35 @@ class OfflineEngine:
     def __init__(self, args: StartArgs, device: Optional[str] = None, dtype: Optional[str] = None):
         self.args = validate_start_args(args)
         d, t = resolve_device_and_dtype(self.args)
-        self.router = RouterManager(build_backend(self.args, device or d, dtype or t))
+        self.router: Optional[RouterManager] = None
+        self.workers = None  # several ranks: this node's worker processes
+        if self.args.tp == 1:
+            self.router = RouterManager(build_backend(self.args, device or d, dtype or t))
+        else:
+            if self.args.node_rank != 0:
+                raise ValueError("OfflineEngine drives the ranks from node 0; start other nodes with the server CLI")
+            self.workers, self._in_q, self._out_q, _ = start_worker(self.args, device or d, dtype or t)
         self._next_id = 0
 
     @property
     def backend(self):
+        if self.router is None:
+            raise AttributeError("the backend lives in the worker processes (--tp > 1)")
         return self.router.backend
+
+    def close(self) -> None:
+        """Stop the worker processes (several ranks); nothing to do in-process."""
+        if self.workers is not None:
+            self._in_q.put(None)
+            self.workers.join(timeout=60)
+            self.workers.kill()
+            self.workers = None
+
+    def __enter__(self) -> "OfflineEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def eos_token_ids(self) -> List[int]:
         from transformers import AutoTokenizer
@@ -55,7 +84,10 @@ class OfflineEngine:
 
         ``asd_budgets``: per-request ASD budget (default: the server flag for greedy
         requests, 0 for sampled ones, as the HTTP server does)."""
+        if self.router is None and on_step is not None:
+            raise ValueError("on_step needs the in-process router (--tp 1)")
         ids = {}
+        msgs = []
         for i, (p, raw) in enumerate(zip(prompts, params)):
             sp = raw if isinstance(raw, SamplingParams) else SamplingParams.from_request(dict(raw))
             if asd_budgets is not None:
@@ -67,15 +99,11 @@ class OfflineEngine:
             rid = self._next_id
             self._next_id += 1
             ids[rid] = i
-            self.router.add_req(AddReq(rid, list(p), sp, list(eos_token_ids), budget))
+            msgs.append(AddReq(rid, list(p), sp, list(eos_token_ids), budget))
         results = [GenResult() for _ in prompts]
         bar = tqdm(total=len(prompts), disable=not progress, desc="generate")
-        idle = 0
-        while self.router.has_work:
-            updates = self.router.step()
-            idle = 0 if updates else idle + 1
-            if idle > MAX_IDLE_STEPS:
-                raise RuntimeError("engine made no progress (a request can never be admitted?)")
+        steps = self._local_steps(msgs) if self.router is not None else self._worker_steps(msgs)
+        for updates in steps:
             for u in updates:
                 r = results[ids[u.req_id]]
                 r.token_ids.extend(u.token_ids)
@@ -92,3 +120,38 @@ class OfflineEngine:
                 on_step(self.router)
         bar.close()
         return results
+
+    def _local_steps(self, msgs: List[AddReq]):
+        """Step the in-process router until every request finished; yields each step's updates."""
+        for m in msgs:
+            self.router.add_req(m)
+        idle = 0
+        while self.router.has_work:
+            updates = self.router.step()
+            idle = 0 if updates else idle + 1
+            if idle > MAX_IDLE_STEPS:
+                raise RuntimeError("engine made no progress (a request can never be admitted?)")
+            yield updates
+
+    def _worker_steps(self, msgs: List[AddReq]):
+        """Send the requests to rank 0 and yield its updates until every request finished."""
+        for m in msgs:
+            self._in_q.put(m)
+        unfinished = {m.req_id for m in msgs}
+        waited = 0.0
+        while unfinished:
+            try:
+                msg = self._out_q.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+                if not self.workers.is_alive():
+                    raise RuntimeError(f"a worker process died (exit code {self.workers.exitcode})") from None
+                if waited > WORKER_IDLE_TIMEOUT_S:
+                    raise RuntimeError("worker processes made no progress") from None
+                continue
+            if isinstance(msg, WorkerError):
+                raise RuntimeError(msg.message)
+            waited = 0.0
+            updates, _stats = msg
+            unfinished -= {u.req_id for u in updates if u.finish_reason is not None}
+            yield updates

@@ -91,6 +91,22 @@ def default_model_dir_path() -> str:
     return os.path.join(get_cache_dir(), MODELS_SUBDIR, EMBEDDED_MODEL_NAME)
 
 
+# Drafts trained for the embedded model (lightllm/tools/train_mtp_draft.py), shipped as package data:
+# --mtp_mode -> draft dir. A dir that is not there yet (not trained / not packaged) counts as absent.
+EMBEDDED_DRAFT_DIRS = {
+    "eagle_with_att": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   "drafts", EMBEDDED_MODEL_NAME, "eagle_with_att"),
+}
+
+
+def default_draft_dir_for(model_dir: str, mtp_mode: str) -> str | None:
+    """The packaged draft for --mtp_mode when `model_dir` is the embedded model's dir, else None."""
+    draft = EMBEDDED_DRAFT_DIRS.get(mtp_mode)
+    if draft is None or os.path.realpath(model_dir) != os.path.realpath(default_model_dir_path()):
+        return None
+    return draft if os.path.isfile(os.path.join(draft, "config.json")) else None
+
+
 def get_default_model_dir() -> str:
     """The embedded model as a HF model dir, converted on first use and reused after."""
     return ensure_converted(find_embedded_gguf(), default_model_dir_path())

@@ -6,6 +6,8 @@ Qwen3: untied lm_head, GQA 4/1, head_dim 32 with hidden 64, q/k norms.
 import pytest
 import torch
 
+from unit_tests.devices import needs_triton_cpu
+
 from lightllm.common.basemodel.basemodel import ModelKvArgs
 from lightllm.models.registry import load_model
 from unit_tests.models.model_driver import PAD_ROW, ModelDriver
@@ -181,6 +183,7 @@ def test_greedy_generation_matches_hf_generate(hf_and_dir):
     assert ours == theirs
 
 
+@needs_triton_cpu
 def test_triton_decode_backend_matches_hf(hf_and_dir):
     """The Triton decode kernel inside the model (interpreter on CPU), MTP and padding rows included."""
     hf_model, model_dir = hf_and_dir

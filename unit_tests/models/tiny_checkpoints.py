@@ -9,7 +9,8 @@ NORM_WEIGHT_STD = 0.2  # norm weights are 1 + noise
 SHARD_SIZE = "40KB"  # forces a sharded checkpoint with an index file
 MAX_POSITIONS = 256
 
-MODEL_KINDS = ("llama", "qwen3")
+MODEL_KINDS = ("llama", "qwen3")  # the parity tests run over these
+TP_MODEL_KINDS = ("qwen3_kv2",)  # extra kinds for tensor parallel tests
 
 
 def _llama_config() -> LlamaConfig:
@@ -59,15 +60,27 @@ def _qwen3_config() -> Qwen3Config:
     )
 
 
+def _qwen3_kv2_config() -> Qwen3Config:
+    # Qwen3 for tensor parallel tests: kv heads divisible by 2, an odd vocabulary (uneven
+    # vocab split), an intermediate size that splits unevenly.
+    config = _qwen3_config()
+    config.num_key_value_heads = 2
+    config.vocab_size = 307
+    config.intermediate_size = 91
+    return config
+
+
 def build_hf_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A random fp32 transformers model of ``kind`` ("llama" or "qwen3"), in eval mode."""
+    """A random fp32 transformers model of ``kind`` (MODEL_KINDS or TP_MODEL_KINDS), in eval mode."""
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(_llama_config())
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(_qwen3_config())
+    elif kind == "qwen3_kv2":
+        model = Qwen3ForCausalLM(_qwen3_kv2_config())
     else:
-        raise ValueError(f"unknown kind {kind!r}; valid names: {', '.join(MODEL_KINDS)}")
+        raise ValueError(f"unknown kind {kind!r}; valid names: {', '.join(MODEL_KINDS + TP_MODEL_KINDS)}")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

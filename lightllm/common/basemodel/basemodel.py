@@ -3,8 +3,10 @@
 Subclasses pick the decoder layer (``_init_infer_layers``) and the position
 embedding (``_init_position_embedding`` / ``_fill_position_embeddings``).
 """
+import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +17,10 @@ from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm
 from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict
 from lightllm.common.basemodel.layer_weights.pre_and_post_layer_weight import PreAndPostLayerWeight
-from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
+from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TpShard, TransformerLayerWeight
 from lightllm.common.kv_cache_mem_manager import MemoryManager
 from lightllm.common.req_manager import ReqManager
+from lightllm.utils.dist_utils import ParallelContext, TpComm, single_rank_context
 
 DATA_TYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICE_TYPES = ("cpu", "cuda")
@@ -84,22 +87,29 @@ class TpPartBaseModel:
     ``req_manager.req_to_token_indexs[req_idx, pos]`` for every new position. Padding rows
     use ``req_manager.HOLD_REQUEST_ID`` and ``mem_manager.HOLD_SLOT``.
     ``embed`` and ``compute_logits`` are shared with MTP draft modules.
+
+    Tensor parallel (``parallel``, docs/parallel.md): this rank holds its heads, its KV heads,
+    its vocabulary rows and its MLP rows; ``infer_state.comm`` does the collectives.
     """
 
     # Qwen3-style per-head q/k RMSNorm weights in every layer.
     has_qk_norm = False
 
-    def __init__(self, kvargs: ModelKvArgs):
+    def __init__(self, kvargs: ModelKvArgs, parallel: Optional[ParallelContext] = None):
         self.kvargs = kvargs
+        self.parallel = parallel if parallel is not None else single_rank_context(kvargs.device)
         self.device = torch.device(kvargs.device)
         self.dtype = DATA_TYPES[kvargs.data_type]
         self.config = AutoConfig.from_pretrained(kvargs.model_dir)
         self.arch = TransformerArch.from_hf_config(self.config)
+        self.tp_shard = self.layer_shard(self.arch.q_heads, self.arch.kv_heads, self.arch.head_dim)
+        self.tp_shard.check(kvargs.model_dir)
         self._init_weights()
+        self._microbatch_streams: Optional[List[Any]] = None
         self.mem_manager = MemoryManager(
             size=kvargs.max_total_token_num,
             dtype=self.dtype,
-            head_num=self.arch.kv_heads,
+            head_num=self.arch.kv_heads // self.tp_shard.attn_size,
             head_dim=self.arch.head_dim,
             layer_num=self.arch.num_layers,
             device=self.device,
@@ -116,11 +126,24 @@ class TpPartBaseModel:
     def hidden_size(self) -> int:
         return self.arch.hidden_size
 
+    def layer_shard(self, q_heads: int, kv_heads: int, head_dim: int) -> TpShard:
+        """This rank's part of a decoder layer with these heads (target and draft layers alike)."""
+        p = self.parallel
+        return TpShard(q_heads, kv_heads, head_dim, p.attn_tp_size, p.attn_tp_rank, p.world_size, p.rank)
+
     def _init_weights(self) -> None:
-        state = load_hf_state_dict(self.kvargs.model_dir, self.dtype, self.device)
-        self.pre_post_weight = PreAndPostLayerWeight.from_state_dict(state, self.arch.tie_word_embeddings)
+        # Split weights are read on the host and only this rank's part goes to the device.
+        split = self.parallel.world_size > 1
+        state = load_hf_state_dict(self.kvargs.model_dir, self.dtype, torch.device("cpu") if split else self.device)
+        pre_post = PreAndPostLayerWeight.from_state_dict(state, self.arch.tie_word_embeddings)
+        self.pre_post_weight = to_device(
+            pre_post.vocab_shard(self.parallel.attn_tp_size, self.parallel.attn_tp_rank), self.device
+        )
         self.trans_layers_weight: List[TransformerLayerWeight] = [
-            TransformerLayerWeight.from_state_dict(state, i, with_qk_norm=self.has_qk_norm)
+            to_device(
+                TransformerLayerWeight.from_state_dict(state, i, with_qk_norm=self.has_qk_norm).tp_shard(self.tp_shard),
+                self.device,
+            )
             for i in range(self.arch.num_layers)
         ]
 
@@ -135,24 +158,105 @@ class TpPartBaseModel:
         """Sets the position tables of ``infer_state`` from ``infer_state.positions``."""
         raise NotImplementedError
 
+    def _infer_state(self, model_input: ModelInput, comm: TpComm) -> InferStateInfo:
+        infer_state = InferStateInfo.from_model_input(
+            model_input, self.mem_manager, self.req_manager, self.device, comm
+        )
+        self._fill_position_embeddings(infer_state)
+        return infer_state
+
     @torch.no_grad()
     def forward(self, model_input: ModelInput) -> ModelOutput:
-        infer_state = InferStateInfo.from_model_input(model_input, self.mem_manager, self.req_manager, self.device)
-        self._fill_position_embeddings(infer_state)
-        hidden = self.embed(infer_state.input_ids)  # [num_new_tokens, hidden]
+        infer_state = self._infer_state(model_input, self.parallel.comm(0))
+        hidden = self.embed(infer_state.input_ids, infer_state.comm)  # [num_new_tokens, hidden]
         for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
             hidden = layer_infer.forward(hidden, layer_weight, infer_state)
-        logits = self.compute_logits(hidden[infer_state.last_token_index])  # [batch, vocab]
+        logits = self.compute_logits(hidden[infer_state.last_token_index], infer_state.comm)  # [batch, vocab]
         return ModelOutput(logits=logits, hidden_states=hidden)
 
     @torch.no_grad()
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [tokens] -> [tokens, hidden] in the model dtype."""
-        return F.embedding(input_ids.to(self.device), self.pre_post_weight.embed_tokens)
+    def forward_microbatches(self, inputs: Sequence[ModelInput]) -> List[ModelOutput]:
+        """Decode micro-batches layer by layer, micro-batch ``i`` over ``parallel.comm(i)``.
+
+        On CUDA each micro-batch runs on its own stream: while one waits for its collective
+        the other computes. On CPU they run in order. Every rank issues the collectives in
+        the same order (micro-batch 0, then 1, per layer)."""
+        streams = self._streams_for(len(inputs))
+        states, hidden = [], []
+        for i, model_input in enumerate(inputs):
+            with _on_stream(streams[i]):
+                states.append(self._infer_state(model_input, self.parallel.comm(i)))
+                hidden.append(self.embed(states[i].input_ids, states[i].comm))
+        for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
+            for i, infer_state in enumerate(states):
+                with _on_stream(streams[i]):
+                    hidden[i] = layer_infer.forward(hidden[i], layer_weight, infer_state)
+        outs = []
+        for i, infer_state in enumerate(states):
+            with _on_stream(streams[i]):
+                logits = self.compute_logits(hidden[i][infer_state.last_token_index], infer_state.comm)
+            outs.append(ModelOutput(logits=logits, hidden_states=hidden[i]))
+        if streams[0] is not None:
+            main = torch.cuda.current_stream(self.device)
+            for s in streams:
+                main.wait_stream(s)
+            for out in outs:  # made on a side stream, used on the main one: keep their memory until then
+                out.logits.record_stream(main)
+                out.hidden_states.record_stream(main)
+        return outs
+
+    def _streams_for(self, n: int) -> List[Any]:
+        """One CUDA stream per micro-batch, each first waiting for the main stream; Nones on CPU."""
+        if self.device.type != "cuda":
+            return [None] * n
+        if self._microbatch_streams is None or len(self._microbatch_streams) < n:
+            self._microbatch_streams = [torch.cuda.Stream(self.device) for _ in range(n)]
+        streams = self._microbatch_streams[:n]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream(self.device))
+        return streams
 
     @torch.no_grad()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states: [n, hidden] before the final norm -> [n, vocab] fp32."""
+    def embed(self, input_ids: torch.Tensor, comm: Optional[TpComm] = None) -> torch.Tensor:
+        """input_ids: [tokens] -> [tokens, hidden] in the model dtype.
+
+        Vocabulary split: each rank looks up the ids it holds, zeros elsewhere, and the DP
+        group sums (exactly one rank contributes each row, so the sum is exact)."""
+        w = self.pre_post_weight
+        ids = input_ids.to(self.device)
+        if w.vocab_len < 0:
+            return F.embedding(ids, w.embed_tokens)
+        local = ids - w.vocab_start
+        inside = (local >= 0) & (local < w.vocab_len)  # [tokens]
+        out = F.embedding(torch.where(inside, local, torch.zeros_like(local)), w.embed_tokens)
+        out = out.masked_fill(~inside[:, None], 0)
+        return (comm or self.parallel.comm(0)).attn_all_reduce(out)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden_states: torch.Tensor, comm: Optional[TpComm] = None) -> torch.Tensor:
+        """hidden_states: [n, hidden] before the final norm -> [n, vocab] fp32 (gathered over the
+        vocabulary split, identical on every rank of the DP group)."""
         w = self.pre_post_weight
         normed = rms_norm(hidden_states, w.final_norm, self.arch.rms_norm_eps)
-        return F.linear(normed, w.lm_head).float()
+        logits = F.linear(normed, w.lm_head)  # [n, vocab_part]
+        if w.vocab_len >= 0:
+            logits = (comm or self.parallel.comm(0)).attn_all_gather_cols(logits)[:, :self.vocab_size].contiguous()
+        return logits.float()
+
+
+def _on_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def to_device(weight, device: torch.device):
+    """A weight dataclass with every tensor field on ``device`` (a tensor shared by two fields,
+    like tied embeddings, stays shared)."""
+    moved: Dict[int, torch.Tensor] = {}
+    changes = {}
+    for f in dataclasses.fields(weight):
+        v = getattr(weight, f.name)
+        if isinstance(v, torch.Tensor):
+            if id(v) not in moved:
+                moved[id(v)] = v.to(device)
+            changes[f.name] = moved[id(v)]
+    return dataclasses.replace(weight, **changes)

@@ -15,6 +15,7 @@ import torch
 from lightllm.common.basemodel.batch_objs import ModelInput
 from lightllm.common.kv_cache_mem_manager import MemoryManager
 from lightllm.common.req_manager import ReqManager
+from lightllm.utils.dist_utils import SINGLE_RANK_COMM, TpComm
 
 
 @dataclass
@@ -35,13 +36,15 @@ class InferStateInfo:
     last_token_index: torch.Tensor  # [batch] int64, row of each item's last new token
     mem_manager: MemoryManager
     req_manager: ReqManager
+    comm: TpComm = SINGLE_RANK_COMM  # collectives of this forward (tensor / data parallel ranks)
     # Filled by the model after construction (rope tables of the new tokens' positions).
     position_cos: Optional[torch.Tensor] = None  # [num_new_tokens, head_dim]
     position_sin: Optional[torch.Tensor] = None  # [num_new_tokens, head_dim]
 
     @classmethod
     def from_model_input(
-        cls, model_input: ModelInput, mem_manager: MemoryManager, req_manager: ReqManager, device: torch.device
+        cls, model_input: ModelInput, mem_manager: MemoryManager, req_manager: ReqManager, device: torch.device,
+        comm: TpComm = SINGLE_RANK_COMM,
     ) -> "InferStateInfo":
         """No host sync in decode; prefill reads the host copies (or copies to host once)."""
         batch_size = model_input.batch_size
@@ -86,6 +89,7 @@ class InferStateInfo:
             last_token_index=last_token_index,
             mem_manager=mem_manager,
             req_manager=req_manager,
+            comm=comm,
         )
 
 

@@ -10,9 +10,9 @@ class LlamaTpPartModel(TpPartBaseModel):
     layer_infer_class = LlamaTransformerLayerInfer
 
     def _init_infer_layers(self) -> None:
-        shape = AttentionShape(
-            q_heads=self.arch.q_heads,
-            kv_heads=self.arch.kv_heads,
+        shape = AttentionShape(  # this rank's heads (tensor parallel: a 1 / attn_tp_size part)
+            q_heads=self.arch.q_heads // self.tp_shard.attn_size,
+            kv_heads=self.arch.kv_heads // self.tp_shard.attn_size,
             head_dim=self.arch.head_dim,
             rms_norm_eps=self.arch.rms_norm_eps,
         )

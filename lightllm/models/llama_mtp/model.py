@@ -17,15 +17,19 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from lightllm.common.basemodel.basemodel import TransformerArch
+from lightllm.common.basemodel.basemodel import TransformerArch, to_device
 from lightllm.common.basemodel.batch_objs import ModelInput
 from lightllm.common.basemodel.infer_struct import InferStateInfo
-from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm, silu_and_mul
+from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm
 from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict, take_weight
-from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
+from lightllm.common.basemodel.layer_weights.transformer_layer_weight import (
+    TpShard,
+    TransformerLayerWeight,
+    shard_mlp,
+)
 from lightllm.common.kv_cache_mem_manager import MemoryManager
 from lightllm.models.llama.layer_infer.attention_backends import get_decode_attention
-from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape
+from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape, ffn_forward
 
 DRAFT_MODEL_TYPE = "llama_mtp"
 
@@ -71,19 +75,24 @@ class MTPModuleWeight:
     down_proj: Optional[torch.Tensor] = None  # [hidden, intermediate], no attention
 
 
-def _load_modules(draft_dir: str, cfg: MTPDraftConfig, dtype, device) -> List[MTPModuleWeight]:
-    state = load_hf_state_dict(draft_dir, dtype, device)
+def _load_modules(draft_dir: str, cfg: MTPDraftConfig, dtype, device, shard: TpShard) -> List[MTPModuleWeight]:
+    """Tensor parallel like the target (``shard``): the decoder layer / MLP split, eh_proj and norms whole."""
+    split = shard.attn_size > 1 or shard.mlp_size > 1
+    state = load_hf_state_dict(draft_dir, dtype, torch.device("cpu") if split else device)
     modules = []
     for m in range(cfg.num_modules):
         p = f"model.layers.{m}."
         enorm, hnorm = take_weight(state, p + "enorm.weight"), take_weight(state, p + "hnorm.weight")
         eh = take_weight(state, p + "eh_proj.weight")
         if cfg.with_attention:
-            modules.append(MTPModuleWeight(enorm, hnorm, eh, TransformerLayerWeight.from_state_dict(state, m, cfg.qk_norm)))
+            layer = TransformerLayerWeight.from_state_dict(state, m, cfg.qk_norm).tp_shard(shard)
+            module = MTPModuleWeight(enorm, hnorm, eh, to_device(layer, device))
         else:
             gate_up = torch.cat([take_weight(state, p + "mlp.gate_proj.weight"), take_weight(state, p + "mlp.up_proj.weight")])
-            modules.append(MTPModuleWeight(enorm, hnorm, eh, None, take_weight(state, p + "post_attention_layernorm.weight"),
-                                           gate_up, take_weight(state, p + "mlp.down_proj.weight")))
+            gate_up, down = shard_mlp(gate_up, take_weight(state, p + "mlp.down_proj.weight"), shard)
+            module = MTPModuleWeight(enorm, hnorm, eh, None, take_weight(state, p + "post_attention_layernorm.weight"),
+                                     gate_up, down)
+        modules.append(to_device(module, device))
     return modules
 
 
@@ -103,7 +112,10 @@ class LlamaMTPDraftModel:
                 raise ValueError(f"{d}: with_attention={cfg.with_attention} does not fit --mtp_mode {mtp_mode}")
             if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
                 raise ValueError(f"{d}: hidden/vocab size does not match the target model")
-            modules.extend(_load_modules(d, cfg, dtype, device))
+            shard = target.layer_shard(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            if self.with_att:
+                shard.check(d)
+            modules.extend(_load_modules(d, cfg, dtype, device, shard))
         need = 1 if self.eagle else mtp_step
         if len(modules) < need:
             raise ValueError(f"--mtp_mode {mtp_mode} with --mtp_step {mtp_step} needs {need} draft modules, got {len(modules)}")
@@ -112,8 +124,9 @@ class LlamaMTPDraftModel:
         self.eps = cfg.rms_norm_eps
         self.mem_manager = None
         if self.with_att:
-            arch = TransformerArch(1, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                   cfg.vocab_size, cfg.rms_norm_eps, True)
+            attn_tp = target.parallel.attn_tp_size  # this rank's heads, like the target's
+            arch = TransformerArch(1, cfg.hidden_size, cfg.num_attention_heads // attn_tp,
+                                   cfg.num_key_value_heads // attn_tp, cfg.head_dim, cfg.vocab_size, cfg.rms_norm_eps, True)
             # one KV "layer" per depth, slots shared with the target's pool
             self.mem_manager = MemoryManager(target.mem_manager.size, dtype, arch.kv_heads, arch.head_dim, mtp_step, device)
             shape = AttentionShape(arch.q_heads, arch.kv_heads, arch.head_dim, arch.rms_norm_eps)
@@ -131,8 +144,11 @@ class LlamaMTPDraftModel:
         e = rms_norm(self.target.embed(token_in), w.enorm, self.eps)
         h = rms_norm(hidden_in, w.hnorm, self.eps)
         x = F.linear(torch.cat([e, h], dim=-1), w.eh_proj)
+        comm = self.target.parallel.comm(0)
         if self.with_att:
-            state = InferStateInfo.from_model_input(model_input, self.mem_manager, self.target.req_manager, self.target.device)
+            state = InferStateInfo.from_model_input(
+                model_input, self.mem_manager, self.target.req_manager, self.target.device, comm
+            )
             self.target._fill_position_embeddings(state)
             return self.layers_infer[depth].forward(x, w.layer, state)
-        return x + F.linear(silu_and_mul(F.linear(rms_norm(x, w.mlp_norm, self.eps), w.gate_up_proj)), w.down_proj)
+        return x + ffn_forward(rms_norm(x, w.mlp_norm, self.eps), w.gate_up_proj, w.down_proj, comm)

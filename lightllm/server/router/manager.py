@@ -1,14 +1,20 @@
-"""The router: continuous batching over one model worker, in its own process."""
+"""The router: continuous batching over the model worker(s), in its own process(es).
+
+With ``--tp N`` every rank runs this loop with its own RouterManager: rank 0 (the driver)
+reads the HTTP process's messages and broadcasts them, so every rank admits, schedules
+and steps identically (docs/parallel.md); only rank 0 sends updates back.
+"""
 import logging
 import queue
 import traceback
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
 from lightllm.server.router.model_infer.mode_backend.base_backend import ReqStepUpdate
 from lightllm.server.router.req_queue import ReqQueue
+from lightllm.utils.dist_utils import NUM_OVERLAP_MICROBATCHES, ParallelContext, init_parallel, single_rank_context
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +61,7 @@ class RouterManager:
     def __init__(self, backend):
         self.backend = backend
         self.queue = ReqQueue(
-            backend.mem_manager.size, backend.args.running_max_req_size, backend.mtp_step
+            backend.mem_manager.size, backend.args.running_max_req_size, backend.mtp_step, backend.parallel.dp_size
         )
         self.running: List[InferReq] = []
         self.mean_tokens_per_step = 0.0
@@ -83,7 +89,10 @@ class RouterManager:
         self.queue.release(req)
 
     def step(self) -> List[ReqStepUpdate]:
-        for req in self.queue.pop_admissible(len(self.running)):
+        running_per_group = [0] * self.queue.dp_size
+        for req in self.running:
+            running_per_group[req.dp_rank] += 1
+        for req in self.queue.pop_admissible(running_per_group):
             self.backend.add_req(req)
             self.running.append(req)
         if not self.running:
@@ -106,33 +115,76 @@ class RouterManager:
         return bool(self.running or self.queue.waiting)
 
 
-def build_backend(args, device: str, dtype: str):
+def build_backend(args, device: str, dtype: str, parallel: Optional[ParallelContext] = None):
+    """The DP backend for --dp > 1 or --enable_decode_microbatch_overlap, else chunked prefill."""
     from lightllm.server.router.model_infer.mode_backend.chunked_prefill.impl import ChunkedPrefillBackend
+    from lightllm.server.router.model_infer.mode_backend.dp_backend.impl import DPBackend
 
-    return ChunkedPrefillBackend(args, device, dtype)
+    parallel = parallel if parallel is not None else single_rank_context(device)
+    if args.dp > 1 or args.enable_decode_microbatch_overlap:
+        return DPBackend(args, device, dtype, parallel)
+    return ChunkedPrefillBackend(args, device, dtype, parallel)
 
 
-def router_worker_main(args, device: str, dtype: str, in_q, out_q) -> None:
-    """Process entry: build the backend, report readiness, then loop forever."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s router: %(message)s")
+def _poll_messages(in_q, block: bool) -> list:
+    msgs = []
     try:
-        backend = build_backend(args, device, dtype)
+        if block:
+            msgs.append(in_q.get(timeout=IDLE_POLL_S))
+        while True:
+            msgs.append(in_q.get_nowait())
+    except queue.Empty:
+        pass
+    return msgs
+
+
+def _format_error(rank: int, e: Exception) -> str:
+    return f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
+def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0) -> None:
+    """Process entry of one rank: join the ranks, build the backend, report readiness
+    (rank 0), then loop forever. ``in_q`` / ``out_q`` are None except on rank 0."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s router[{rank}]: %(message)s")
+    if device == "cpu" and args.tp > 1:  # ranks share the host's cores
+        import torch
+
+        torch.set_num_threads(max(1, (torch.get_num_threads() * args.nnodes) // args.tp))
+    try:
+        parallel = init_parallel(
+            args.tp, args.dp, rank, args.nnodes, args.node_rank, args.nccl_host, args.nccl_port, device,
+            num_microbatches=NUM_OVERLAP_MICROBATCHES if args.enable_decode_microbatch_overlap else 1,
+        )
+    except Exception as e:  # no process group: report what we can
+        if out_q is not None:
+            out_q.put(WorkerError(_format_error(rank, e)))
+        return
+    error = None
+    try:
+        backend = build_backend(args, parallel.device, dtype, parallel)
         router = RouterManager(backend)
     except Exception as e:  # start-up failure: report it to the launcher with the cause
-        out_q.put(WorkerError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        error = _format_error(rank, e)
+    errors = [err for err in parallel.all_gather_objects(error) if err is not None]
+    if errors:
+        if out_q is not None:
+            out_q.put(WorkerError(errors[0]))
+        parallel.destroy()
         return
-    out_q.put(WorkerReady(backend.vocab_size, backend.mem_manager.size, device, dtype))
+    if parallel.is_driver:
+        out_q.put(WorkerReady(backend.vocab_size, backend.mem_manager.size, device, dtype))
+    serve_steps(router, parallel, in_q, out_q)
+    parallel.destroy()
+
+
+def serve_steps(router: RouterManager, parallel: ParallelContext, in_q, out_q) -> None:
+    """The step loop of every rank until the driver receives None."""
+    backend = router.backend
     log_every_steps = 200
     next_log = log_every_steps
     while True:
-        msgs = []
-        try:
-            if not router.has_work:
-                msgs.append(in_q.get(timeout=IDLE_POLL_S))
-            while True:
-                msgs.append(in_q.get_nowait())
-        except queue.Empty:
-            pass
+        msgs = _poll_messages(in_q, block=not router.has_work) if parallel.is_driver else None
+        msgs = parallel.broadcast_from_driver(msgs)
         updates = []
         for m in msgs:
             if m is None:
@@ -142,9 +194,9 @@ def router_worker_main(args, device: str, dtype: str, in_q, out_q) -> None:
             elif isinstance(m, AbortReq):
                 updates.extend(router.abort(m.req_id))
         updates.extend(router.step())
-        if updates:
+        if updates and parallel.is_driver:
             mem = backend.mem_manager
             out_q.put((updates, WorkerStats(mem.size - mem.can_use_mem_size, len(router.running), len(router.queue.waiting))))
-        if backend.mtp_step and router._steps >= next_log:
+        if backend.mtp_step and router._steps >= next_log and parallel.is_driver:
             next_log += log_every_steps
             logger.info("mtp mean tokens per step %.3f", router.mean_tokens_per_step)

@@ -1,6 +1,11 @@
-"""Admission: FIFO, bounded by free req_idx rows and the KV pool (GPU-free, unit-tested on CPU)."""
+"""Admission: FIFO, bounded by free req_idx rows and the KV pool (GPU-free, unit-tested on CPU).
+
+With ``--dp M`` every DP group has its own req_idx rows and KV pool; a request is admitted
+into the group with the fewest running requests among those it fits (then the lowest
+reservation, then the lowest index), and ``req.dp_rank`` records the choice.
+"""
 from collections import deque
-from typing import Deque, List, Optional
+from typing import Deque, List, Optional, Sequence, Union
 
 from lightllm.server.router.model_infer.infer_batch import InferReq
 
@@ -11,12 +16,17 @@ def kv_reservation(req: InferReq, mtp_step: int) -> int:
 
 
 class ReqQueue:
-    def __init__(self, max_total_token_num: int, running_max_req_size: int, mtp_step: int):
-        self.max_total_token_num = max_total_token_num
-        self.running_max_req_size = running_max_req_size
+    def __init__(self, max_total_token_num: int, running_max_req_size: int, mtp_step: int, dp_size: int = 1):
+        self.max_total_token_num = max_total_token_num  # per DP group
+        self.running_max_req_size = running_max_req_size  # per DP group
         self.mtp_step = mtp_step
+        self.dp_size = dp_size
         self.waiting: Deque[InferReq] = deque()
-        self.reserved_tokens = 0  # sum of reservations of running requests
+        self.reserved_per_group = [0] * dp_size  # sum of reservations of running requests
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(self.reserved_per_group)
 
     def append(self, req: InferReq) -> None:
         self.waiting.append(req)
@@ -28,17 +38,31 @@ class ReqQueue:
                 return req
         return None
 
-    def pop_admissible(self, num_running: int) -> List[InferReq]:
+    def pop_admissible(self, num_running: Union[int, Sequence[int]]) -> List[InferReq]:
         """Admit waiting requests in arrival order while both budgets allow; the first
-        that does not fit waits (no overtaking, so long requests are not starved)."""
+        that does not fit waits (no overtaking, so long requests are not starved).
+
+        ``num_running``: running requests of each DP group (an int with one group)."""
+        running = [num_running] if isinstance(num_running, int) else list(num_running)
+        if len(running) != self.dp_size:
+            raise ValueError(f"num_running has {len(running)} group(s), expected {self.dp_size}")
         admitted = []
-        while self.waiting and num_running + len(admitted) < self.running_max_req_size:
+        while self.waiting:
             need = kv_reservation(self.waiting[0], self.mtp_step)
-            if self.reserved_tokens + need > self.max_total_token_num:
+            fits = [
+                g for g in range(self.dp_size)
+                if running[g] < self.running_max_req_size
+                and self.reserved_per_group[g] + need <= self.max_total_token_num
+            ]
+            if not fits:
                 break
-            self.reserved_tokens += need
-            admitted.append(self.waiting.popleft())
+            g = min(fits, key=lambda g: (running[g], self.reserved_per_group[g], g))
+            req = self.waiting.popleft()
+            req.dp_rank = g
+            running[g] += 1
+            self.reserved_per_group[g] += need
+            admitted.append(req)
         return admitted
 
     def release(self, req: InferReq) -> None:
-        self.reserved_tokens -= kv_reservation(req, self.mtp_step)
+        self.reserved_per_group[req.dp_rank] -= kv_reservation(req, self.mtp_step)

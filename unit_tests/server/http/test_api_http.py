@@ -5,7 +5,7 @@ import threading
 import httpx
 import pytest
 
-from unit_tests.server.http.server_util import launch_server
+from lightllm.utils.server_launcher import launch_server
 
 CHAT_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 

@@ -1,5 +1,5 @@
 """Helpers for engine tests on CPU (no HTTP)."""
-from typing import List
+from typing import Dict, List
 
 import torch
 
@@ -17,3 +17,28 @@ def hf_greedy(hf_model, prompt: List[int], max_new_tokens: int) -> List[int]:
     out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                             do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
+
+
+def hold_rows(backend) -> Dict[str, torch.Tensor]:
+    """Copies of the HOLD row of every req_idx-indexed table of ``backend`` (padding must never change them)."""
+    hold = backend.req_manager.HOLD_REQUEST_ID
+    pm = backend.params_manager
+    tables = {
+        "req_to_next_token_ids": backend.req_to_next_token_ids,
+        "req_to_token_indexs": backend.req_manager.req_to_token_indexs,
+        "req_to_temperature": pm.req_to_temperature,
+        "req_to_top_k": pm.req_to_top_k,
+        "req_to_top_p": pm.req_to_top_p,
+        "req_to_repetition_penalty": pm.req_to_repetition_penalty,
+        "req_to_out_token_counts": pm.req_to_out_token_counts,
+        "req_to_token_seen": pm.req_to_token_seen,
+        "req_to_asd_cum_regret": pm.req_to_asd_cum_regret,
+        "req_to_asd_budget": pm.req_to_asd_budget,
+    }
+    return {name: t[hold].clone() for name, t in tables.items() if t is not None}
+
+
+def changed_hold_rows(backend, before: Dict[str, torch.Tensor]) -> List[str]:
+    """Names of the tables whose HOLD row differs from ``before``."""
+    after = hold_rows(backend)
+    return [name for name in before if not torch.equal(before[name], after[name])]

@@ -1,4 +1,10 @@
-"""One Llama decoder layer: pre-norm attention over the KV cache, then a SwiGLU MLP."""
+"""One Llama decoder layer: pre-norm attention over the KV cache, then a SwiGLU MLP.
+
+Tensor / data parallel (docs/parallel.md): ``shape`` holds this rank's heads; the
+attention output is summed over the DP group (row-parallel o_proj); the MLP runs on the
+rows of every DP group with this rank's part of the intermediate dim and is summed over
+all ranks. ``infer_state.comm`` does the collectives (identity on one rank).
+"""
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -10,11 +16,20 @@ from lightllm.common.basemodel.layer_infer.basic_ops import apply_rotary, rms_no
 from lightllm.common.basemodel.layer_infer.torch_attention import paged_attention_torch
 from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
 from lightllm.models.llama.layer_infer.attention_backends import AttentionFn
+from lightllm.utils.dist_utils import TpComm
+
+
+def ffn_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, comm: TpComm) -> torch.Tensor:
+    """SwiGLU MLP, tensor parallel over all ranks. x: [rows, hidden] of my DP group ->
+    [rows, hidden]: gather every group's rows, my intermediate part, sum over ranks, my rows."""
+    rows = comm.mlp_gather_rows(x)  # [dp * rows, hidden]
+    partial = F.linear(silu_and_mul(F.linear(rows, gate_up_proj)), down_proj)
+    return comm.mlp_reduce_rows(partial)
 
 
 @dataclass(frozen=True)
 class AttentionShape:
-    q_heads: int
+    q_heads: int  # this rank's heads
     kv_heads: int
     head_dim: int
     rms_norm_eps: float
@@ -33,7 +48,7 @@ class LlamaTransformerLayerInfer:
         """hidden: [num_new_tokens, hidden] -> [num_new_tokens, hidden]."""
         eps = self.shape.rms_norm_eps
         hidden = hidden + self._attention(rms_norm(hidden, weight.input_norm, eps), weight, infer_state)
-        return hidden + self._ffn(rms_norm(hidden, weight.post_attention_norm, eps), weight)
+        return hidden + self._ffn(rms_norm(hidden, weight.post_attention_norm, eps), weight, infer_state.comm)
 
     def _qk_norm(
         self, q: torch.Tensor, k: torch.Tensor, weight: TransformerLayerWeight
@@ -61,7 +76,10 @@ class LlamaTransformerLayerInfer:
         v_cache[infer_state.mem_indexes] = v
         attention = paged_attention_torch if infer_state.is_prefill else self.decode_attention
         o = attention(q, k_cache, v_cache, infer_state, self.sm_scale)  # [tokens, q_heads, head_dim]
-        return F.linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj, weight.o_bias)
+        if infer_state.comm.attn_size == 1:
+            return F.linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj, weight.o_bias)
+        out = infer_state.comm.attn_all_reduce(F.linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj))
+        return out if weight.o_bias is None else out + weight.o_bias
 
-    def _ffn(self, x: torch.Tensor, weight: TransformerLayerWeight) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, weight.gate_up_proj)), weight.down_proj)
+    def _ffn(self, x: torch.Tensor, weight: TransformerLayerWeight, comm: TpComm) -> torch.Tensor:
+        return ffn_forward(x, weight.gate_up_proj, weight.down_proj, comm)

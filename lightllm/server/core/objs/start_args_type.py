@@ -24,6 +24,14 @@ class StartArgs:
     mtp_asd_regret_budget: Optional[float] = None
     mtp_asd_local_regret_ratio: Optional[float] = None
     mtp_asd_block_max_mismatch: Optional[int] = None
+    # Several GPUs / processes (docs/parallel.md)
+    tp: int = 1  # tensor parallel ranks in all (one process each; one GPU each on CUDA)
+    dp: int = 1  # data parallel groups; divides tp; attention is tensor parallel over tp / dp ranks
+    enable_decode_microbatch_overlap: bool = False  # two decode micro-batches, interleaved forwards
+    nnodes: int = 1  # hosts the tp ranks are spread over (tp / nnodes each)
+    node_rank: int = 0  # this host's index; node 0 serves HTTP and hosts rank 0
+    nccl_host: str = "127.0.0.1"  # address of node 0, where the ranks meet
+    nccl_port: int = 28765  # port on nccl_host for the process-group rendezvous
     # Resolved during validation (never set by users)
     resolved_model_dir: Optional[str] = field(default=None, repr=False)
 

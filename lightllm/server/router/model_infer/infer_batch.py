@@ -19,7 +19,8 @@ class InferReq:
     params: SamplingParams
     eos_token_ids: List[int]
     asd_budget: float = 0.0  # 0 for sampled requests (they are verified strictly)
-    req_idx: int = -1
+    dp_rank: int = 0  # the DP group that runs it (set at admission); others keep a shadow copy
+    req_idx: int = -1  # -1: no table row on this rank (not admitted yet, freed, or another DP group's)
     kv_len: int = 0  # positions whose KV is in the target cache
     slots: List[int] = field(default_factory=list)  # KV slot of each cached position
     output_ids: List[int] = field(default_factory=list)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from unit_tests.devices import KERNEL_DEVICES
+
 from lightllm.common.basemodel.triton_kernel.mtp_utils import (
     NO_DRAFT_TOKEN_ID,
     gen_b_req_mtp_start_loc,
@@ -22,10 +24,7 @@ from unit_tests.common.basemodel.triton_kernel.mtp_reference import (
     ref_mtp_verify,
 )
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
-]
+DEVICES = KERNEL_DEVICES
 
 # Next-token table width of the engine (K <= 7) and a wider one.
 TABLE_WIDTH = 8

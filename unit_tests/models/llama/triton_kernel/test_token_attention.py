@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from unit_tests.devices import needs_triton_cpu
+
 from lightllm.models.llama.triton_kernel.token_attention import TOKEN_BLOCK, token_decode_attention
 
 NUM_SLOTS = 512
@@ -44,6 +46,7 @@ def _make_case(q_heads, kv_heads, head_dim, dtype, device, seed=0):
     return tensors + [b_req_idx.to(device), b_seq_len.to(device), head_dim**-0.5]
 
 
+@needs_triton_cpu
 @pytest.mark.parametrize(
     "q_heads,kv_heads,head_dim",
     [(4, 4, 16), (4, 1, 32), (6, 2, 20)],  # MHA, GQA 4, GQA 3 with head_dim not a power of two

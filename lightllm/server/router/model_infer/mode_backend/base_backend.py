@@ -12,16 +12,19 @@ import torch
 
 from lightllm.common.basemodel.basemodel import ModelKvArgs
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
+from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID
 from lightllm.common.req_manager import MTP_TABLE_WIDTH, ReqSamplingParamsManager
 from lightllm.models.registry import load_model
+from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.router.model_infer.infer_batch import InferReq
-from lightllm.server.router.model_infer.mode_backend.generic_post_process import sample, token_logprobs
+from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, sample, token_logprobs
+from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 
 logger = logging.getLogger(__name__)
 
-# Draft column value meaning "no proposal for this step"; such a column never matches nor relaxes.
-NO_DRAFT_TOKEN_ID = -1
+# Input token of a padding row (any valid id: its outputs are never read).
+PAD_TOKEN_ID = 0
 
 
 @dataclass
@@ -41,7 +44,12 @@ class ReqStepUpdate:
 
 @dataclass
 class DecodeRows:
-    """Row layout of one decode forward: K+1 consecutive rows per request."""
+    """Row layout of one decode forward: K+1 consecutive rows per request, then padding.
+
+    Padding (HOLD rows, DP ranks with fewer requests): ``b_req_idx`` = the HOLD row,
+    ``mem_indexes`` = HOLD_SLOT. They run through the forwards (every rank runs the same
+    rows) but are never sampled, verified, committed or written into a table.
+    """
 
     reqs: List[InferReq]  # [num_reqs]
     mtp_step: int  # K
@@ -58,19 +66,24 @@ class DecodeRows:
     def rows_per_req(self) -> int:
         return self.mtp_step + 1
 
+    @property
+    def num_real_rows(self) -> int:
+        """Rows of real requests; rows past them are padding."""
+        return len(self.reqs) * self.rows_per_req
+
 
 CPU_DEFAULT_KV_TOKENS = 16384  # CPU default KV pool when --max_total_token_num is unset
 GPU_KV_MEMORY_FRACTION = 0.5  # share of free GPU memory the default KV pool may take
 
 
-def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_step: int) -> int:
+def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_step: int, attn_tp_size: int = 1) -> int:
     """--max_total_token_num, or a default: enough for every request at full length,
     bounded by free memory (CUDA) or a fixed size (CPU), never below one full request."""
     if args.max_total_token_num is not None:
         return args.max_total_token_num
     per_req = args.max_req_total_len + mtp_step
     wanted = args.running_max_req_size * per_req
-    if device == "cuda":
+    if torch.device(device).type == "cuda":  # "cuda" or a rank's "cuda:<i>"
         from transformers import AutoConfig
 
         from lightllm.common.basemodel.basemodel import DATA_TYPES, TransformerArch
@@ -78,8 +91,8 @@ def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_st
         arch = TransformerArch.from_hf_config(AutoConfig.from_pretrained(args.resolved_model_dir))
         elem = torch.empty((), dtype=DATA_TYPES[dtype]).element_size()
         # target layers plus one draft KV buffer per MTP depth
-        per_token = (arch.num_layers + mtp_step) * 2 * arch.kv_heads * arch.head_dim * elem
-        free, _ = torch.cuda.mem_get_info()
+        per_token = (arch.num_layers + mtp_step) * 2 * (arch.kv_heads // attn_tp_size) * arch.head_dim * elem
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
         limit = int(GPU_KV_MEMORY_FRACTION * free / per_token)
     else:
         limit = CPU_DEFAULT_KV_TOKENS
@@ -87,19 +100,24 @@ def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_st
 
 
 class ModeBackend:
-    def __init__(self, args: StartArgs, device: str, dtype: str):
+    def __init__(self, args: StartArgs, device: str, dtype: str, parallel: Optional[ParallelContext] = None):
         self.args = args
         self.device = device
+        # This rank's place among tensor / data parallel ranks (docs/parallel.md).
+        self.parallel = parallel if parallel is not None else single_rank_context(device)
         self.mtp_step = args.mtp_step if args.mtp_mode else 0
         kvargs = ModelKvArgs(
             model_dir=args.resolved_model_dir,
-            max_total_token_num=resolve_max_total_token_num(args, device, dtype, self.mtp_step),
+            # every rank schedules with the same pool size (each sized its own from free memory)
+            max_total_token_num=self.parallel.min_over_ranks(
+                resolve_max_total_token_num(args, device, dtype, self.mtp_step, self.parallel.attn_tp_size)
+            ),
             max_req_num=args.running_max_req_size,
             max_seq_length=args.max_req_total_len + self.mtp_step + 1,
             data_type=dtype,
             device=device,
         )
-        self.model = load_model(kvargs)
+        self.model = load_model(kvargs, self.parallel)
         self.req_manager = self.model.req_manager
         self.mem_manager = self.model.mem_manager
         self.vocab_size = self.model.vocab_size
@@ -119,6 +137,7 @@ class ModeBackend:
                 LlamaMTPDraftModel(args.mtp_draft_model_dir, args.mtp_mode, self.mtp_step, self.model)
             )
         self.asd_config = None
+        self.verify_observer = None  # optional callable(VerifyStepRecord) after each verify step
         if args.asd_enabled:
             from lightllm.server.router.model_infer.mtp_speculative.utils import AsdConfig
 
@@ -146,10 +165,30 @@ class ModeBackend:
     def _to_dev(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
+    # ---- sampling ----
+    def sample_rows(
+        self,
+        logits: torch.Tensor,  # [rows, vocab] fp32
+        b_req_idx: torch.Tensor,  # [rows] int32
+        reqs: List[InferReq],  # [rows] the request of each row
+        seeds,  # [rows] per-row seed or None
+    ) -> SampleOutput:
+        """``sample()`` of the rows; every rank of a DP group gets the same tokens.
+
+        The logits are the same on those ranks (gathered), so greedy rows agree by
+        construction; random draws need not, so rank 0 of the group broadcasts its tokens."""
+        s = sample(logits, b_req_idx, self.params_manager, reqs, seeds)
+        if any(r.params.top_k != TOP_K_GREEDY for r in reqs):
+            self.parallel.broadcast_in_dp_group(s.next_token_ids)
+        return s
+
     # ---- prefill ----
-    def prefill(self, reqs: List[InferReq], chunk_lens: List[int]) -> List[ReqStepUpdate]:
-        """Prefill the next ``chunk_lens[i]`` prompt tokens of each request."""
-        input_ids, slots_all, b_seq, b_ready = [], [], [], []
+    def prefill(self, reqs: List[InferReq], chunk_lens: List[int], pad_tokens: int = 0) -> List[ReqStepUpdate]:
+        """Prefill the next ``chunk_lens[i]`` prompt tokens of each request.
+
+        ``pad_tokens``: padding tokens after them (DP: every rank runs the same number of
+        tokens), as HOLD items: HOLD row, HOLD_SLOT, never sampled."""
+        input_ids, slots_all, b_seq, b_ready, b_req_idx = [], [], [], [], []
         for req, n in zip(reqs, chunk_lens):
             slots = self.mem_manager.alloc(n)
             pos = torch.arange(req.kv_len, req.kv_len + n, device=self.device)
@@ -159,15 +198,25 @@ class ModeBackend:
             slots_all.append(slots)
             b_ready.append(req.kv_len)
             b_seq.append(req.kv_len + n)
+            b_req_idx.append(req.req_idx)
+        # One HOLD item per at most max_req_total_len tokens (its attention reads the HOLD row).
+        while pad_tokens > 0:
+            n = min(pad_tokens, self.args.max_req_total_len)
+            input_ids.extend([PAD_TOKEN_ID] * n)
+            slots_all.append(torch.full((n,), self.mem_manager.HOLD_SLOT, dtype=torch.int64))
+            b_ready.append(0)
+            b_seq.append(n)
+            b_req_idx.append(self.req_manager.HOLD_REQUEST_ID)
+            pad_tokens -= n
         b_seq_cpu = torch.tensor(b_seq, dtype=torch.int32)
         b_ready_cpu = torch.tensor(b_ready, dtype=torch.int32)
         model_input = ModelInput(
-            batch_size=len(reqs),
+            batch_size=len(b_req_idx),
             total_token_num=int(b_seq_cpu.sum()),
             max_len_in_batch=int(b_seq_cpu.max()),
             input_ids=self._to_dev(input_ids, torch.int64),
             mem_indexes=torch.cat(slots_all).to(self.device),
-            b_req_idx=self._to_dev([r.req_idx for r in reqs], torch.int32),
+            b_req_idx=self._to_dev(b_req_idx, torch.int32),
             b_seq_len=b_seq_cpu.to(self.device),
             is_prefill=True,
             b_ready_cache_len=b_ready_cpu.to(self.device),
@@ -187,7 +236,7 @@ class ModeBackend:
         """Sample each finished prompt's first token; returns (updates, {item: token})."""
         sel = torch.tensor(item_ids, device=self.device)
         b_req_idx = self._to_dev([r.req_idx for r in reqs], torch.int32)
-        s = sample(out.logits[sel], b_req_idx, self.params_manager, reqs, [self._seed(r, 0) for r in reqs])
+        s = self.sample_rows(out.logits[sel], b_req_idx, reqs, [self._seed(r, 0) for r in reqs])
         logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
         self.req_to_next_token_ids[b_req_idx.long(), 0] = s.next_token_ids
         ids_cpu, lp_cpu = s.next_token_ids.tolist(), logprobs.tolist()
@@ -229,8 +278,9 @@ class ModeBackend:
             )
 
     # ---- decode ----
-    def prepare_decode_rows(self, reqs: List[InferReq]) -> DecodeRows:
-        """Allocate K+1 KV slots per request and point its next positions at them."""
+    def prepare_decode_rows(self, reqs: List[InferReq], num_rows: Optional[int] = None) -> DecodeRows:
+        """Allocate K+1 KV slots per request and point its next positions at them;
+        then pad with HOLD rows up to ``num_rows`` rows (DP: the same rows on every rank)."""
         k1 = self.mtp_step + 1
         n = len(reqs)
         slots = self.mem_manager.alloc(n * k1)  # [rows] host
@@ -238,10 +288,19 @@ class ModeBackend:
         mtp_index_cpu = torch.arange(k1, dtype=torch.int32).repeat(n)
         kv_cpu = torch.tensor([r.kv_len for r in reqs], dtype=torch.int32).repeat_interleave(k1)
         pos_cpu = kv_cpu + mtp_index_cpu  # position of each row's input token
+        seq_cpu = pos_cpu + 1
+        real = n * k1
+        pad = (real if num_rows is None else num_rows) - real
+        if pad < 0:
+            raise ValueError(f"{n} requests need {n * k1} rows, more than num_rows={num_rows}")
+        if pad:  # HOLD rows: one-token sequences on the HOLD row, writing HOLD_SLOT
+            req_idx_cpu = torch.cat([req_idx_cpu, torch.full((pad,), self.req_manager.HOLD_REQUEST_ID, dtype=torch.int32)])
+            mtp_index_cpu = torch.cat([mtp_index_cpu, torch.zeros(pad, dtype=torch.int32)])
+            seq_cpu = torch.cat([seq_cpu, torch.ones(pad, dtype=torch.int32)])
+            slots = torch.cat([slots, torch.full((pad,), self.mem_manager.HOLD_SLOT, dtype=torch.int64)])
         b_req_idx = req_idx_cpu.to(self.device)
         mem_indexes = slots.to(self.device)
-        self.req_manager.req_to_token_indexs[b_req_idx.long(), pos_cpu.to(self.device).long()] = mem_indexes
-        seq_cpu = pos_cpu + 1
+        self.req_manager.req_to_token_indexs[b_req_idx[:real].long(), pos_cpu.to(self.device).long()] = mem_indexes[:real]
         return DecodeRows(
             reqs=reqs,
             mtp_step=self.mtp_step,
@@ -254,12 +313,18 @@ class ModeBackend:
             b_req_mtp_start_loc=torch.arange(0, n * k1, k1, dtype=torch.int32).to(self.device),
         )
 
-    def decode_forward(self, rows: DecodeRows) -> ModelOutput:
+    def decode_model_input(self, rows: DecodeRows) -> ModelInput:
+        """The forward's input for ``rows``; also kept in ``rows.model_input`` for the draft."""
+        real = rows.num_real_rows
+        input_ids = self.req_to_next_token_ids[rows.b_req_idx[:real].long(), rows.b_mtp_index[:real].long()]
+        num_pad = int(rows.b_req_idx.shape[0]) - real
+        if num_pad:
+            input_ids = torch.cat([input_ids, input_ids.new_full((num_pad,), PAD_TOKEN_ID)])
         model_input = ModelInput(
             batch_size=int(rows.b_req_idx.shape[0]),
             total_token_num=int(rows.b_seq_len_cpu.sum()),
             max_len_in_batch=int(rows.b_seq_len_cpu.max()),
-            input_ids=self.req_to_next_token_ids[rows.b_req_idx.long(), rows.b_mtp_index.long()],
+            input_ids=input_ids,
             mem_indexes=rows.mem_indexes,
             b_req_idx=rows.b_req_idx,
             b_seq_len=rows.b_seq_len,
@@ -268,7 +333,10 @@ class ModeBackend:
             b_seq_len_cpu=rows.b_seq_len_cpu,
         )
         rows.model_input = model_input
-        return self.model.forward(model_input)
+        return model_input
+
+    def decode_forward(self, rows: DecodeRows) -> ModelOutput:
+        return self.model.forward(self.decode_model_input(rows))
 
     def decode(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:
         rows = self.prepare_decode_rows(reqs)

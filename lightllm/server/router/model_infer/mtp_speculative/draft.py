@@ -4,6 +4,7 @@ from typing import Dict, List
 import torch
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
+from lightllm.common.basemodel.mtp_verify_torch import mtp_scatter_next_token_ids_torch
 from lightllm.common.basemodel.triton_kernel.mtp_utils import mtp_scatter_next_token_ids
 from lightllm.models.llama_mtp.model import LlamaMTPDraftModel
 
@@ -21,17 +22,21 @@ class DraftProposer:
     @torch.no_grad()
     def propose_after_verify(self, backend, rows, out: ModelOutput, next_ids: torch.Tensor, accept_len: torch.Tensor):
         """Every depth runs over all K+1 rows (no host sync); the scatter keeps, per request,
-        the proposals of its last committed row as the next step's drafts."""
+        the proposals of its last committed row as the next step's drafts.
+        ``next_ids`` covers the real rows; padding rows (DP) run with token 0 and are not scattered."""
         k = self.mtp_step
-        all_next = torch.empty((next_ids.shape[0], k + 1), dtype=torch.int64, device=next_ids.device)  # [rows, K+1]
-        all_next[:, 0] = next_ids
-        hidden, tok = out.hidden_states, next_ids
+        real = next_ids.shape[0]
+        # [rows, K+1], rows = real + padding
+        all_next = torch.zeros((out.hidden_states.shape[0], k + 1), dtype=torch.int64, device=next_ids.device)
+        all_next[:real, 0] = next_ids
+        hidden, tok = out.hidden_states, all_next[:, 0]
         for depth in range(k):
             hidden = self.model.forward_depth(depth, rows.model_input, hidden, tok)
             tok = self._greedy(hidden)
             all_next[:, depth + 1] = tok
-        mtp_scatter_next_token_ids(
-            backend.req_to_next_token_ids, rows.b_req_mtp_start_loc, all_next, rows.b_req_idx, accept_len
+        scatter = mtp_scatter_next_token_ids if next_ids.is_cuda else mtp_scatter_next_token_ids_torch
+        scatter(
+            backend.req_to_next_token_ids, rows.b_req_mtp_start_loc, all_next[:real], rows.b_req_idx[:real], accept_len
         )
 
     @torch.no_grad()
@@ -52,6 +57,7 @@ class DraftProposer:
             item_rows.append((row, n, start))
             rows_of_last_k.extend(range(row + max(0, n - k), row + n))
             row += n
+        row = out.hidden_states.shape[0]  # the requests' rows, then padding items (DP), if any
         known = [[UNKNOWN_TOKEN] * row for _ in range(k)]
         for i, (req, (r0, n, start)) in enumerate(zip(reqs, item_rows)):
             seq = req.prompt_ids + ([first_tokens[i]] if i in first_tokens else [])

@@ -7,6 +7,8 @@ Glossary (see docs/asd.md):
   greedy choice (ASD only).
 - regret: z_j[t_j] - z_j[d_j] of a relaxed token; the budget bounds its sum per request.
 - HOLD row: padding rows (DP) point at req_idx = HOLD; they are never committed.
+  They sit after the real rows (``rows.num_real_rows``): the forwards and the draft run
+  over them, sampling, verification and commit never see them.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -14,9 +16,23 @@ from typing import List, Optional, Tuple
 import torch
 
 from lightllm.common.basemodel.batch_objs import ModelOutput
-from lightllm.common.basemodel.triton_kernel.mtp_utils import mtp_asd_verify, mtp_verify
+from lightllm.common.basemodel.mtp_verify_torch import mtp_asd_verify_torch, mtp_verify_torch
+from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID, mtp_asd_verify, mtp_verify
 from lightllm.common.req_manager import ReqSamplingParamsManager
-from lightllm.server.router.model_infer.mode_backend.generic_post_process import sample, token_logprobs
+from lightllm.server.router.model_infer.mode_backend.generic_post_process import token_logprobs
+
+
+@dataclass
+class VerifyStepRecord:
+    """What one verify step saw, for observers (calibration, analysis); device tensors."""
+
+    mtp_step: int  # K
+    b_req_idx: torch.Tensor  # [rows] int32
+    drafts: torch.Tensor  # [rows] int64, d_j checked at row j (NO_DRAFT_TOKEN_ID at the bonus row)
+    target_ids: torch.Tensor  # [rows] int64, t_j before verification
+    committed_ids: torch.Tensor  # [rows] int64, after verification (relaxed rows hold d_j)
+    processed_logits: torch.Tensor  # [rows, vocab] fp32
+    accept_len: torch.Tensor  # [num_reqs] int32
 
 
 @dataclass(frozen=True)
@@ -36,12 +52,16 @@ def verify_mtp_tokens(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The one dispatcher: strict when ASD is off, otherwise ASD with each request's budget.
 
+    CUDA tensors run the Triton kernels; host tensors the vectorized PyTorch twins.
+
     Sampled requests have budget 0 in ``req_to_asd_budget``, so a mixed batch is
     verified row by row: strict for them, ASD for greedy ones.
     """
+    on_gpu = next_token_ids.is_cuda
     if asd is None:
-        return mtp_verify(req_to_next_token_ids, b_req_mtp_start_loc, next_token_ids, b_req_idx)
-    return mtp_asd_verify(
+        verify = mtp_verify if on_gpu else mtp_verify_torch
+        return verify(req_to_next_token_ids, b_req_mtp_start_loc, next_token_ids, b_req_idx)
+    return (mtp_asd_verify if on_gpu else mtp_asd_verify_torch)(
         req_to_next_token_ids,
         b_req_mtp_start_loc,
         next_token_ids,
@@ -58,19 +78,25 @@ def verify_draft_commit(backend, rows, out: ModelOutput):
     """Run the shared flow for one decode forward's rows; returns per-request updates."""
     k1 = rows.rows_per_req
     pm = backend.params_manager
+    real = rows.num_real_rows  # padding rows (after these) are never sampled nor verified
+    b_req_idx = rows.b_req_idx[:real]
     row_reqs = [r for r in rows.reqs for _ in range(k1)]
     seeds = [backend._seed(r, j) for r in rows.reqs for j in range(k1)]
-    s = sample(out.logits, rows.b_req_idx, pm, row_reqs, seeds)
+    s = backend.sample_rows(out.logits[:real], b_req_idx, row_reqs, seeds)
     next_ids = s.next_token_ids
     asd = backend.asd_config
-    if rows.mtp_step > 0:
-        target_ids = next_ids.clone() if asd is not None else None
+    observer = backend.verify_observer
+    if rows.mtp_step > 0 and rows.reqs:
+        target_ids = next_ids.clone() if asd is not None or observer is not None else None
         accept_len, _ = verify_mtp_tokens(
-            backend.req_to_next_token_ids, rows.b_req_mtp_start_loc, next_ids, rows.b_req_idx,
+            backend.req_to_next_token_ids, rows.b_req_mtp_start_loc, next_ids, b_req_idx,
             s.processed_logits, pm, asd,
         )
     else:
+        target_ids = next_ids  # nothing verified (K = 0, or a DP rank with only padding)
         accept_len = torch.ones(len(rows.reqs), dtype=torch.int32, device=next_ids.device)
+    if observer is not None and rows.mtp_step > 0 and rows.reqs:
+        observer(_verify_record(backend, rows, target_ids, next_ids, s.processed_logits, accept_len))
     # Log-probs after verification: a relaxed row reports the token it commits.
     logprobs = token_logprobs(s.processed_logits, next_ids)
     # Host copies only now: verification may have rewritten next_ids in place.
@@ -84,8 +110,17 @@ def verify_draft_commit(backend, rows, out: ModelOutput):
     if rows.mtp_step > 0:
         backend.draft.propose_after_verify(backend, rows, out, next_ids, accept_len)
     else:
-        backend.req_to_next_token_ids[rows.b_req_idx.long(), 0] = next_ids
+        backend.req_to_next_token_ids[b_req_idx.long(), 0] = next_ids
     return commit_rows(backend, rows, ids_cpu, lp_cpu, acc_cpu, relaxed_cpu, spent_cpu)
+
+
+def _verify_record(backend, rows, target_ids, next_ids, logits, accept_len) -> VerifyStepRecord:
+    k, real = rows.mtp_step, rows.num_real_rows
+    b_req_idx, b_mtp_index = rows.b_req_idx[:real], rows.b_mtp_index[:real]
+    col = torch.clamp(b_mtp_index.long() + 1, max=k)  # bonus row: any column, masked below
+    drafts = backend.req_to_next_token_ids[b_req_idx.long(), col]
+    drafts = torch.where(b_mtp_index == k, torch.full_like(drafts, NO_DRAFT_TOKEN_ID), drafts)
+    return VerifyStepRecord(k, b_req_idx, drafts, target_ids, next_ids.clone(), logits, accept_len.clone())
 
 
 def commit_rows(backend, rows, ids_cpu, lp_cpu, acc_cpu, relaxed_cpu, spent_cpu) -> List:

@@ -11,6 +11,8 @@ from typing import List, Optional
 import pytest
 import torch
 
+from unit_tests.devices import KERNEL_DEVICES
+
 from lightllm.common.basemodel.triton_kernel.mtp_utils import (
     NO_DRAFT_TOKEN_ID,
     mtp_asd_verify,
@@ -18,10 +20,7 @@ from lightllm.common.basemodel.triton_kernel.mtp_utils import (
     mtp_verify,
 )
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
-]
+DEVICES = KERNEL_DEVICES
 
 VOCAB = 4
 TABLE_WIDTH = 8

@@ -1,13 +1,13 @@
 """Chunked-prefill backend: each step either prefills prompt chunks or decodes every running request."""
-from typing import List
+from typing import List, Tuple
 
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.base_backend import ModeBackend, ReqStepUpdate
 
 
 class ChunkedPrefillBackend(ModeBackend):
-    def __init__(self, args, device, dtype):
-        super().__init__(args, device, dtype)
+    def __init__(self, args, device, dtype, parallel=None):
+        super().__init__(args, device, dtype, parallel)
         self.batch_max_tokens = args.batch_max_tokens
         self._last_was_prefill = False
 
@@ -23,6 +23,10 @@ class ChunkedPrefillBackend(ModeBackend):
         return self.decode(decoding) if decoding else []
 
     def prefill_chunks(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:
+        return self.prefill(*self.chunk_plan(reqs))
+
+    def chunk_plan(self, reqs: List[InferReq]) -> Tuple[List[InferReq], List[int]]:
+        """The requests to prefill this step, in order, and their chunk lengths (within --batch_max_tokens)."""
         budget = self.batch_max_tokens
         picked, chunk_lens = [], []
         for req in reqs:
@@ -32,4 +36,4 @@ class ChunkedPrefillBackend(ModeBackend):
             picked.append(req)
             chunk_lens.append(n)
             budget -= n
-        return self.prefill(picked, chunk_lens)
+        return picked, chunk_lens

@@ -1,4 +1,4 @@
-"""Start the real server (python -m lightllm.server.api_server) for HTTP tests."""
+"""Start the real server (python -m lightllm.server.api_server) as a child process: tests, benchmarks, eval."""
 import os
 import signal
 import socket
@@ -6,11 +6,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import httpx
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 600
 
 
@@ -45,12 +45,12 @@ class Server:
         raise KeyError(name)
 
 
-def launch_server(args: List[str], log_path: str) -> Server:
+def launch_server(args: List[str], log_path: str, env: Optional[dict] = None) -> Server:
     port = free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "lightllm.server.api_server", "--port", str(port), *args],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + START_TIMEOUT_S

@@ -1,0 +1,576 @@
+"""End-to-end throughput: the real server vs transformers' own generate, same model, prompts and dtype.
+
+For each server config (``--configs``; default: one config named ``engine``):
+
+1. start ``python -m lightllm.server.api_server`` (``launch_server``) with ``--server_args``
+   plus the config's own flags,
+2. warm it up (a short wave of requests, so Triton compilation is not timed),
+3. send ``--num_prompts`` prompts with at most ``--concurrency`` in flight (asyncio + httpx),
+   greedy, ``--max_new_tokens`` each (``--ignore_eos``: exactly that many),
+4. stop the server.
+
+Then, in the same run, ``transformers`` generates for the same prompts (AutoModelForCausalLM,
+the server's dtype: bf16 on CUDA, fp32 on CPU; greedy; batches of ``--hf_batch_size`` with left
+padding, prompts sorted by length so the baseline pays little padding; with ``--ignore_eos``
+min_new_tokens = max_new_tokens; a request's latency is its whole batch's time). The table
+shows every config and the baseline, with the ratio of output tokens/s to transformers and to
+the first config.
+
+Prompts: GSM8K test questions with the model's chat template applied client-side, or one
+prompt per line of ``--prompt_file`` (used as is). Output tokens are counted as the server
+reports them (``count_output_tokens``, an EOS included); the baseline counts generated tokens
+up to and including the first EOS.
+
+"same text" columns are a sanity check, not a metric: the fraction of requests whose text
+equals the first config's (strict MTP must reproduce plain decoding) and transformers'
+(bf16 batch numerics can legitimately flip a near-tie, so < 1.0 on CUDA is normal).
+
+    python benchmarks/bench_e2e_throughput.py --ignore_eos --out e2e.json \\
+        --configs "plain=;mtp_k3=--mtp_mode eagle_with_att --mtp_step 3"
+"""
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, REPO_ROOT)
+
+# GSM8K test split: $LIGHTLLM_GSM8K_DIR, else ../shared/data/gsm8k beside the checkout (as the tests find it)
+DEFAULT_GSM8K = os.path.join(os.environ.get("LIGHTLLM_GSM8K_DIR") or os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k"),
+                             "test.jsonl")
+DEFAULT_CONFIG_NAME = "engine"
+HF_NAME = "transformers"
+PERCENTILES = (50, 90, 99)
+REQUEST_TIMEOUT_S = 1800.0
+
+
+# ---------------------------------------------------------------------------
+# Pure parts (unit-tested in unit_tests/benchmarks/test_bench_e2e.py)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server to benchmark: a name for the table and its flags (after the shared ones)."""
+
+    name: str
+    args: Tuple[str, ...]
+
+
+def parse_configs(spec: Optional[str], shared_args: str = "") -> List[ServerConfig]:
+    """``"name=ARGS;name2=ARGS2"`` -> configs, each with ``shared_args`` first.
+
+    ``None`` or blank gives one config named ``engine`` with only the shared flags. ARGS may be
+    empty (``"plain="``). Names must be unique and non-empty.
+    """
+    shared = tuple(shlex.split(shared_args or ""))
+    if spec is None or not spec.strip():
+        return [ServerConfig(DEFAULT_CONFIG_NAME, shared)]
+    configs: List[ServerConfig] = []
+    for part in spec.split(";"):
+        if not part.strip():
+            continue  # tolerate a trailing ';'
+        name, sep, args = part.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"--configs: {part.strip()!r} is not NAME=ARGS")
+        if not name:
+            raise ValueError(f"--configs: {part.strip()!r} has an empty name")
+        if name == HF_NAME:
+            raise ValueError(f"--configs: the name {HF_NAME!r} is taken by the baseline")
+        if any(c.name == name for c in configs):
+            raise ValueError(f"--configs: duplicate name {name!r}")
+        configs.append(ServerConfig(name, shared + tuple(shlex.split(args))))
+    if not configs:
+        raise ValueError("--configs: no config given")
+    return configs
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of an empty sequence")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in 0..100, got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class RequestResult:
+    """What one request produced and how long it took (client side)."""
+
+    latency_s: float
+    output_tokens: int
+    prompt_tokens: int
+    text: str
+    finish_reason: Optional[str] = None
+    mtp_accepted_token_num: int = 0
+    ttft_s: Optional[float] = None  # streaming only
+
+
+def summarize(name: str, results: Sequence[RequestResult], wall_s: float) -> Dict[str, object]:
+    """Throughput and latency of one run: results of every request and the run's wall time."""
+    if not results:
+        raise ValueError(f"{name}: no results")
+    if wall_s <= 0:
+        raise ValueError(f"{name}: wall time must be > 0, got {wall_s}")
+    out_tokens = sum(r.output_tokens for r in results)
+    accepted = sum(r.mtp_accepted_token_num for r in results)
+    latencies = [r.latency_s for r in results]
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+    # each forward step emits one token plus its accepted drafts
+    steps = out_tokens - accepted
+    row: Dict[str, object] = {
+        "name": name,
+        "num_requests": len(results),
+        "wall_s": wall_s,
+        "output_tokens": out_tokens,
+        "requests_per_s": len(results) / wall_s,
+        "output_tokens_per_s": out_tokens / wall_s,
+        "mean_output_tokens": out_tokens / len(results),
+        "mtp_accepted_tokens": accepted,
+        "tokens_per_step": out_tokens / steps if steps > 0 else None,
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+    }
+    for q in PERCENTILES:
+        row[f"latency_p{q}_s"] = percentile(latencies, q)
+    return row
+
+
+def same_text_fraction(texts: Sequence[str], reference: Sequence[str]) -> float:
+    if len(texts) != len(reference):
+        raise ValueError(f"{len(texts)} texts vs {len(reference)} reference texts")
+    if not texts:
+        raise ValueError("no texts to compare")
+    return sum(a == b for a, b in zip(texts, reference)) / len(texts)
+
+
+def add_ratios(rows: List[Dict[str, object]], baseline: Dict[str, object],
+               key: str = "output_tokens_per_s") -> None:
+    """Set ``vs_<baseline>`` (each row / baseline) and ``vs_first`` (each row / rows[0]) in place."""
+    first = rows[0][key]
+    for row in rows:
+        row[f"vs_{baseline['name']}"] = row[key] / baseline[key] if baseline[key] else None
+        row["vs_first"] = row[key] / first if first else None
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    fmt: str  # format spec for numbers, e.g. ".1f"
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, fmt)
+    return str(value)
+
+
+def render_table(rows: Sequence[Dict[str, object]], columns: Sequence[Column]) -> str:
+    """A plain-text table: first column left-aligned, the rest right-aligned; missing values are '-'."""
+    cells = [[c.header for c in columns]] + [[_cell(r.get(c.key), c.fmt) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+
+    def line(row: List[str]) -> str:
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+TABLE_COLUMNS = [
+    Column("name", "config", ""),
+    Column("requests_per_s", "req/s", ".2f"),
+    Column("output_tokens_per_s", "out tok/s", ".1f"),
+    Column("latency_p50_s", "p50 s", ".2f"),
+    Column("latency_p90_s", "p90 s", ".2f"),
+    Column("latency_p99_s", "p99 s", ".2f"),
+    Column("ttft_mean_s", "TTFT s", ".3f"),
+    Column("tokens_per_step", "tok/step", ".2f"),
+    Column("same_text_as_first", "same txt 1st", ".2f"),
+    Column("same_text_as_hf", "same txt HF", ".2f"),
+    Column(f"vs_{HF_NAME}", "x HF", ".2f"),
+    Column("vs_first", "x 1st", ".2f"),
+]
+
+
+def load_gsm8k_questions(path: str, n: int) -> List[str]:
+    questions = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                questions.append(json.loads(line)["question"])
+            if len(questions) == n:
+                break
+    return questions
+
+
+def load_prompt_file(path: str, n: int) -> List[str]:
+    """One prompt per non-empty line; a line that is a JSON string is decoded (so prompts can hold newlines)."""
+    prompts = []
+    with open(path) as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.startswith('"'):
+                line = json.loads(line)
+            prompts.append(line)
+            if len(prompts) == n:
+                break
+    return prompts
+
+
+def take_cyclic(items: Sequence[str], n: int) -> List[str]:
+    """n items, repeating ``items`` if there are fewer."""
+    if not items:
+        raise ValueError("no prompts")
+    return [items[i % len(items)] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------
+# The engine: a real server process, driven over HTTP
+# ---------------------------------------------------------------------------
+
+
+async def _one_request(client, prompt: str, params: dict, stream: bool) -> RequestResult:
+    body = {"inputs": prompt, "parameters": params}
+    t0 = time.perf_counter()
+    if not stream:
+        r = await client.post("/generate", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate returned {r.status_code}: {r.text}")
+        out = r.json()
+        return RequestResult(
+            latency_s=time.perf_counter() - t0, output_tokens=out["count_output_tokens"],
+            prompt_tokens=out["prompt_tokens"], text=out["generated_text"][0],
+            finish_reason=out["finish_reason"], mtp_accepted_token_num=out.get("mtp_accepted_token_num", 0),
+        )
+    ttft = None
+    n_tokens = 0
+    last = None
+    async with client.stream("POST", "/generate_stream", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate_stream returned {r.status_code}: {(await r.aread()).decode()}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            ev = json.loads(line[len("data: "):])
+            if ev.get("token") is not None:
+                n_tokens += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+            last = ev
+    if last is None or not last.get("finished"):
+        raise RuntimeError(f"/generate_stream ended without a finished event (last: {last})")
+    details = last.get("details") or {}
+    return RequestResult(
+        latency_s=time.perf_counter() - t0, output_tokens=n_tokens,
+        prompt_tokens=details.get("prompt_tokens", -1), text=last["generated_text"],
+        finish_reason=last["finish_reason"], mtp_accepted_token_num=details.get("mtp_accepted_token_num", 0),
+        ttft_s=ttft,
+    )
+
+
+async def _drive(url: str, prompts: Sequence[str], params: dict, concurrency: int, stream: bool,
+                 desc: Optional[str]) -> Tuple[List[RequestResult], float]:
+    """Send every prompt with at most ``concurrency`` in flight; results in prompt order and the wall time."""
+    import httpx
+    from tqdm import tqdm
+
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False) if desc else None
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        async def bounded(prompt: str) -> RequestResult:
+            async with sem:
+                res = await _one_request(client, prompt, params, stream)
+            if bar is not None:
+                bar.update(1)
+            return res
+
+        t0 = time.perf_counter()
+        try:
+            results = await asyncio.gather(*(bounded(p) for p in prompts))
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - t0
+    return list(results), wall
+
+
+def run_engine(config: ServerConfig, prompts: List[str], args, log_dir: str, env: dict) -> Tuple[dict, List[RequestResult]]:
+    from lightllm.utils.server_launcher import launch_server
+
+    log_path = os.path.join(log_dir, f"server_{config.name}.log")
+    print(f"[{config.name}] starting server: {' '.join(config.args) or '(defaults)'}  (log: {log_path})", flush=True)
+    t0 = time.perf_counter()
+    server = launch_server(list(config.args), log_path, env=env)
+    try:
+        print(f"[{config.name}] up in {time.perf_counter() - t0:.1f}s at {server.url}", flush=True)
+        params = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "do_sample": False}
+        n_warm = min(args.warmup_requests, len(prompts))
+        if n_warm:
+            warm_params = dict(params, max_new_tokens=min(args.warmup_tokens, args.max_new_tokens))
+            _, warm_s = asyncio.run(_drive(server.url, prompts[:n_warm], warm_params, args.concurrency,
+                                           args.stream, None))
+            print(f"[{config.name}] warm-up: {n_warm} requests in {warm_s:.1f}s", flush=True)
+        results, wall = asyncio.run(_drive(server.url, prompts, params, args.concurrency, args.stream, config.name))
+    finally:
+        server.stop()
+    row = summarize(config.name, results, wall)
+    row["server_args"] = list(config.args)
+    row["finish_reasons"] = _count(r.finish_reason for r in results)
+    print(f"[{config.name}] {len(results)} requests in {wall:.2f}s, {row['output_tokens_per_s']:.1f} out tok/s",
+          flush=True)
+    return row, results
+
+
+def _count(items) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for x in items:
+        out[str(x)] = out.get(str(x), 0) + 1
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The baseline: transformers' generate
+# ---------------------------------------------------------------------------
+
+
+def run_transformers(model_dir: str, device: str, dtype_name: str, prompts: List[str], args,
+                     eos_ids: List[int]) -> Tuple[dict, List[RequestResult]]:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    dtype = getattr(torch, dtype_name)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    gen_cfg = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens if args.ignore_eos else 0,
+        do_sample=False, pad_token_id=pad_id, eos_token_id=eos_ids,
+    )
+    # the server tokenizes with add_special_tokens=True: the same ids here
+    ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))  # little padding: the baseline's best case
+    batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+
+    def generate(batch: List[int], cfg) -> "torch.Tensor":
+        enc = tok.pad({"input_ids": [ids[i] for i in batch]}, padding=True, return_tensors="pt").to(device)
+        with torch.inference_mode():
+            out = model.generate(**enc, generation_config=cfg)
+        return out[:, enc["input_ids"].shape[1]:]
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    # warm-up: CUDA context, cuBLAS handles, allocator
+    generate(batches[0], GenerationConfig(max_new_tokens=2, min_new_tokens=0, do_sample=False,
+                                          pad_token_id=pad_id, eos_token_id=eos_ids))
+    sync()
+    results: List[Optional[RequestResult]] = [None] * len(prompts)
+    eos = set(eos_ids)
+    bar = tqdm(total=len(prompts), desc=HF_NAME, unit="req", leave=False)
+    t0 = time.perf_counter()
+    for batch in batches:
+        tb = time.perf_counter()
+        new = generate(batch, gen_cfg)
+        sync()
+        lat = time.perf_counter() - tb
+        for row, i in enumerate(batch):
+            toks = new[row].tolist()
+            first_eos = None if args.ignore_eos else next((j for j, t in enumerate(toks) if t in eos), None)
+            n = len(toks) if first_eos is None else first_eos + 1  # the server counts the EOS too
+            results[i] = RequestResult(
+                latency_s=lat, output_tokens=n, prompt_tokens=len(ids[i]),
+                text=tok.decode(toks[:n], skip_special_tokens=True),
+                finish_reason="length" if first_eos is None else "eos",
+            )
+        bar.update(len(batch))
+    wall = time.perf_counter() - t0
+    bar.close()
+    row = summarize(HF_NAME, results, wall)
+    row["tokens_per_step"] = None
+    row["batch_size"] = args.hf_batch_size
+    print(f"[{HF_NAME}] {len(prompts)} prompts in {wall:.2f}s, {row['output_tokens_per_s']:.1f} out tok/s", flush=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row, results
+
+
+# ---------------------------------------------------------------------------
+
+
+def resolve_model_and_dtype(configs: List[ServerConfig], device: str) -> Tuple[str, str]:
+    """The model dir and dtype every config serves (parsed with the server's own flag parser)."""
+    from lightllm.server.api_cli import make_argument_parser
+
+    parser = make_argument_parser()
+    seen = set()
+    for c in configs:
+        ns = parser.parse_args(list(c.args))
+        dtype = ns.data_type or ("bfloat16" if device == "cuda" else "float32")
+        seen.add((ns.model_dir, dtype))
+    if len(seen) != 1:
+        raise ValueError(f"configs serve different models/dtypes {sorted(map(str, seen))}: "
+                         "one transformers baseline cannot match them all")
+    model_dir, dtype = seen.pop()
+    if model_dir is None:
+        from lightllm.utils.embedded_model import get_default_model_dir
+
+        model_dir = get_default_model_dir()
+    return model_dir, dtype
+
+
+def build_prompts(args, model_dir: str) -> List[str]:
+    if args.prompt_file:
+        return take_cyclic(load_prompt_file(args.prompt_file, args.num_prompts), args.num_prompts)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    questions = take_cyclic(load_gsm8k_questions(args.gsm8k, args.num_prompts), args.num_prompts)
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in questions]
+
+
+def server_env(device: str) -> dict:
+    env = dict(os.environ)
+    if device != "cuda":
+        env.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in the interpreter on CPU
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server_args", default="", help="flags for every server (one string, shell-quoted)")
+    p.add_argument("--configs", default=None,
+                   help='named server configs "name=ARGS;name2=ARGS2" (after --server_args); ratios are to the first')
+    p.add_argument("--num_prompts", type=int, default=64)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--ignore_eos", action="store_true", help="every request generates exactly max_new_tokens")
+    p.add_argument("--concurrency", type=int, default=64, help="most requests in flight")
+    p.add_argument("--stream", action="store_true", help="use /generate_stream and report mean TTFT")
+    p.add_argument("--hf_batch_size", type=int, default=64)
+    p.add_argument("--skip_hf", action="store_true", help="no transformers baseline (ratios to the first config only)")
+    p.add_argument("--warmup_requests", type=int, default=None,
+                   help="untimed requests per server before the run (default: --concurrency, at most --num_prompts)")
+    p.add_argument("--warmup_tokens", type=int, default=16, help="max_new_tokens of the warm-up requests")
+    p.add_argument("--gsm8k", default=DEFAULT_GSM8K, help="GSM8K jsonl ({question, answer} per line)")
+    p.add_argument("--prompt_file", default=None, help="prompts, one per line, used as is (instead of GSM8K)")
+    p.add_argument("--log_dir", default=None, help="server logs (default: a temp dir)")
+    p.add_argument("--out", default="bench_e2e_throughput.json", help="JSON results path")
+    args = p.parse_args(argv)
+    for name in ("num_prompts", "max_new_tokens", "concurrency", "hf_batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.warmup_requests is None:
+        args.warmup_requests = args.concurrency
+    return args
+
+
+def _exit_on_sigterm(signum, frame):
+    # SystemExit unwinds through the ``finally`` that stops the running server (a bare SIGTERM would not)
+    sys.exit(128 + signum)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    import torch
+    import transformers
+
+    configs = parse_configs(args.configs, args.server_args)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir, dtype = resolve_model_and_dtype(configs, device)
+    prompts = build_prompts(args, model_dir)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_e2e_")
+    os.makedirs(log_dir, exist_ok=True)
+    print(f"model {model_dir} | {device} {dtype} | {len(prompts)} prompts x {args.max_new_tokens} tokens "
+          f"(ignore_eos={args.ignore_eos}) | concurrency {args.concurrency} | hf batch {args.hf_batch_size}",
+          flush=True)
+
+    env = server_env(device)
+    rows: List[dict] = []
+    texts: Dict[str, List[str]] = {}
+    for config in configs:
+        row, results = run_engine(config, prompts, args, log_dir, env)
+        texts[config.name] = [r.text for r in results]
+        row["prompt_tokens"] = sum(r.prompt_tokens for r in results)
+        if args.ignore_eos and any(r.output_tokens != args.max_new_tokens for r in results):
+            print(f"WARNING [{config.name}]: --ignore_eos but some requests did not generate "
+                  f"{args.max_new_tokens} tokens: {_count(r.output_tokens for r in results)}", flush=True)
+        rows.append(row)
+
+    hf_row = None
+    if not args.skip_hf:
+        from lightllm.server.httpserver.manager import load_eos_token_ids
+        from transformers import AutoTokenizer
+
+        eos_ids = load_eos_token_ids(model_dir, AutoTokenizer.from_pretrained(model_dir))
+        hf_row, hf_results = run_transformers(model_dir, device, dtype, prompts, args, eos_ids)
+        texts[HF_NAME] = [r.text for r in hf_results]
+        hf_row["prompt_tokens"] = sum(r.prompt_tokens for r in hf_results)
+        for row in rows:
+            if row["prompt_tokens"] != hf_row["prompt_tokens"]:
+                print(f"WARNING [{row['name']}]: server saw {row['prompt_tokens']} prompt tokens, "
+                      f"transformers {hf_row['prompt_tokens']}: the prompts differ", flush=True)
+
+    first = configs[0].name
+    table_rows = rows + ([hf_row] if hf_row else [])
+    for row in table_rows:
+        row["same_text_as_first"] = same_text_fraction(texts[row["name"]], texts[first])
+        row["same_text_as_hf"] = same_text_fraction(texts[row["name"]], texts[HF_NAME]) if hf_row else None
+    add_ratios(table_rows, hf_row or rows[0])
+    if not hf_row:
+        for row in table_rows:
+            row.pop(f"vs_{first}", None)
+
+    print()
+    print(render_table(table_rows, TABLE_COLUMNS))
+    print(f"\nx HF / x 1st: output tokens/s relative to transformers / to '{first}'.")
+
+    meta = {
+        "model_dir": model_dir, "device": device, "dtype": dtype,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "num_prompts": len(prompts), "prompt_source": args.prompt_file or args.gsm8k,
+        "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "concurrency": args.concurrency,
+        "stream": args.stream, "hf_batch_size": args.hf_batch_size, "server_args": args.server_args,
+        "configs": [asdict(c) for c in configs], "log_dir": log_dir,
+    }
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "engine": rows, HF_NAME: hf_row}, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Profile decode steps of the in-process engine (torch.profiler): where a step's time goes.
+
+    python benchmarks/profile_decode_step.py --batch 256 [--mtp_step 3]
+"""
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lightllm.server.core.objs.sampling_params import SamplingParams
+from lightllm.server.core.objs.start_args_type import StartArgs
+from lightllm.server.offline_engine import OfflineEngine
+from lightllm.server.router.manager import AddReq
+
+PROMPT_LEN = 64
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--mtp_step", type=int, default=0)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rows", type=int, default=25)
+    a = p.parse_args()
+    mtp = dict(mtp_mode="eagle_with_att", mtp_step=a.mtp_step) if a.mtp_step else {}
+    eng = OfflineEngine(StartArgs(running_max_req_size=a.batch, max_req_total_len=1024, batch_max_tokens=65536, **mtp))
+    router = eng.router
+    sp = SamplingParams.from_request({"max_new_tokens": 900, "ignore_eos": True})
+    for i in range(a.batch):
+        router.add_req(AddReq(i, [(i * 7 + j) % 1000 + 10 for j in range(PROMPT_LEN)], sp, [], 0.0))
+    for _ in range(5):  # prefill + warm-up decode steps
+        router.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        router.step()
+    torch.cuda.synchronize()
+    print(f"batch {a.batch} K {a.mtp_step}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            router.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

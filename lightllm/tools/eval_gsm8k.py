@@ -1,0 +1,748 @@
+"""GSM8K evaluation of ASD through the real server, one server per arm (shared/spec/ASD.md §5).
+
+Arms, in run order (every one is ``--mtp_mode`` on with ``--mtp_step K`` unless said otherwise):
+
+- ``strict``    ASD flag unset: strict greedy verification, the reference of every comparison;
+- ``asd_b0``    ``B = 0``: the ASD code path with strict semantics. It must be token-identical
+                to ``strict`` on EVERY request; any difference makes the tool exit non-zero
+                (after writing its results): a result without this check is not a result;
+- ``asd_q25``   the ASD reference's recipe ``B = g = q``, ``m = 1`` (``q`` from
+                ``python -m lightllm.tools.asd_calibrate``: ``--calib calib.json`` or ``--q25 q``);
+- ``asd_usage`` the original request's usage setting ``B = 2.0625, g = 0.25, m = 2``;
+- ``asd_B<b>``  the budget sweep ``B = b`` (``--sweep``), ``g = 0.25, m = 2``;
+- ``baseline``  no MTP at all (only with ``--with_baseline``).
+
+For each arm: start ``python -m lightllm.server.api_server`` with the arm's flags, warm it up
+(a short wave, so kernel compilation is not timed), send every question at once (at most
+``--concurrency`` in flight) to ``/generate`` with the chat template applied client-side,
+greedy, ``return_details``; read the accept-length histogram from ``/metrics`` before and after
+the timed wave (the difference is this arm's), stop the server. Results are rewritten after
+every arm, so a run cut short keeps what it measured; ``--time_budget_s`` skips the optional
+arms that would not fit (strict and asd_b0 always run).
+
+Metrics per arm:
+
+- accuracy: the last number of the output (commas stripped) equals the gold after ``####``;
+- tokens/step: ``sum(count_output_tokens) / sum(count_output_tokens - mtp_accepted_token_num)``
+  (every step, the prefill one included, commits one non-draft token);
+- accept_len (metrics): mean of ``lightllm_mtp_accept_len`` over the arm's decode steps;
+- output tokens/s and requests/s over the timed wave's wall time, and their ratio to ``strict``
+  measured in the same run;
+- differs: share of requests whose token ids differ from ``strict``;
+- mean regret spent and mean relaxed tokens per request.
+
+Output in ``--out_dir``: ``results.json`` (config, summaries, B = 0 check), ``results.md``
+(table + the exact command line), ``requests_<arm>.jsonl`` (one record per question),
+``server_<arm>.log``, ``budget_sweep.png``, ``accept_len_hist.png``.
+"""
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+# The original request's "usage" setting and the sweep's fixed gates
+USAGE_BUDGET = 2.0625
+USAGE_LOCAL_RATIO = 0.25
+USAGE_MAX_MISMATCH = 2
+SWEEP_LOCAL_RATIO = USAGE_LOCAL_RATIO
+SWEEP_MAX_MISMATCH = USAGE_MAX_MISMATCH
+# The ASD reference's q25 recipe: B = g = q, m = 1
+Q25_MAX_MISMATCH = 1
+
+DEFAULT_SWEEP = "0.5,1,2,4,8"
+DEFAULT_MTP_MODE = "eagle_with_att"
+NAMED_ARMS = ("strict", "asd_b0", "asd_q25", "asd_usage")
+STRICT, ASD_B0, BASELINE = "strict", "asd_b0", "baseline"
+REQUIRED_ARMS = (STRICT, ASD_B0)  # the reference and its identity check always run
+
+# One step of the user's prompt; the answer is read as the last number of the output
+PROMPT_TEMPLATE = "{question}\nSolve it step by step, then give the final answer as a number."
+WARMUP_REQUESTS = 32
+WARMUP_MAX_NEW_TOKENS = 32
+REQUEST_TIMEOUT_S = 3600.0
+MAX_LEN_ROUND = 64  # --max_req_total_len (auto) is rounded up to a multiple of this
+DEFAULT_BATCH_MAX_TOKENS = 4096  # prefill chunk: a few dozen GSM8K prompts per prefill step
+
+ACCEPT_LEN_BUCKET = "lightllm_mtp_accept_len_bucket"
+
+# A number: with thousands separators ("1,234.50") or plain ("12", "3.5"). A minus sign
+# counts only where it cannot be a binary minus: "is -7" -> -7, but "5-3" -> 5 and 3.
+_NUMBER_RE = re.compile(r"(?:(?<![\w.])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+ANSWER_MARK = "####"
+ANSWER_RTOL = 1e-9
+
+
+# ---------------------------------------------------------------------------
+# Data: questions, prompts, answers (pure; shared with asd_calibrate)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Question:
+    index: int  # line number in the file (0-based)
+    question: str
+    gold: float  # the number after ####
+
+
+def load_questions(path: str, num_questions: Optional[int] = None) -> List[Question]:
+    """The first ``num_questions`` GSM8K records of a jsonl file (all when None)."""
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if num_questions is not None and len(out) >= num_questions:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            gold = gold_answer(rec["answer"])
+            if gold is None:
+                raise ValueError(f"{path}:{i + 1}: no number after {ANSWER_MARK!r} in the answer")
+            out.append(Question(i, rec["question"], gold))
+    if not out:
+        raise ValueError(f"{path}: no questions")
+    return out
+
+
+def parse_number(s: str) -> Optional[float]:
+    try:
+        return float(s.replace(",", "").replace("$", "").strip())
+    except ValueError:
+        return None
+
+
+def extract_answer(text: str) -> Optional[float]:
+    """The last number in ``text`` (commas stripped), or None when there is none.
+
+    "$1,234.50" -> 1234.5, "is -7." -> -7.0, "5-3=2" -> 2.0.
+    """
+    found = _NUMBER_RE.findall(text)
+    return parse_number(found[-1]) if found else None
+
+
+def gold_answer(answer: str) -> Optional[float]:
+    """The number after ``####`` of a GSM8K answer."""
+    if ANSWER_MARK not in answer:
+        return None
+    return parse_number(answer.rsplit(ANSWER_MARK, 1)[1])
+
+
+def is_correct(pred: Optional[float], gold: float) -> bool:
+    return pred is not None and math.isclose(pred, gold, rel_tol=ANSWER_RTOL, abs_tol=ANSWER_RTOL)
+
+
+def chat_prompt_text(tokenizer, question: str) -> str:
+    """The chat-templated prompt, as text the server tokenizes with ``add_special_tokens=True``.
+
+    A template that writes the BOS itself would get a second one from such a tokenizer,
+    so the template's own BOS is dropped then."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT_TEMPLATE.format(question=question)}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos):]
+    return text
+
+
+def auto_max_req_total_len(prompt_lens: Sequence[int], max_new_tokens: int) -> int:
+    need = max(prompt_lens) + max_new_tokens
+    return -(-need // MAX_LEN_ROUND) * MAX_LEN_ROUND
+
+
+# ---------------------------------------------------------------------------
+# Arms (pure)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    mtp: bool = True
+    budget: Optional[float] = None  # B; None: ASD off
+    local_ratio: Optional[float] = None  # g; None: no local gate
+    max_mismatch: Optional[int] = None  # m; None: no cap
+
+    def server_flags(self, mtp_mode: str, mtp_step: int, draft_dirs: Optional[Sequence[str]]) -> List[str]:
+        if not self.mtp:
+            return []
+        flags = ["--mtp_mode", mtp_mode, "--mtp_step", str(mtp_step)]
+        if draft_dirs:
+            flags += ["--mtp_draft_model_dir", *draft_dirs]
+        for flag, v in (("--mtp_asd_regret_budget", self.budget),
+                        ("--mtp_asd_local_regret_ratio", self.local_ratio),
+                        ("--mtp_asd_block_max_mismatch", self.max_mismatch)):
+            if v is not None:
+                flags += [flag, repr(v)]
+        return flags
+
+
+def sweep_arm_name(budget: float) -> str:
+    return f"asd_B{budget:g}"
+
+
+def build_arms(named: Sequence[str], q25: Optional[float], sweep: Sequence[float], with_baseline: bool) -> List[Arm]:
+    """The arms in run order: strict, asd_b0, [asd_q25], [asd_usage], sweep, [baseline]
+    (the required ones first, so a time budget drops only optional arms)."""
+    unknown = sorted(set(named) - set(NAMED_ARMS))
+    if unknown:
+        raise ValueError(f"unknown arm {unknown[0]!r} (valid: {', '.join(NAMED_ARMS)})")
+    missing = [a for a in REQUIRED_ARMS if a not in named]
+    if missing:
+        raise ValueError(f"arm {missing[0]!r} is required: B = 0 must be checked against strict in the same run")
+    if "asd_q25" in named and q25 is None:
+        raise ValueError("arm 'asd_q25' needs --calib calib.json or --q25 VALUE (python -m lightllm.tools.asd_calibrate)")
+    if q25 is not None and not (math.isfinite(q25) and q25 >= 0):
+        raise ValueError(f"q25 must be finite and >= 0, got {q25}")
+    arms = [Arm(STRICT), Arm(ASD_B0, budget=0.0)]
+    if "asd_q25" in named:
+        arms.append(Arm("asd_q25", budget=q25, local_ratio=q25, max_mismatch=Q25_MAX_MISMATCH))
+    if "asd_usage" in named:
+        arms.append(Arm("asd_usage", budget=USAGE_BUDGET, local_ratio=USAGE_LOCAL_RATIO, max_mismatch=USAGE_MAX_MISMATCH))
+    for b in sweep:
+        if not (math.isfinite(b) and b >= 0):
+            raise ValueError(f"sweep budgets must be finite and >= 0, got {b}")
+        arms.append(Arm(sweep_arm_name(b), budget=b, local_ratio=SWEEP_LOCAL_RATIO, max_mismatch=SWEEP_MAX_MISMATCH))
+    if with_baseline:
+        arms.append(Arm(BASELINE, mtp=False))
+    names = [a.name for a in arms]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"arm {dup[0]!r} given twice")
+    return arms
+
+
+def parse_float_list(s: str) -> List[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+# ---------------------------------------------------------------------------
+# Per-request records and aggregation (pure)
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    index: int  # question index in the data file
+    token_ids: List[int]
+    text: str
+    count_output_tokens: int
+    mtp_accepted_token_num: int
+    asd_relaxed_token_num: int
+    asd_regret_spent: float
+    finish_reason: Optional[str]
+    pred: Optional[float]
+    gold: float
+    correct: bool
+
+    @classmethod
+    def from_response(cls, q: Question, resp: Dict) -> "RequestRecord":
+        text = resp["generated_text"][0]
+        pred = extract_answer(text)
+        return cls(
+            index=q.index,
+            token_ids=[t["id"] for t in resp["tokens"]],
+            text=text,
+            count_output_tokens=resp["count_output_tokens"],
+            mtp_accepted_token_num=resp["mtp_accepted_token_num"],
+            asd_relaxed_token_num=resp["asd_relaxed_token_num"],
+            asd_regret_spent=resp["asd_regret_spent"],
+            finish_reason=resp["finish_reason"],
+            pred=pred,
+            gold=q.gold,
+            correct=is_correct(pred, q.gold),
+        )
+
+
+@dataclass
+class ArmSummary:
+    name: str
+    budget: Optional[float]
+    local_ratio: Optional[float]
+    max_mismatch: Optional[int]
+    mtp: bool
+    num_requests: int
+    accuracy: float
+    tokens_per_step: float  # sum count / sum(count - accepted)
+    mean_accept_len: Optional[float]  # from the server's accept-len histogram (decode steps)
+    output_tokens: int
+    wall_s: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    differs_from_strict: Optional[float]  # share of requests; None for strict itself
+    mean_regret_spent: float
+    mean_relaxed_tokens: float
+    accept_len_hist: Dict[int, int] = field(default_factory=dict)
+    speedup_vs_strict: Optional[float] = None  # output tokens/s ratio
+    requests_per_s_vs_strict: Optional[float] = None
+    arm_total_s: Optional[float] = None  # server start + warm-up + timed wave + stop
+
+
+def differing_requests(a: Sequence[RequestRecord], b: Sequence[RequestRecord]) -> List[int]:
+    """Positions whose token ids differ (the lists are in the same question order)."""
+    if len(a) != len(b):
+        raise ValueError(f"different request counts: {len(a)} vs {len(b)}")
+    for x, y in zip(a, b):
+        if x.index != y.index:
+            raise ValueError(f"request order differs: question {x.index} vs {y.index}")
+    return [i for i, (x, y) in enumerate(zip(a, b)) if x.token_ids != y.token_ids]
+
+
+def first_token_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """Position of the first differing token (the shorter length when one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def mean_accept_len(hist: Dict[int, int]) -> Optional[float]:
+    n = sum(hist.values())
+    return sum(k * c for k, c in hist.items()) / n if n else None
+
+
+def summarize_arm(arm: Arm, records: Sequence[RequestRecord], wall_s: float,
+                  strict: Optional[Sequence[RequestRecord]], hist: Optional[Dict[int, int]] = None) -> ArmSummary:
+    n = len(records)
+    if n == 0:
+        raise ValueError(f"arm {arm.name}: no requests")
+    tokens = sum(r.count_output_tokens for r in records)
+    steps = sum(r.count_output_tokens - r.mtp_accepted_token_num for r in records)
+    differs = None
+    if strict is not None and arm.name != STRICT:
+        differs = len(differing_requests(records, strict)) / n
+    hist = dict(hist or {})
+    return ArmSummary(
+        name=arm.name, budget=arm.budget, local_ratio=arm.local_ratio, max_mismatch=arm.max_mismatch, mtp=arm.mtp,
+        num_requests=n,
+        accuracy=sum(r.correct for r in records) / n,
+        tokens_per_step=tokens / steps if steps else float("nan"),
+        mean_accept_len=mean_accept_len(hist),
+        output_tokens=tokens,
+        wall_s=wall_s,
+        output_tokens_per_s=tokens / wall_s if wall_s > 0 else float("nan"),
+        requests_per_s=n / wall_s if wall_s > 0 else float("nan"),
+        differs_from_strict=differs,
+        mean_regret_spent=sum(r.asd_regret_spent for r in records) / n,
+        mean_relaxed_tokens=sum(r.asd_relaxed_token_num for r in records) / n,
+        accept_len_hist=hist,
+    )
+
+
+def add_ratios(summaries: List[ArmSummary]) -> None:
+    """Throughput ratios to the strict arm of the same run (in place)."""
+    strict = next((s for s in summaries if s.name == STRICT), None)
+    if strict is None:
+        return
+    for s in summaries:
+        s.speedup_vs_strict = s.output_tokens_per_s / strict.output_tokens_per_s
+        s.requests_per_s_vs_strict = s.requests_per_s / strict.requests_per_s
+
+
+@dataclass
+class B0Check:
+    passed: bool
+    num_requests: int
+    num_differing: int
+    first_question_index: Optional[int] = None  # question index of the first differing request
+    first_token_position: Optional[int] = None
+
+    def message(self) -> str:
+        if self.passed:
+            return f"B = 0 identity check PASSED: asd_b0 is token-identical to strict on all {self.num_requests} requests"
+        return (f"B = 0 identity check FAILED: {self.num_differing} of {self.num_requests} requests differ from "
+                f"strict; first: question {self.first_question_index}, token position {self.first_token_position}")
+
+
+def check_b0(strict: Sequence[RequestRecord], b0: Sequence[RequestRecord]) -> B0Check:
+    diff = differing_requests(b0, strict)
+    if not diff:
+        return B0Check(True, len(strict), 0)
+    i = diff[0]
+    return B0Check(False, len(strict), len(diff), strict[i].index,
+                   first_token_difference(strict[i].token_ids, b0[i].token_ids))
+
+
+# ---------------------------------------------------------------------------
+# /metrics parsing (pure)
+# ---------------------------------------------------------------------------
+
+
+_BUCKET_RE = re.compile(r'^' + ACCEPT_LEN_BUCKET + r'\{le="([^"]+)"\}\s+(\S+)\s*$')
+
+
+def parse_accept_len_histogram(metrics_text: str) -> Dict[int, int]:
+    """Steps per accept_len from the cumulative Prometheus buckets (integer bounds 1..8).
+
+    accept_len is an integer, so bucket ``le=k`` minus bucket ``le=k-1`` counts steps with
+    accept_len == k; the +Inf bucket holds nothing more (accept_len <= K + 1 <= 8)."""
+    cum = {}
+    for line in metrics_text.splitlines():
+        m = _BUCKET_RE.match(line)
+        if m and m.group(1) != "+Inf":
+            cum[int(float(m.group(1)))] = int(float(m.group(2)))
+    hist, prev = {}, 0
+    for k in sorted(cum):
+        hist[k] = cum[k] - prev
+        prev = cum[k]
+    return hist
+
+
+def subtract_histograms(after: Dict[int, int], before: Dict[int, int]) -> Dict[int, int]:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+# ---------------------------------------------------------------------------
+# Rendering (pure)
+# ---------------------------------------------------------------------------
+
+
+def _fmt(v, spec: str = ".3f", none: str = "-") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return none
+    return format(v, spec)
+
+
+def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], command: str,
+                    setup: Dict[str, object]) -> str:
+    lines = ["# GSM8K: strict MTP vs ASD", ""]
+    lines += [f"- {k}: {v}" for k, v in setup.items()]
+    lines += ["", f"**{b0.message()}**" if b0 is not None else "**B = 0 identity check NOT RUN**", ""]
+    head = ["arm", "B", "g", "m", "accuracy", "tokens/step", "accept_len", "out tok/s", "req/s",
+            "tok/s vs strict", "differs from strict", "mean regret", "mean relaxed", "wall s", "arm s"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for s in summaries:
+        row = [
+            s.name, _fmt(s.budget, "g"), _fmt(s.local_ratio, "g"), _fmt(s.max_mismatch, "d"),
+            f"{100 * s.accuracy:.2f}%", _fmt(s.tokens_per_step), _fmt(s.mean_accept_len),
+            _fmt(s.output_tokens_per_s, ".1f"), _fmt(s.requests_per_s, ".2f"),
+            _fmt(s.speedup_vs_strict, ".3f") + ("x" if s.speedup_vs_strict is not None else ""),
+            "-" if s.differs_from_strict is None else f"{100 * s.differs_from_strict:.1f}%",
+            _fmt(s.mean_regret_spent, ".4f"), _fmt(s.mean_relaxed_tokens, ".2f"), _fmt(s.wall_s, ".1f"),
+            _fmt(s.arm_total_s, ".1f"),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "tokens/step = sum(count_output_tokens) / sum(count_output_tokens - mtp_accepted_token_num) "
+        "(the prefill step included); accept_len = mean of the server's lightllm_mtp_accept_len "
+        "histogram over the timed wave's decode steps; wall s = the timed wave (throughput is over it); "
+        "arm s = server start + warm-up + timed wave + stop; B/g/m '-' = flag unset.",
+        "",
+        "Command:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------
+
+
+def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    by = {s.name: s for s in summaries}
+    family = sorted([s for s in summaries if s.local_ratio == SWEEP_LOCAL_RATIO and s.max_mismatch == SWEEP_MAX_MISMATCH
+                     and s.budget is not None], key=lambda s: s.budget)
+    budgets = sorted({round(s.budget, 4) for s in summaries if s.budget is not None})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, attr, label in ((axes[0], "accuracy", "accuracy"), (axes[1], "output_tokens_per_s", "output tokens/s")):
+        scale = 100.0 if attr == "accuracy" else 1.0
+        if family:
+            ax.plot([s.budget for s in family], [scale * getattr(s, attr) for s in family], "o-",
+                    label=f"ASD g={SWEEP_LOCAL_RATIO:g}, m={SWEEP_MAX_MISMATCH} (sweep + usage)")
+        for name, marker in ((ASD_B0, "s"), ("asd_q25", "D")):
+            if name in by:
+                s = by[name]
+                ax.plot([s.budget], [scale * getattr(s, attr)], marker, markersize=8, label=name)
+        for name, style in ((STRICT, "--"), (BASELINE, ":")):
+            if name in by:
+                ax.axhline(scale * getattr(by[name], attr), linestyle=style, color="gray" if name == STRICT else "black",
+                           label=name)
+        ax.set_xscale("symlog", linthresh=0.25)
+        if budgets:
+            ax.set_xlim(-0.05, 1.5 * max(budgets) if max(budgets) > 0 else 1.0)
+            ax.set_xticks(budgets)
+            ax.set_xticklabels([f"{b:g}" for b in budgets], rotation=45, fontsize=8)
+            ax.minorticks_off()
+        ax.set_xlabel("regret budget B")
+        ax.set_ylabel(label + (" (%)" if attr == "accuracy" else ""))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("GSM8K: accuracy and throughput against the ASD budget")
+    fig.tight_layout()
+    p = os.path.join(out_dir, "budget_sweep.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    with_hist = [s for s in summaries if sum(s.accept_len_hist.values()) > 0]
+    if with_hist:
+        kmax = max(k for s in with_hist for k, c in s.accept_len_hist.items() if c > 0)
+        ks = list(range(1, kmax + 1))
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(ks) + 0.3 * len(with_hist)), 4.5))
+        width = 0.8 / len(with_hist)
+        for i, s in enumerate(with_hist):
+            total = sum(s.accept_len_hist.values())
+            ax.bar([k - 0.4 + width * (i + 0.5) for k in ks], [s.accept_len_hist.get(k, 0) / total for k in ks],
+                   width=width, label=f"{s.name} (mean {_fmt(s.mean_accept_len, '.2f')})")
+        ax.set_xticks(ks)
+        ax.set_xlabel("accept_len (committed tokens per request per verify step)")
+        ax.set_ylabel("share of decode steps")
+        ax.legend(fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_title("Accept-length histogram per arm (server /metrics)")
+        fig.tight_layout()
+        p = os.path.join(out_dir, "accept_len_hist.png")
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+# ---------------------------------------------------------------------------
+# Running an arm against the real server
+# ---------------------------------------------------------------------------
+
+
+async def _post_all(url: str, payloads: Sequence[Dict], concurrency: int, desc: Optional[str]) -> List[Dict]:
+    import httpx
+    from tqdm import tqdm
+
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    bar = tqdm(total=len(payloads), desc=desc, disable=desc is None)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        async def one(p):
+            async with sem:
+                r = await client.post("/generate", json=p)
+            if r.status_code != 200:
+                raise RuntimeError(f"/generate returned HTTP {r.status_code}: {r.text}")
+            bar.update(1)
+            return r.json()
+
+        try:
+            return await asyncio.gather(*(one(p) for p in payloads))
+        finally:
+            bar.close()
+
+
+def _payload(text: str, max_new_tokens: int) -> Dict:
+    return {"inputs": text, "parameters": {"max_new_tokens": max_new_tokens, "do_sample": False, "return_details": True}}
+
+
+def server_env() -> Dict[str, str]:
+    import torch
+
+    env = dict(os.environ)
+    if torch.cuda.is_available():
+        env.pop("TRITON_INTERPRET", None)
+    else:
+        env.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in the interpreter on CPU
+    return env
+
+
+@dataclass
+class ArmRun:
+    records: List[RequestRecord]
+    wall_s: float  # the timed wave
+    accept_len_hist: Dict[int, int]
+    total_s: float = 0.0  # server start to stop (set by main)
+
+
+def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Sequence[Question],
+            prompts: Sequence[str], args, out_dir: str) -> ArmRun:
+    import httpx
+
+    from lightllm.utils.server_launcher import launch_server
+
+    log = os.path.join(out_dir, f"server_{arm.name}.log")
+    print(f"[{arm.name}] starting server: {' '.join(base_flags + arm_flags)}", flush=True)
+    server = launch_server(base_flags + arm_flags, log, env=server_env())
+    try:
+        if args.warmup > 0:
+            warm = [_payload(p, min(WARMUP_MAX_NEW_TOKENS, args.max_new_tokens)) for p in prompts[:args.warmup]]
+            asyncio.run(_post_all(server.url, warm, args.concurrency, None))
+        before = parse_accept_len_histogram(httpx.get(server.url + "/metrics").text)
+        payloads = [_payload(p, args.max_new_tokens) for p in prompts]
+        t0 = time.perf_counter()
+        responses = asyncio.run(_post_all(server.url, payloads, args.concurrency, arm.name))
+        wall = time.perf_counter() - t0
+        after = parse_accept_len_histogram(httpx.get(server.url + "/metrics").text)
+    finally:
+        server.stop()
+    records = [RequestRecord.from_response(q, r) for q, r in zip(questions, responses)]
+    with open(os.path.join(out_dir, f"requests_{arm.name}.jsonl"), "w") as f:
+        for r in records:
+            f.write(json.dumps(asdict(r)) + "\n")
+    return ArmRun(records, wall, subtract_histograms(after, before))
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def read_calib_q25(path: str, mtp_step: int) -> float:
+    with open(path) as f:
+        calib = json.load(f)
+    if "q25" not in calib:
+        raise ValueError(f"{path}: no 'q25' (write it with python -m lightllm.tools.asd_calibrate)")
+    if calib.get("mtp_step") not in (None, mtp_step):
+        print(f"warning: {path} was calibrated with --mtp_step {calib['mtp_step']}, this run uses {mtp_step}",
+              file=sys.stderr)
+    return float(calib["q25"])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lightllm.tools.eval_gsm8k", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="GSM8K test jsonl ({question, answer})")
+    p.add_argument("--out_dir", required=True)
+    p.add_argument("--num_questions", type=int, default=None, help="first N questions (default: all)")
+    p.add_argument("--model_dir", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--mtp_mode", default=DEFAULT_MTP_MODE)
+    p.add_argument("--mtp_step", type=int, default=3)
+    p.add_argument("--mtp_draft_model_dir", nargs="+", default=None,
+                   help="draft dir(s) (default: the server's packaged draft for the model)")
+    p.add_argument("--concurrency", type=int, default=256, help="requests in flight")
+    p.add_argument("--running_max_req_size", type=int, default=None, help="server flag (default: --concurrency)")
+    p.add_argument("--max_req_total_len", type=int, default=None,
+                   help="server flag (default: longest prompt + max_new_tokens, rounded up to 64)")
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    cal = p.add_mutually_exclusive_group()
+    cal.add_argument("--calib", default=None, help="calib.json of asd_calibrate (its q25)")
+    cal.add_argument("--q25", type=float, default=None, help="q for the asd_q25 arm (B = g = q, m = 1)")
+    p.add_argument("--arms", default=None,
+                   help=f"named arms, comma-separated (default: {','.join(NAMED_ARMS)}, asd_q25 only with a q); "
+                        f"strict and asd_b0 are required")
+    p.add_argument("--sweep", default=DEFAULT_SWEEP, help="sweep budgets B (g = 0.25, m = 2); '' for none")
+    p.add_argument("--with_baseline", action="store_true", help="also run a no-MTP arm")
+    p.add_argument("--warmup", type=int, default=WARMUP_REQUESTS,
+                   help=f"untimed warm-up requests per arm ({WARMUP_MAX_NEW_TOKENS} tokens each)")
+    p.add_argument("--batch_max_tokens", type=int, default=DEFAULT_BATCH_MAX_TOKENS,
+                   help="server flag: prompt tokens prefilled per step")
+    p.add_argument("--time_budget_s", type=float, default=None,
+                   help="skip the remaining optional arms once the time spent plus the last arm's time exceeds this "
+                        "(strict and asd_b0 always run)")
+    p.add_argument("--server_extra", default="", help="extra server flags for every arm (one shell-quoted string)")
+    a = p.parse_args(argv)
+    if a.concurrency < 1:
+        p.error("--concurrency must be >= 1")
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python -m lightllm.tools.eval_gsm8k " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    q25 = args.q25 if args.calib is None else read_calib_q25(args.calib, args.mtp_step)
+    named = [a.strip() for a in args.arms.split(",")] if args.arms else [
+        a for a in NAMED_ARMS if a != "asd_q25" or q25 is not None]
+    try:
+        arms = build_arms(named, q25, parse_float_list(args.sweep), args.with_baseline)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from transformers import AutoTokenizer
+
+    model_dir = os.path.abspath(args.model_dir) if args.model_dir else None
+    if model_dir is None:
+        from lightllm.utils.embedded_model import get_default_model_dir
+
+        tok_dir = get_default_model_dir()
+    else:
+        tok_dir = model_dir
+    draft_dirs = [os.path.abspath(d) for d in args.mtp_draft_model_dir] if args.mtp_draft_model_dir else None
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    questions = load_questions(args.data, args.num_questions)
+    prompts = [chat_prompt_text(tokenizer, q.question) for q in questions]
+    prompt_lens = [len(tokenizer.encode(p, add_special_tokens=True)) for p in prompts]
+    max_len = args.max_req_total_len or auto_max_req_total_len(prompt_lens, args.max_new_tokens)
+    base_flags = (["--model_dir", model_dir] if model_dir else []) + [
+        "--running_max_req_size", str(args.running_max_req_size or args.concurrency),
+        "--max_req_total_len", str(max_len),
+        "--batch_max_tokens", str(max(args.batch_max_tokens, max_len)),
+    ] + shlex.split(args.server_extra)
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"{len(questions)} questions, arms: {', '.join(a.name for a in arms)}", flush=True)
+
+    setup = {
+        "data": os.path.abspath(args.data), "questions": len(questions), "model_dir": tok_dir,
+        "mtp_mode": args.mtp_mode, "mtp_step (K)": args.mtp_step,
+        "draft": " ".join(draft_dirs) if draft_dirs else "server default", "max_new_tokens": args.max_new_tokens,
+        "concurrency": args.concurrency, "q25": q25, "server flags (every arm)": " ".join(base_flags),
+    }
+    t_start = time.perf_counter()
+    runs: Dict[str, ArmRun] = {}
+    skipped: List[str] = []
+    last_arm_s = 0.0
+    for arm in arms:
+        elapsed = time.perf_counter() - t_start
+        if args.time_budget_s and arm.name not in REQUIRED_ARMS and elapsed + last_arm_s > args.time_budget_s:
+            print(f"[{arm.name}] skipped: {elapsed:.0f} s spent, the last arm took {last_arm_s:.0f} s, "
+                  f"--time_budget_s {args.time_budget_s:g}", flush=True)
+            skipped.append(arm.name)
+            continue
+        t0 = time.perf_counter()
+        flags = arm.server_flags(args.mtp_mode, args.mtp_step, draft_dirs)
+        runs[arm.name] = run_arm(arm, base_flags, flags, questions, prompts, args, args.out_dir)
+        last_arm_s = runs[arm.name].total_s = time.perf_counter() - t0
+        print(f"[{arm.name}] done: timed wave {runs[arm.name].wall_s:.1f} s, arm in all {last_arm_s:.1f} s", flush=True)
+        if arm.name == ASD_B0:
+            b0 = check_b0(runs[STRICT].records, runs[ASD_B0].records)
+            print(("" if b0.passed else "!!! ") + b0.message(), flush=True)
+        # after every arm, so a run cut short still leaves its results
+        md, b0 = write_outputs([a for a in arms if a.name in runs], runs, skipped, args, draft_dirs, command, setup)
+    if skipped:  # the last write did not know of them all
+        md, b0 = write_outputs([a for a in arms if a.name in runs], runs, skipped, args, draft_dirs, command, setup)
+    print(md)
+    if b0 is None or not b0.passed:
+        print(f"FAILED: {b0.message() if b0 else 'no B = 0 check'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def write_outputs(arms: Sequence[Arm], runs: Dict[str, "ArmRun"], skipped: Sequence[str], args,
+                  draft_dirs, command: str, setup: Dict[str, object]) -> Tuple[str, Optional[B0Check]]:
+    """results.json, results.md and the plots for the arms run so far."""
+    strict = runs[STRICT].records
+    summaries = [summarize_arm(a, runs[a.name].records, runs[a.name].wall_s, strict, runs[a.name].accept_len_hist)
+                 for a in arms]
+    add_ratios(summaries)
+    for s in summaries:
+        s.arm_total_s = runs[s.name].total_s
+    b0 = check_b0(strict, runs[ASD_B0].records) if ASD_B0 in runs else None
+    if skipped:
+        setup = {**setup, "skipped (time budget)": ", ".join(skipped)}
+    results = {
+        "command": command, "setup": setup, "b0_check": asdict(b0) if b0 else None, "skipped_arms": list(skipped),
+        "arms": [{**asdict(s), "server_flags": a.server_flags(args.mtp_mode, args.mtp_step, draft_dirs)}
+                 for s, a in zip(summaries, arms)],
+    }
+    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    md = render_markdown(summaries, b0, command, setup)
+    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
+        f.write(md)
+    plot_results(summaries, args.out_dir)
+    return md, b0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

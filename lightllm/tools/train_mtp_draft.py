@@ -1,0 +1,609 @@
+"""Train an MTP draft for a target model by self-distillation.
+
+The target answers chat prompts greedily (OfflineEngine); training sequences are
+prompt + the target's own answer, so the draft learns to predict what the target
+will actually say. The draft (``MTPDraftTrainModule``) is unrolled over K depths
+per batch:
+
+    depth d (0-based) at position s: in (h^{(d)}_s, x_{s+d+1}) -> h^{(d+1)}_s,
+    logits = target final norm + lm_head, label x_{s+d+2}
+
+h^{(0)} is the target's last-layer output before its final norm; deeper depths
+take the module's own output (gradients flow through the chain) and the
+ground-truth token. Loss = sum_d DEPTH_LOSS_DECAY**d * CE_d over answer labels.
+
+Initialisation (see ``init_from_target``): the decoder layer is a copy of the
+target's last layer, enorm/hnorm are ones, and eh_proj = [0 | c*I] with c the
+median RMS of the target's hidden states, so that at step 0 the module applies
+the target's last layer once more to (a rescaled copy of) the target's own
+state; the token half starts at zero and learns from the first gradient.
+
+CLI:
+    python -m lightllm.tools.train_mtp_draft --data train.jsonl --out DIR \\
+        [--model_dir DIR] [--mtp_mode eagle_with_att] [--unroll 4] [--num_questions N] ...
+
+The output dir holds config.json + model.safetensors (bf16, loadable with
+``--mtp_draft_model_dir``) and training_info.json.
+"""
+import argparse
+import copy
+import gc
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from lightllm.models.llama_mtp.train_module import MTPDraftTrainModule
+from lightllm.server.core.objs.start_args_type import MTP_MODES
+
+logger = logging.getLogger(__name__)
+
+DEPTH_LOSS_DECAY = 0.8  # w_d = DEPTH_LOSS_DECAY ** d: near depths matter most (they gate the later ones)
+IGNORE_INDEX = -100  # label of positions without a loss (prompt, padding, past the sequence end)
+PAD_TOKEN_ID = 0  # any valid id; padded positions are masked out and causal attention never sees them
+WARMUP_FRACTION = 0.05  # of all optimiser steps, linear warm-up
+MIN_LR_FRACTION = 0.1  # the LR decays to this share of --lr
+MAX_HELDOUT_SEQUENCES = 256
+HELDOUT_FRACTION = 0.05
+GEN_RUNNING_MAX_REQ_SIZE = 256  # default requests decoded together while generating the answers
+GEN_BATCH_MAX_TOKENS = 8192  # prompt tokens per prefill step while generating (many prompts per step)
+TRAINING_INFO_FILENAME = "training_info.json"
+LR_SCHEDULES = ("cosine", "linear")
+
+
+# --------------------------------------------------------------------------- config and data
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of the training core (validated once)."""
+
+    mtp_mode: str = "eagle_with_att"
+    unroll: int = 4  # K: depths trained per batch
+    epochs: int = 1
+    lr: float = 5e-4
+    lr_schedule: str = "cosine"
+    batch_size: int = 16
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    heldout_fraction: float = HELDOUT_FRACTION
+    max_train_seconds: Optional[float] = None  # time budget: the LR decays by steps or time, then stop
+
+    def __post_init__(self):
+        if self.mtp_mode not in MTP_MODES:
+            raise ValueError(f"mtp_mode {self.mtp_mode!r}; valid names: {', '.join(MTP_MODES)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule {self.lr_schedule!r}; valid names: {', '.join(LR_SCHEDULES)}")
+        for name in ("unroll", "epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.lr > 0 and 0 <= self.heldout_fraction < 1):
+            raise ValueError("lr must be > 0 and heldout_fraction in [0, 1)")
+
+    @property
+    def with_attention(self) -> bool:
+        return self.mtp_mode.endswith("_with_att")
+
+    @property
+    def num_modules(self) -> int:
+        return 1 if self.mtp_mode.startswith("eagle") else self.unroll
+
+    @property
+    def depth_weights(self) -> List[float]:
+        return [DEPTH_LOSS_DECAY ** d for d in range(self.unroll)]
+
+
+@dataclass(frozen=True)
+class TrainSequence:
+    token_ids: List[int]  # prompt + answer
+    prompt_len: int  # labels are the answer tokens token_ids[prompt_len:]
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [batch, seq] int64, right-padded with PAD_TOKEN_ID
+    is_answer: torch.Tensor  # [batch, seq] bool: an answer token (a label for some depth)
+    is_real: torch.Tensor  # [batch, seq] bool: not padding
+
+
+@dataclass
+class DepthMetrics:
+    """Per-depth results on a set of sequences; index i is depth i+1 (predicts x_{s+i+2})."""
+
+    loss_by_depth: List[float]
+    top1_by_depth: List[float]
+    # teacher-forced estimate of the engine's mean accept length with K = unroll:
+    # 1 + the number of leading depths whose top-1 is right, averaged over positions
+    accept_len_estimate: float
+
+
+@dataclass
+class TrainResult:
+    module: MTPDraftTrainModule
+    steps: int
+    hidden_scale: float
+    final_train_loss: float  # mean of the last epoch's (or run's) steps
+    heldout_before: Optional[DepthMetrics]  # None without a held-out slice
+    heldout_after: Optional[DepthMetrics]
+    num_train_sequences: int
+    num_heldout_sequences: int
+    stopped_early: bool
+    seconds: float
+    loss_history: List[float] = field(default_factory=list)
+
+
+def collate(seqs: Sequence[TrainSequence], device) -> Batch:
+    longest = max(len(s.token_ids) for s in seqs)
+    tokens = torch.full((len(seqs), longest), PAD_TOKEN_ID, dtype=torch.long)
+    is_answer = torch.zeros((len(seqs), longest), dtype=torch.bool)
+    is_real = torch.zeros((len(seqs), longest), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
+        is_answer[i, s.prompt_len: len(s.token_ids)] = True
+        is_real[i, : len(s.token_ids)] = True
+    return Batch(tokens.to(device), is_answer.to(device), is_real.to(device))
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int) -> torch.Tensor:
+    """x: [batch, seq] -> y with y[:, s] = x[:, s + n], ``fill`` past the end."""
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def depth_inputs(batch: Batch, depth: int):
+    """Depth d's input tokens x_{s+d+1} and labels x_{s+d+2} (IGNORE_INDEX off the answer), both [batch, seq]."""
+    tokens_in = shift_left(batch.tokens, depth + 1, PAD_TOKEN_ID)
+    labels = torch.where(batch.is_answer, batch.tokens, torch.full_like(batch.tokens, IGNORE_INDEX))
+    return tokens_in, shift_left(labels, depth + 2, IGNORE_INDEX)
+
+
+def split_heldout(seqs: Sequence[TrainSequence], fraction: float, seed: int):
+    """A seeded shuffle, then the last slice is held out (at least 1 when there are >= 2 sequences)."""
+    order = list(seqs)
+    random.Random(seed).shuffle(order)
+    n = 0 if fraction == 0 or len(order) < 2 else min(MAX_HELDOUT_SEQUENCES, max(1, round(fraction * len(order))))
+    return order[: len(order) - n], order[len(order) - n:]
+
+
+# --------------------------------------------------------------------------- the target's frozen parts
+
+
+def _fp32(module: nn.Module) -> nn.Module:
+    """The module itself when already fp32, else an fp32 copy (frozen either way)."""
+    if any(p.dtype != torch.float32 for p in module.parameters()):
+        module = copy.deepcopy(module).float()
+    return module.requires_grad_(False)
+
+
+class TargetHead(nn.Module):
+    """The target's embedding, final norm and lm_head in fp32: shared by every depth, never trained."""
+
+    def __init__(self, target: nn.Module):
+        super().__init__()
+        self.embed = _fp32(target.get_input_embeddings())
+        self.norm = _fp32(target.model.norm)
+        self.lm_head = _fp32(target.get_output_embeddings())
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> [n, vocab] fp32."""
+        return self.lm_head(self.norm(hidden)).float()
+
+
+@torch.no_grad()
+def target_hidden(target: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens: [batch, seq] -> h^{(0)} [batch, seq, hidden] fp32: the input of the target's final norm.
+
+    Right padding needs no attention mask: causal attention never lets a real
+    position see the padding after it."""
+    captured = []
+    hook = target.model.norm.register_forward_hook(lambda mod, args, out: captured.append(args[0]))
+    try:
+        target.model(input_ids=tokens, use_cache=False)
+    finally:
+        hook.remove()
+    return captured[0].float()
+
+
+# --------------------------------------------------------------------------- the module
+
+
+@torch.no_grad()
+def measure_hidden_scale(target: nn.Module, batch: Batch) -> float:
+    """Median per-token RMS of the target's h^{(0)} over the real (unpadded) tokens of ``batch``."""
+    h = target_hidden(target, batch.tokens)  # [batch, seq, hidden]
+    return float(h.pow(2).mean(-1).sqrt()[batch.is_real].median())
+
+
+@torch.no_grad()
+def init_from_target(module: MTPDraftTrainModule, target: nn.Module, hidden_scale: float) -> None:
+    """Every MTP module: decoder layer (or its MLP half) = the target's last layer,
+    enorm = hnorm = ones, eh_proj = [0 | hidden_scale * I] (token half | hidden half)."""
+    last = target.model.layers[-1].state_dict()
+    for mod in module.mtp:
+        own = mod.layer.state_dict()
+        missing = [k for k in own if k not in last]
+        if missing:
+            raise ValueError(f"the target's last layer has no {missing}")
+        mod.layer.load_state_dict({k: last[k].float() for k in own})
+        mod.enorm.weight.fill_(1.0)
+        mod.hnorm.weight.fill_(1.0)
+        hidden = mod.eh_proj.weight.shape[0]
+        mod.eh_proj.weight.zero_()
+        mod.eh_proj.weight[:, hidden:].copy_(hidden_scale * torch.eye(hidden))
+
+
+@dataclass
+class UnrollOutput:
+    ce_by_depth: List[torch.Tensor]  # scalar CE per depth (0 where a depth has no label)
+    correct_by_depth: List[torch.Tensor]  # [batch, seq] bool: top-1 == label (False where no label)
+    valid_by_depth: List[torch.Tensor]  # [batch, seq] bool: the depth has a label here
+
+
+def unroll(module: MTPDraftTrainModule, head: TargetHead, hidden0: torch.Tensor, batch: Batch, k: int) -> UnrollOutput:
+    """Run depths 0..k-1 with ground-truth input tokens and the module's own hidden chain."""
+    hidden = hidden0  # [batch, seq, hidden]
+    out = UnrollOutput([], [], [])
+    for depth in range(k):
+        tokens_in, labels = depth_inputs(batch, depth)
+        hidden = module.step(depth, hidden, tokens_in, head.embed)
+        valid = labels != IGNORE_INDEX
+        correct = torch.zeros_like(valid)
+        if valid.any():
+            logits = head.logits(hidden[valid])  # [n, vocab], only where a label exists
+            out.ce_by_depth.append(F.cross_entropy(logits, labels[valid]))
+            correct[valid] = logits.argmax(-1) == labels[valid]
+        else:
+            out.ce_by_depth.append(hidden.sum() * 0.0)
+        out.correct_by_depth.append(correct)
+        out.valid_by_depth.append(valid)
+    return out
+
+
+def weighted_loss(out: UnrollOutput, weights: Sequence[float]) -> torch.Tensor:
+    return sum(w * ce for w, ce in zip(weights, out.ce_by_depth))
+
+
+def leading_correct(out: UnrollOutput) -> torch.Tensor:
+    """[n] over positions with a depth-0 label: how many depths from the first are all right."""
+    run = torch.ones_like(out.valid_by_depth[0])
+    total = torch.zeros(out.valid_by_depth[0].shape, dtype=torch.long, device=run.device)
+    for correct in out.correct_by_depth:
+        run = run & correct
+        total += run.long()
+    return total[out.valid_by_depth[0]]
+
+
+@torch.no_grad()
+def evaluate(module: MTPDraftTrainModule, target: nn.Module, head: TargetHead, seqs: Sequence[TrainSequence],
+             cfg: TrainConfig, device) -> DepthMetrics:
+    k = cfg.unroll
+    was_training = module.training
+    module.eval()
+    ce_sum, correct, count = [0.0] * k, [0] * k, [0] * k
+    chain_sum, chain_n = 0, 0
+    for i in range(0, len(seqs), cfg.batch_size):
+        batch = collate(seqs[i: i + cfg.batch_size], device)
+        out = unroll(module, head, target_hidden(target, batch.tokens), batch, k)
+        for d in range(k):
+            n = int(out.valid_by_depth[d].sum())
+            ce_sum[d] += float(out.ce_by_depth[d]) * n
+            correct[d] += int(out.correct_by_depth[d].sum())
+            count[d] += n
+        lead = leading_correct(out)
+        chain_sum += int(lead.sum())
+        chain_n += lead.numel()
+    module.train(was_training)
+    return DepthMetrics(
+        loss_by_depth=[ce_sum[d] / max(count[d], 1) for d in range(k)],
+        top1_by_depth=[correct[d] / max(count[d], 1) for d in range(k)],
+        accept_len_estimate=1.0 + chain_sum / max(chain_n, 1),
+    )
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warm-up, then cosine or linear decay to MIN_LR_FRACTION * lr.
+
+    Progress is the larger of step / total_steps and elapsed / max_seconds, so a
+    time budget compresses the decay (training ends at the low LR) instead of
+    cutting the run off at a high LR."""
+
+    lr: float
+    total_steps: int
+    kind: str
+    max_seconds: Optional[float] = None
+
+    def progress(self, step: int, elapsed: float) -> float:
+        p = step / self.total_steps
+        if self.max_seconds is not None:
+            p = max(p, elapsed / self.max_seconds)
+        return min(p, 1.0)
+
+    def lr_at(self, step: int, elapsed: float) -> float:
+        warmup = max(1, round(WARMUP_FRACTION * self.total_steps))
+        if step < warmup:
+            return self.lr * (step + 1) / warmup
+        p = self.progress(step, elapsed)
+        decay = 0.5 * (1 + math.cos(math.pi * p)) if self.kind == "cosine" else 1.0 - p
+        return self.lr * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * decay)
+
+
+# --------------------------------------------------------------------------- the training core
+
+
+def train_draft(target: nn.Module, sequences: Sequence[TrainSequence], cfg: TrainConfig,
+                device, progress: bool = True) -> TrainResult:
+    """Train a draft on token sequences (no tokenizer needed); ``target`` is a transformers CausalLM."""
+    start = time.monotonic()
+    torch.manual_seed(cfg.seed)
+    target.requires_grad_(False).eval()
+    train_seqs, heldout = split_heldout(sequences, cfg.heldout_fraction, cfg.seed)
+    if not train_seqs:
+        raise ValueError("no training sequences")
+    head = TargetHead(target)
+    module = MTPDraftTrainModule(copy.deepcopy(target.config), cfg.with_attention, cfg.num_modules).to(device)
+    hidden_scale = measure_hidden_scale(target, collate(train_seqs[: cfg.batch_size], device))
+    init_from_target(module, target, hidden_scale)
+    before = evaluate(module, target, head, heldout, cfg, device) if heldout else None
+    if before:
+        logger.info("held-out before training: %s", _fmt(before))
+
+    steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
+    schedule = LRSchedule(cfg.lr, steps_per_epoch * cfg.epochs, cfg.lr_schedule, cfg.max_train_seconds)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    losses = []
+    bar = tqdm(total=schedule.total_steps, disable=not progress, desc="train draft")
+    module.train()
+    for epoch, chunk in epoch_batches(train_seqs, cfg.batch_size, cfg.epochs, cfg.seed + 1):
+        if schedule.progress(len(losses), time.monotonic() - start) >= 1.0:
+            break
+        if heldout and epoch > 0 and len(losses) == epoch * steps_per_epoch:
+            logger.info("held-out after epoch %d: %s", epoch, _fmt(evaluate(module, target, head, heldout, cfg, device)))
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.lr_at(len(losses), time.monotonic() - start)
+        loss, out = train_step(module, target, head, optimizer, collate(chunk, device), cfg)
+        losses.append(loss)
+        bar.update(1)
+        bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}", acc1=f"{_top1(out, 0):.2f}")
+    stopped_early = len(losses) < schedule.total_steps
+    if stopped_early:
+        logger.warning("time budget: stopped after %d of %d steps (--max_train_seconds %s)", len(losses),
+                       schedule.total_steps, cfg.max_train_seconds)
+    bar.close()
+    after = evaluate(module, target, head, heldout, cfg, device) if heldout else None
+    if after:
+        logger.info("held-out after training: %s", _fmt(after))
+    tail = losses[-steps_per_epoch:]
+    return TrainResult(module=module.eval(), steps=len(losses), hidden_scale=hidden_scale,
+                       final_train_loss=sum(tail) / len(tail), heldout_before=before, heldout_after=after,
+                       num_train_sequences=len(train_seqs), num_heldout_sequences=len(heldout),
+                       stopped_early=stopped_early, seconds=time.monotonic() - start, loss_history=losses)
+
+
+def train_step(module: MTPDraftTrainModule, target: nn.Module, head: TargetHead, optimizer: torch.optim.Optimizer,
+               batch: Batch, cfg: TrainConfig):
+    """One optimiser step; returns (the weighted loss, the unrolled outputs)."""
+    out = unroll(module, head, target_hidden(target, batch.tokens), batch, cfg.unroll)
+    loss = weighted_loss(out, cfg.depth_weights)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return float(loss.detach()), out
+
+
+def epoch_batches(seqs: Sequence[TrainSequence], batch_size: int, epochs: int, seed: int):
+    """(epoch, batch of sequences) over ``epochs`` seeded shuffles."""
+    rng = random.Random(seed)
+    for epoch in range(epochs):
+        order = list(seqs)
+        rng.shuffle(order)
+        for i in range(0, len(order), batch_size):
+            yield epoch, order[i: i + batch_size]
+
+
+def _top1(out: UnrollOutput, depth: int) -> float:
+    return float(out.correct_by_depth[depth].sum()) / max(1, int(out.valid_by_depth[depth].sum()))
+
+
+def _fmt(m: DepthMetrics) -> str:
+    top1 = " ".join(f"{a:.3f}" for a in m.top1_by_depth)
+    loss = " ".join(f"{x:.3f}" for x in m.loss_by_depth)
+    return f"top1 by depth [{top1}]  loss by depth [{loss}]  accept_len~{m.accept_len_estimate:.2f}"
+
+
+# --------------------------------------------------------------------------- data: prompts and answers
+
+
+def load_questions(path: str, num_questions: Optional[int]) -> List[str]:
+    """The first ``num_questions`` questions of a GSM8K-style jsonl file (all when None)."""
+    questions = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                questions.append(json.loads(line)["question"])
+                if num_questions is not None and len(questions) >= num_questions:
+                    break
+    return questions
+
+
+def build_prompt_ids(tokenizer, questions: Sequence[str]) -> List[List[int]]:
+    """One user turn per question through the target's chat template, with the assistant header."""
+    prompts = []
+    for q in questions:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=False)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def generate_answers(model_dir: str, prompts: Sequence[List[int]], max_new_tokens: int,
+                     eos_token_ids: Optional[Sequence[int]] = None, device: Optional[str] = None,
+                     dtype: Optional[str] = None, progress: bool = True,
+                     running_max_req_size: int = GEN_RUNNING_MAX_REQ_SIZE,
+                     max_seconds: Optional[float] = None) -> List[TrainSequence]:
+    """The target's greedy answers (OfflineEngine, no MTP): prompt + answer per sequence.
+
+    ``eos_token_ids`` None: the model dir's own (needs its tokenizer). ``max_seconds``:
+    past it every unfinished request is aborted; a partial answer is still the target's
+    own greedy text, so it is kept; prompts without a single answer token are dropped."""
+    from lightllm.server.core.objs.start_args_type import StartArgs
+    from lightllm.server.offline_engine import OfflineEngine
+
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    args = StartArgs(model_dir=model_dir, running_max_req_size=running_max_req_size, max_req_total_len=max_len,
+                     batch_max_tokens=max(GEN_BATCH_MAX_TOKENS, max_len))
+    engine = OfflineEngine(args, device=device, dtype=dtype)
+    eos = engine.eos_token_ids() if eos_token_ids is None else list(eos_token_ids)
+    params = [{"max_new_tokens": max_new_tokens, "ignore_eos": False}] * len(prompts)
+    results = engine.generate(prompts, params, eos_token_ids=eos, progress=progress,
+                              on_step=_abort_all_after(max_seconds))
+    del engine  # free its KV pool before the training model is loaded
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    seqs = [TrainSequence(list(p) + list(r.token_ids), len(p)) for p, r in zip(prompts, results) if r.token_ids]
+    if len(seqs) < len(prompts):
+        logger.warning("time budget: %d of %d prompts got no answer and are dropped", len(prompts) - len(seqs),
+                       len(prompts))
+    return seqs
+
+
+def _abort_all_after(max_seconds: Optional[float]):
+    """An ``on_step`` callback that aborts every unfinished request once ``max_seconds`` have passed."""
+    if max_seconds is None:
+        return None
+    deadline = time.monotonic() + max_seconds
+
+    def on_step(router) -> None:
+        if time.monotonic() > deadline:
+            for req in list(router.running) + list(router.queue.waiting):
+                router.abort(req.req_id)
+
+    return on_step
+
+
+def load_target(model_dir: str, device) -> nn.Module:
+    """transformers' CausalLM: bf16 on CUDA (as the engine serves it), fp32 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+# --------------------------------------------------------------------------- outputs and CLI
+
+
+def save_outputs(result: TrainResult, out_dir: str, info: Dict) -> None:
+    """The draft dir (bf16 config.json + model.safetensors) and training_info.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    result.module.save_draft(out_dir, torch.bfloat16)
+    with open(os.path.join(out_dir, TRAINING_INFO_FILENAME), "w") as f:
+        json.dump(info, f, indent=2)
+
+
+def training_info(result: TrainResult, cfg: TrainConfig, extra: Dict) -> Dict:
+    return {
+        **extra,
+        "config": asdict(cfg),
+        "depth_loss_weights": cfg.depth_weights,
+        "init": "decoder layer = target's last layer; enorm = hnorm = 1; eh_proj = [0 | hidden_scale * I]",
+        "hidden_scale": result.hidden_scale,
+        "steps": result.steps,
+        "stopped_early": result.stopped_early,
+        "num_train_sequences": result.num_train_sequences,
+        "num_heldout_sequences": result.num_heldout_sequences,
+        "final_train_loss": result.final_train_loss,
+        "heldout_before": asdict(result.heldout_before) if result.heldout_before else None,
+        "heldout_after": asdict(result.heldout_after) if result.heldout_after else None,
+        "depth_index_note": "list index i is depth i+1 (predicts the token i+2 ahead of the hidden state)",
+    }
+
+
+def make_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(description="Train an MTP draft for a target model by self-distillation.")
+    p.add_argument("--data", required=True, help="GSM8K-style train.jsonl (one {'question': ...} per line)")
+    p.add_argument("--out", required=True, help="output draft dir")
+    p.add_argument("--model_dir", default=None, help="target HF model dir (default: the embedded SmolLM2)")
+    p.add_argument("--mtp_mode", default=d.mtp_mode, choices=MTP_MODES)
+    p.add_argument("--unroll", type=int, default=d.unroll, help="K: depths unrolled per training batch")
+    p.add_argument("--num_questions", type=int, default=None, help="the first N questions (default: all)")
+    p.add_argument("--max_new_tokens", type=int, default=256, help="length limit of the target's answers")
+    p.add_argument("--gen_batch_size", type=int, default=GEN_RUNNING_MAX_REQ_SIZE,
+                   help="requests the engine decodes together while generating the answers")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr_schedule", default=d.lr_schedule, choices=LR_SCHEDULES)
+    p.add_argument("--batch_size", type=int, default=d.batch_size, help="sequences per optimiser step")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max_gen_seconds", type=float, default=None,
+                   help="abort the answer generation after this many seconds (partial answers are kept)")
+    p.add_argument("--max_train_seconds", type=float, default=None,
+                   help="training time budget in seconds: the LR schedule decays by steps or time, whichever is "
+                        "further along, and training stops (and saves) when it ends")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    a = make_parser().parse_args(argv)
+    cfg = TrainConfig(mtp_mode=a.mtp_mode, unroll=a.unroll, epochs=a.epochs, lr=a.lr, lr_schedule=a.lr_schedule,
+                      batch_size=a.batch_size, seed=a.seed, max_train_seconds=a.max_train_seconds)
+    device = resolve_device(a.device)
+    if torch.device(device).type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 draft
+    t0 = time.monotonic()
+    if a.model_dir is None:
+        from lightllm.utils.embedded_model import get_default_model_dir
+
+        a.model_dir = get_default_model_dir()
+    from transformers import AutoTokenizer
+
+    questions = load_questions(a.data, a.num_questions)
+    prompts = build_prompt_ids(AutoTokenizer.from_pretrained(a.model_dir), questions)
+    logger.info("%d questions; generating the target's answers (max_new_tokens %d)", len(prompts), a.max_new_tokens)
+    seqs = generate_answers(a.model_dir, prompts, a.max_new_tokens, device=device,
+                            running_max_req_size=a.gen_batch_size, max_seconds=a.max_gen_seconds)
+    t_gen = time.monotonic() - t0
+    answer_tokens = sum(len(s.token_ids) - s.prompt_len for s in seqs)
+    logger.info("generated %d answer tokens in %.1f s", answer_tokens, t_gen)
+    result = train_draft(load_target(a.model_dir, device), seqs, cfg, device)
+    info = training_info(result, cfg, {
+        "data_path": os.path.abspath(a.data),
+        "model_dir": a.model_dir,
+        "num_questions": len(questions),
+        "num_answered": len(seqs),
+        "gen_batch_size": a.gen_batch_size,
+        "max_new_tokens": a.max_new_tokens,
+        "answer_tokens": answer_tokens,
+        "prompt_tokens": sum(s.prompt_len for s in seqs),
+        "device": device,
+        "seconds": {"generate": t_gen, "train": result.seconds, "total": time.monotonic() - t0},
+    })
+    save_outputs(result, a.out, info)
+    logger.info("saved the draft to %s (%.1f s in all)", a.out, time.monotonic() - t0)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+# Sourced at the start of every command on the GPU machine (see docs/gpu_ci.md).
+# Reassembles the embedded model (carried in two halves), installs the server's wheels.
+M=/root/m
+GGUF=$M/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$GGUF" ] && [ -f .model_b/part ] && [ -f "$M/part_a" ]; then
+  cat "$M/part_a" .model_b/part > "$GGUF"
+fi
+if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.done
+fi
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+export LIGHTLLM_GGUF_PATH=$GGUF
+export LIGHTLLM_GSM8K_DIR=$PWD/.data
+export LIGHTLLM_CACHE_DIR=/root/lightllm_cache
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET

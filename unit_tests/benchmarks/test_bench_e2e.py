@@ -1,0 +1,127 @@
+"""The pure parts of benchmarks/bench_e2e_throughput.py: config parsing, percentiles, summaries, the table."""
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("bench_e2e_throughput",
+                                               os.path.join(REPO, "benchmarks", "bench_e2e_throughput.py"))
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+MTP = "--mtp_mode eagle_with_att --mtp_step 3"
+
+
+def test_parse_configs_default_is_one_engine_with_the_shared_args():
+    assert bench.parse_configs(None, "--running_max_req_size 8") == [
+        bench.ServerConfig("engine", ("--running_max_req_size", "8"))]
+    assert bench.parse_configs("  ") == [bench.ServerConfig("engine", ())]
+
+
+def test_parse_configs_names_args_and_shared_first():
+    got = bench.parse_configs(f"plain=; mtp_k3={MTP};", "--max_req_total_len 1024")
+    assert [c.name for c in got] == ["plain", "mtp_k3"]
+    assert got[0].args == ("--max_req_total_len", "1024")
+    assert got[1].args == ("--max_req_total_len", "1024", "--mtp_mode", "eagle_with_att", "--mtp_step", "3")
+    # '=' inside the args and shell quoting survive
+    quoted = bench.parse_configs("a=--mtp_draft_model_dir '/p with space/d=1'")
+    assert quoted[0].args == ("--mtp_draft_model_dir", "/p with space/d=1")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("plain", "not NAME=ARGS"),
+    ("=--mtp_step 3", "empty name"),
+    ("a=;a=--mtp_step 3", "duplicate name 'a'"),
+    ("transformers=", "taken by the baseline"),
+    (";;", "no config"),
+])
+def test_parse_configs_rejects(spec, message):
+    with pytest.raises(ValueError, match=message):
+        bench.parse_configs(spec)
+
+
+@pytest.mark.parametrize("values", [[3.0], [1.0, 2.0], [5, 1, 4, 2, 3], list(np.random.default_rng(0).random(101))])
+@pytest.mark.parametrize("q", [0, 50, 90, 99, 100])
+def test_percentile_matches_numpy_linear(values, q):
+    assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+
+
+def test_percentile_rejects_empty_and_out_of_range():
+    with pytest.raises(ValueError):
+        bench.percentile([], 50)
+    with pytest.raises(ValueError):
+        bench.percentile([1.0], 101)
+
+
+def _res(latency, out, accepted=0, ttft=None, text="t"):
+    return bench.RequestResult(latency_s=latency, output_tokens=out, prompt_tokens=10, text=text,
+                               mtp_accepted_token_num=accepted, ttft_s=ttft)
+
+
+def test_summarize_throughput_latency_and_tokens_per_step():
+    row = bench.summarize("mtp", [_res(1.0, 16, 8, 0.1), _res(2.0, 16, 8, 0.3), _res(3.0, 16, 8)], wall_s=4.0)
+    assert row["requests_per_s"] == 0.75 and row["output_tokens_per_s"] == 12.0
+    assert row["latency_p50_s"] == 2.0 and row["latency_p90_s"] == pytest.approx(2.8)
+    assert row["tokens_per_step"] == 2.0  # 48 tokens from 24 steps
+    assert row["ttft_mean_s"] == pytest.approx(0.2)  # requests without a TTFT are left out
+    plain = bench.summarize("plain", [_res(1.0, 4)], wall_s=1.0)
+    assert plain["tokens_per_step"] == 1.0 and plain["ttft_mean_s"] is None
+    with pytest.raises(ValueError):
+        bench.summarize("x", [], 1.0)
+
+
+def test_ratios_and_same_text():
+    rows = [{"name": "plain", "output_tokens_per_s": 200.0}, {"name": "mtp", "output_tokens_per_s": 500.0}]
+    hf = {"name": "transformers", "output_tokens_per_s": 100.0}
+    bench.add_ratios(rows + [hf], hf)
+    assert [r["vs_transformers"] for r in rows + [hf]] == [2.0, 5.0, 1.0]
+    assert [r["vs_first"] for r in rows + [hf]] == [1.0, 2.5, 0.5]
+    assert bench.same_text_fraction(["a", "b", "c", "d"], ["a", "x", "c", "d"]) == 0.75
+    with pytest.raises(ValueError):
+        bench.same_text_fraction(["a"], ["a", "b"])
+
+
+def test_render_table_aligns_and_marks_missing():
+    cols = [bench.Column("name", "config", ""), bench.Column("tps", "tok/s", ".1f"), bench.Column("x", "x HF", ".2f")]
+    table = bench.render_table([{"name": "plain", "tps": 1234.56, "x": 2.5}, {"name": "transformers", "tps": 9.0}], cols)
+    assert table.splitlines() == [
+        "config         tok/s  x HF",
+        "------------  ------  ----",
+        "plain         1234.6  2.50",
+        "transformers     9.0     -",
+    ]
+
+
+def test_default_table_renders_a_full_summary_row():
+    row = bench.summarize("plain", [_res(1.0, 16), _res(2.0, 16)], wall_s=2.0)
+    bench.add_ratios([row], row)
+    lines = bench.render_table([row], bench.TABLE_COLUMNS).splitlines()
+    assert len(lines) == 3 and lines[2].startswith("plain") and "16.0" in lines[2]
+
+
+def test_prompt_loading(tmp_path):
+    gsm = tmp_path / "test.jsonl"
+    gsm.write_text("".join(json.dumps({"question": f"q{i}", "answer": "a"}) + "\n" for i in range(5)))
+    assert bench.load_gsm8k_questions(str(gsm), 3) == ["q0", "q1", "q2"]
+    pf = tmp_path / "prompts.txt"
+    pf.write_text('plain line\n\n"two\\nlines"\n')
+    assert bench.load_prompt_file(str(pf), 10) == ["plain line", "two\nlines"]
+    assert bench.take_cyclic(["a", "b"], 5) == ["a", "b", "a", "b", "a"]
+
+
+def test_model_and_dtype_come_from_the_server_parser(tmp_path):
+    same = bench.parse_configs(f"plain=;mtp={MTP}", f"--model_dir {tmp_path}")
+    assert bench.resolve_model_and_dtype(same, "cuda") == (str(tmp_path), "bfloat16")
+    assert bench.resolve_model_and_dtype(same, "cpu") == (str(tmp_path), "float32")
+    mixed = bench.parse_configs("a=--data_type float16;b=", f"--model_dir {tmp_path}")
+    with pytest.raises(ValueError, match="different models/dtypes"):
+        bench.resolve_model_and_dtype(mixed, "cuda")
+
+
+def test_cli_defaults():
+    args = bench.parse_args([])
+    assert (args.num_prompts, args.max_new_tokens, args.concurrency, args.hf_batch_size) == (64, 128, 64, 64)
+    assert args.warmup_requests == 64 and not args.ignore_eos

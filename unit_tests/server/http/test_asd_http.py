@@ -1,0 +1,126 @@
+"""ASD end to end through HTTP on the embedded model and its trained draft."""
+import json
+import os
+import threading
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from lightllm.utils.embedded_model import default_draft_dir_for, get_default_model_dir
+from lightllm.utils.server_launcher import launch_server
+from unit_tests.data_paths import gsm8k_path
+
+NUM_QUESTIONS = 6
+MAX_NEW_TOKENS = 48
+SERVER_BUDGET = 2.0
+MTP_FLAGS = ["--mtp_mode", "eagle_with_att", "--mtp_step", "3", "--max_req_total_len", "512"]
+
+
+def _draft_or_skip():
+    draft = default_draft_dir_for(get_default_model_dir(), "eagle_with_att")
+    if draft is None:
+        pytest.skip("the embedded model's trained draft is not packaged")
+    return draft
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    _draft_or_skip()
+    logs = tmp_path_factory.mktemp("asd_servers")
+    strict = launch_server(MTP_FLAGS, str(logs / "strict.log"))
+    try:
+        asd = launch_server(MTP_FLAGS + ["--mtp_asd_regret_budget", str(SERVER_BUDGET),
+                                         "--mtp_asd_local_regret_ratio", "0.25",
+                                         "--mtp_asd_block_max_mismatch", "2"], str(logs / "asd.log"))
+    except Exception:
+        strict.stop()
+        raise
+    yield strict, asd
+    strict.stop()
+    asd.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    path = gsm8k_path("test")
+    if not os.path.exists(path):
+        pytest.skip("GSM8K test set not found beside the checkout")
+    tok = AutoTokenizer.from_pretrained(get_default_model_dir())
+    with open(path) as f:
+        qs = [json.loads(line)["question"] for line in f][:NUM_QUESTIONS]
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+            for q in qs]
+
+
+def _gen(server, prompt, **params):
+    r = httpx.post(server.url + "/generate", timeout=600, json={
+        "inputs": prompt, "parameters": {"max_new_tokens": MAX_NEW_TOKENS, "return_details": True, **params}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    out["ids"] = [t["id"] for t in out["tokens"]]
+    return out
+
+
+def _tokens_per_step(outs):
+    n = sum(o["count_output_tokens"] for o in outs)
+    return n / (n - sum(o["mtp_accepted_token_num"] for o in outs))
+
+
+def test_budget_zero_is_token_identical_to_strict(servers, prompts):
+    strict, asd = servers
+    for p in prompts:
+        s, z = _gen(strict, p), _gen(asd, p, asd_regret_budget=0)
+        assert z["ids"] == s["ids"]
+        assert z["asd_relaxed_token_num"] == 0 and z["asd_regret_spent"] == 0.0
+
+
+def test_positive_budget_raises_acceptance_and_stays_within_budget(servers, prompts):
+    strict, asd = servers
+    s = [_gen(strict, p) for p in prompts]
+    a = [_gen(asd, p, asd_regret_budget=8.0) for p in prompts]
+    assert sum(o["asd_relaxed_token_num"] for o in a) > 0
+    assert _tokens_per_step(a) > _tokens_per_step(s)
+    assert all(0 <= o["asd_regret_spent"] <= 8.0 for o in a)
+    d = [_gen(asd, p) for p in prompts]  # the server's budget
+    assert all(o["asd_regret_spent"] <= SERVER_BUDGET + 1e-6 for o in d)
+
+
+def test_two_clients_with_different_budgets_do_not_interact(servers, prompts):
+    _, asd = servers
+    solo = {b: _gen(asd, prompts[0], asd_regret_budget=b) for b in (0.5, 8.0)}
+    together = {}
+
+    def run(b):
+        together[b] = _gen(asd, prompts[0], asd_regret_budget=b)
+
+    threads = [threading.Thread(target=run, args=(b,)) for b in (0.5, 8.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for b in (0.5, 8.0):
+        assert together[b]["ids"] == solo[b]["ids"]
+        assert together[b]["asd_regret_spent"] == pytest.approx(solo[b]["asd_regret_spent"], rel=1e-4)
+        assert together[b]["asd_regret_spent"] <= b
+
+
+@pytest.mark.parametrize("bad", [-1, "1.0", True, [1], "NaN", "Infinity"])
+def test_bad_per_request_budget_is_400_and_server_keeps_serving(servers, bad):
+    _, asd = servers
+    raw = json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 2, "asd_regret_budget": "__BAD__"}})
+    raw = raw.replace('"__BAD__"', bad if bad in ("NaN", "Infinity") else json.dumps(bad))
+    r = httpx.post(asd.url + "/generate", content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["field"] == "asd_regret_budget"
+    r = httpx.post(asd.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "asd_regret_budget": -3})
+    assert r.status_code == 400 and r.json()["field"] == "asd_regret_budget"
+    assert _gen(asd, "hi", max_new_tokens=2)["count_output_tokens"] >= 1
+
+
+def test_metrics_export_asd_totals(servers, prompts):
+    _, asd = servers
+    _gen(asd, prompts[1], asd_regret_budget=8.0)
+    assert asd.metric("lightllm_asd_relaxed_tokens_total") > 0
+    assert asd.metric("lightllm_asd_regret_spent_total") > 0
+    assert asd.metric("lightllm_mtp_mean_tokens_per_step") > 1
