@@ -14,6 +14,10 @@ except ImportError:  # pragma: no cover
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # In-process CPU engines share the cores with server processes the tests start.
+    from lightllm.utils.cpu_threads import configure_cpu_threads
+
+    configure_cpu_threads()
 
 
 def pytest_configure(config):

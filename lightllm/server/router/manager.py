@@ -146,10 +146,10 @@ def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0
     """Process entry of one rank: join the ranks, build the backend, report readiness
     (rank 0), then loop forever. ``in_q`` / ``out_q`` are None except on rank 0."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s router[{rank}]: %(message)s")
-    if device == "cpu" and args.tp > 1:  # ranks share the host's cores
-        import torch
+    if device == "cpu":  # ranks share the host's cores
+        from lightllm.utils.cpu_threads import configure_cpu_threads
 
-        torch.set_num_threads(max(1, (torch.get_num_threads() * args.nnodes) // args.tp))
+        configure_cpu_threads(ranks_on_host=max(1, args.tp // args.nnodes))
     try:
         parallel = init_parallel(
             args.tp, args.dp, rank, args.nnodes, args.node_rank, args.nccl_host, args.nccl_port, device,

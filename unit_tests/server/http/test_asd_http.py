@@ -11,8 +11,8 @@ from lightllm.utils.embedded_model import default_draft_dir_for, get_default_mod
 from lightllm.utils.server_launcher import launch_server
 from unit_tests.data_paths import gsm8k_path
 
-NUM_QUESTIONS = 6
-MAX_NEW_TOKENS = 48
+NUM_QUESTIONS = 4
+MAX_NEW_TOKENS = 32
 SERVER_BUDGET = 2.0
 MTP_FLAGS = ["--mtp_mode", "eagle_with_att", "--mtp_step", "3", "--max_req_total_len", "512"]
 
