@@ -449,6 +449,16 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
 # ---------------------------------------------------------------------------
 
 
+def _save_figure(fig, out_dir: str, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
     import matplotlib
 
@@ -485,11 +495,7 @@ def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("GSM8K: accuracy and throughput against the ASD budget")
-    fig.tight_layout()
-    p = os.path.join(out_dir, "budget_sweep.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save_figure(fig, out_dir, "budget_sweep.png"))
 
     with_hist = [s for s in summaries if sum(s.accept_len_hist.values()) > 0]
     if with_hist:
@@ -507,11 +513,7 @@ def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
         ax.set_title("Accept-length histogram per arm (server /metrics)")
-        fig.tight_layout()
-        p = os.path.join(out_dir, "accept_len_hist.png")
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save_figure(fig, out_dir, "accept_len_hist.png"))
     return paths
 
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from lightllm.common.basemodel.basemodel import TransformerArch
 from lightllm.models.llama_mtp.model import MTPDraftConfig
 
 DRAFT_SAFETENSORS = "model.safetensors"
@@ -113,15 +114,15 @@ class MTPDraftTrainModule(nn.Module):
 
     def draft_config(self) -> MTPDraftConfig:
         c = self.target_config
-        heads = c.num_attention_heads
+        arch = TransformerArch.from_hf_config(c)
         return MTPDraftConfig(
-            hidden_size=c.hidden_size,
+            hidden_size=arch.hidden_size,
             intermediate_size=c.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            rms_norm_eps=c.rms_norm_eps,
-            vocab_size=c.vocab_size,
+            num_attention_heads=arch.q_heads,
+            num_key_value_heads=arch.kv_heads,
+            head_dim=arch.head_dim,
+            rms_norm_eps=arch.rms_norm_eps,
+            vocab_size=arch.vocab_size,
             with_attention=self.with_attention,
             num_modules=len(self.mtp),
             qk_norm=c.model_type == "qwen3",
