@@ -5,6 +5,7 @@ reads the HTTP process's messages and broadcasts them, so every rank admits, sch
 and steps identically (docs/parallel.md); only rank 0 sends updates back.
 """
 import logging
+import multiprocessing
 import queue
 import traceback
 from dataclasses import dataclass
@@ -127,6 +128,7 @@ def build_backend(args, device: str, dtype: str, parallel: Optional[ParallelCont
 
 
 def _poll_messages(in_q, block: bool) -> list:
+    """Messages waiting for the driver; a None (shut down) once the HTTP process is gone."""
     msgs = []
     try:
         if block:
@@ -134,7 +136,9 @@ def _poll_messages(in_q, block: bool) -> list:
         while True:
             msgs.append(in_q.get_nowait())
     except queue.Empty:
-        pass
+        parent = multiprocessing.parent_process()
+        if block and parent is not None and not parent.is_alive():
+            msgs.append(None)  # the server was killed: do not linger as an orphan
     return msgs
 
 
