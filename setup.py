@@ -8,7 +8,7 @@ setup(
     version="0.1.0",
     description="A LightLLM-shaped LLM serving engine with ASD approximate MTP verification",
     packages=find_packages(include=["lightllm", "lightllm.*"]),
-    package_data={"lightllm": ["drafts/*/*"]},
+    package_data={"lightllm": ["drafts/*/*/*"]},
     python_requires=">=3.10",
     install_requires=requirements,
 )

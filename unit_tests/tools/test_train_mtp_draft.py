@@ -5,6 +5,7 @@ does); the draft trains on those sequences, must learn (loss down, depth-1 top-1
 up), and the saved bf16 dir must load in the engine, stay lossless (strict MTP)
 and get drafts accepted on the prompts it trained on.
 """
+import dataclasses
 import json
 import os
 import random
@@ -24,7 +25,8 @@ from lightllm.tools.train_mtp_draft import (
     depth_inputs,
     evaluate,
     generate_answers,
-    init_from_target,
+    init_from_last_layer,
+    new_draft_module,
     train_draft,
     training_info,
 )
@@ -52,19 +54,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def trained(one_thread, tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_mtp")
+@pytest.fixture(scope="module", params=list(tool.INIT_SCHEMES))
+def trained(request, one_thread, tmp_path_factory):
+    cfg = dataclasses.replace(TRAIN_CFG, init=request.param)
+    root = tmp_path_factory.mktemp("train_mtp_" + request.param)
     hf = build_hf_model("llama", seed=0)
     target_dir = save_checkpoint(hf, str(root / "target"), sharded=False)
     rng = random.Random(0)
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(rng.randrange(4, 12))] for _ in range(NUM_PROMPTS)]
     seqs = generate_answers(target_dir, prompts, ANSWER_TOKENS, eos_token_ids=[], device="cpu", dtype="float32",
                             progress=False)
-    result = train_draft(hf, seqs, TRAIN_CFG, "cpu", progress=False)
+    result = train_draft(hf, seqs, cfg, "cpu", progress=False)
     draft_dir = str(root / "draft")
-    tool.save_outputs(result, draft_dir, training_info(result, TRAIN_CFG, {"data_path": "synthetic"}))
-    return hf, target_dir, seqs, result, draft_dir
+    tool.save_outputs(result, draft_dir, training_info(result, cfg, {"data_path": "synthetic"}))
+    return hf, target_dir, seqs, result, draft_dir, cfg
 
 
 def test_depth_inputs_shift_tokens_and_mask_labels_to_the_answer():
@@ -80,10 +83,12 @@ def test_depth_inputs_shift_tokens_and_mask_labels_to_the_answer():
     assert (labels2[1] == IGNORE_INDEX).all()
 
 
-def test_init_copies_the_last_layer_and_starts_as_identity_on_the_hidden_half(one_thread):
+def test_last_layer_init_copies_the_last_layer_and_is_identity_on_the_hidden_half(one_thread):
     hf = build_hf_model("llama", seed=1)
     mod = MTPDraftTrainModule(hf.config, with_attention=True, num_modules=2)
-    init_from_target(mod, hf, hidden_scale=3.0)
+    batch = collate([TrainSequence(list(range(1, 12)), 4), TrainSequence(list(range(20, 26)), 2)], "cpu")
+    init_from_last_layer(mod, hf, batch)
+    scale = tool.measure_hidden_scale(hf, batch)
     last = hf.model.layers[-1].state_dict()
     h = hf.config.hidden_size
     for m in mod.mtp:
@@ -91,20 +96,35 @@ def test_init_copies_the_last_layer_and_starts_as_identity_on_the_hidden_half(on
             assert torch.equal(v, last[k])
         assert torch.equal(m.enorm.weight, torch.ones(h)) and torch.equal(m.hnorm.weight, torch.ones(h))
         assert torch.equal(m.eh_proj.weight[:, :h], torch.zeros(h, h))
-        assert torch.equal(m.eh_proj.weight[:, h:], 3.0 * torch.eye(h))
+        assert torch.equal(m.eh_proj.weight[:, h:], scale * torch.eye(h))
+
+
+def test_random_init_is_small_normal_with_unit_norms(one_thread):
+    hf = build_hf_model("llama", seed=1)
+    batch = collate([TrainSequence(list(range(1, 12)), 4)], "cpu")
+    torch.manual_seed(0)
+    mod = new_draft_module(hf, TrainConfig(init="random"), batch, "cpu")
+    for name, p in mod.mtp.named_parameters():
+        if "norm" in name:
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            assert abs(float(p.detach().std()) - hf.config.initializer_range) < 0.003, name
+    torch.manual_seed(0)
+    again = new_draft_module(hf, TrainConfig(init="random"), batch, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(mod.parameters(), again.parameters()))  # seeded
 
 
 def test_training_lowers_the_loss_and_raises_depth1_accuracy(trained):
-    hf, _, seqs, result, _ = trained
+    hf, _, seqs, result, _, cfg = trained
     first, last = result.loss_history[:4], result.loss_history[-4:]
     assert sum(last) / 4 < 0.8 * sum(first) / 4, result.loss_history
     # on the sequences it trained on: the trained draft beats its initialisation clearly
-    train_seqs, heldout = tool.split_heldout(seqs, TRAIN_CFG.heldout_fraction, TRAIN_CFG.seed)
+    train_seqs, heldout = tool.split_heldout(seqs, cfg.heldout_fraction, cfg.seed)
     head = tool.TargetHead(hf)
-    untrained = MTPDraftTrainModule(hf.config, True, 1)
-    init_from_target(untrained, hf, result.hidden_scale)
-    before = evaluate(untrained, hf, head, train_seqs, TRAIN_CFG, "cpu")
-    after = evaluate(result.module, hf, head, train_seqs, TRAIN_CFG, "cpu")
+    torch.manual_seed(cfg.seed)  # the module training started from
+    untrained = new_draft_module(hf, cfg, collate(train_seqs[: cfg.batch_size], "cpu"), "cpu")
+    before = evaluate(untrained, hf, head, train_seqs, cfg, "cpu")
+    after = evaluate(result.module, hf, head, train_seqs, cfg, "cpu")
     assert after.top1_by_depth[0] > before.top1_by_depth[0] + 0.1, (before, after)
     assert after.loss_by_depth[0] < before.loss_by_depth[0]
     # and it generalises a little: a lower held-out loss than at the start
@@ -113,7 +133,7 @@ def test_training_lowers_the_loss_and_raises_depth1_accuracy(trained):
 
 
 def test_saved_dir_is_bf16_with_training_info(trained):
-    hf, _, _, result, draft_dir = trained
+    hf, _, _, result, draft_dir, _ = trained
     cfg = MTPDraftConfig.load(draft_dir)
     assert cfg.with_attention and cfg.num_modules == 1 and cfg.hidden_size == hf.config.hidden_size
     from safetensors.torch import load_file
@@ -131,7 +151,7 @@ def test_saved_dir_is_bf16_with_training_info(trained):
 
 
 def test_trained_draft_in_the_engine_is_lossless_and_gets_accepted(trained):
-    _, target_dir, seqs, _, draft_dir = trained
+    _, target_dir, seqs, _, draft_dir, _ = trained
     prompts = [s.token_ids[: s.prompt_len] for s in seqs]
     params = [{"max_new_tokens": ANSWER_TOKENS, "ignore_eos": True}] * len(prompts)
     common = dict(max_req_total_len=64, running_max_req_size=16, max_total_token_num=2048)
@@ -147,7 +167,7 @@ def test_trained_draft_in_the_engine_is_lossless_and_gets_accepted(trained):
 
 
 def test_generation_time_budget_keeps_partial_answers(trained):
-    _, target_dir, seqs, _, _ = trained
+    _, target_dir, seqs, _, _, _ = trained
     prompts = [s.token_ids[: s.prompt_len] for s in seqs]
     # a budget of 0 s: everything is aborted after the first engine step (one prefill of all prompts)
     cut = generate_answers(target_dir, prompts, ANSWER_TOKENS, eos_token_ids=[], device="cpu", dtype="float32",
@@ -196,6 +216,8 @@ def test_load_questions_takes_the_first_n(tmp_path):
 def test_train_config_rejects_bad_values():
     with pytest.raises(ValueError, match="valid names"):
         TrainConfig(mtp_mode="medusa")
+    with pytest.raises(ValueError, match="valid names: last_layer, random"):
+        TrainConfig(init="zeros")
     with pytest.raises(ValueError, match="unroll"):
         TrainConfig(unroll=0)
     assert TrainConfig(mtp_mode="vanilla_no_att", unroll=3).num_modules == 3
