@@ -14,10 +14,12 @@ except ImportError:  # pragma: no cover
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # In-process CPU engines share the cores with server processes the tests start.
-    from lightllm.utils.cpu_threads import configure_cpu_threads
 
-    configure_cpu_threads()
+# In-process CPU engines (also on GPU machines: the gloo tests) share the cores with the
+# server processes and ranks the tests start, and with other pytest workers.
+from lightllm.utils.cpu_threads import configure_cpu_threads  # noqa: E402
+
+configure_cpu_threads()
 
 
 def pytest_configure(config):

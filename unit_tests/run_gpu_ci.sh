@@ -3,6 +3,8 @@
 #
 #   unit_tests/run_gpu_ci.sh [OUT_DIR] [PYTEST_ARGS...]
 #
+# GPU_CI_PATHS: test paths (default: unit_tests). GPU_CI_WORKERS: pytest-xdist workers
+# (default 8, 0 = none; used only where xdist is installed). GPU_CI_TEST_TIMEOUT_S: per test.
 # OUT_DIR: the first argument unless it starts with '-', else $OUT, else ./gpu_ci_out.
 # Writes there:
 #   junit.xml     pytest's JUnit XML
@@ -54,8 +56,19 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     echo "run_gpu_ci.sh: WARNING: no CUDA device, running on CPU (GPU_CI_ALLOW_CPU=1)" >&2
 fi
 
+# Parallel workers (pytest-xdist, one file per worker at a time) and a per-test time limit
+# (pytest-timeout) where installed: most of the suite waits on subprocesses and servers.
+EXTRA=(--durations=30)
+if "$PYTHON" -c "import xdist" 2>/dev/null && [[ "${GPU_CI_WORKERS:-8}" != "0" ]]; then
+    EXTRA+=(-n "${GPU_CI_WORKERS:-8}" --dist loadfile)
+    export LIGHTLLM_CPU_THREADS="${LIGHTLLM_CPU_THREADS:-2}"
+fi
+if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then
+    EXTRA+=(--timeout "${GPU_CI_TEST_TIMEOUT_S:-600}")
+fi
+
 # -m "": no marker filter, so slow and cuda tests run too
-"$PYTHON" -m pytest unit_tests -m "" -rfEs --junitxml="$OUT_DIR/junit.xml" "$@" 2>&1 | tee "$OUT_DIR/pytest.log"
+"$PYTHON" -m pytest ${GPU_CI_PATHS:-unit_tests} -m "" -rfEs "${EXTRA[@]}" --junitxml="$OUT_DIR/junit.xml" "$@" 2>&1 | tee "$OUT_DIR/pytest.log"
 status=${PIPESTATUS[0]}
 
 if [[ -f "$OUT_DIR/junit.xml" ]]; then

@@ -70,8 +70,7 @@ class Converted:
 def converted(tmp_path_factory) -> Converted:
     cache_dir = str(tmp_path_factory.mktemp("lightllm_cache"))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(CACHE_DIR_ENV, cache_dir)
-        mp.delenv(GGUF_PATH_ENV, raising=False)
+        mp.setenv(CACHE_DIR_ENV, cache_dir)  # the GGUF: $LIGHTLLM_GGUF_PATH if set, else the package's
         start = time.monotonic()
         model_dir = get_default_model_dir()
         seconds = time.monotonic() - start
@@ -229,13 +228,11 @@ def test_default_model_dir_converted_once_and_reused(converted, monkeypatch):
 
     monkeypatch.setattr(embedded_model, "_default_converter", _must_not_convert)
     monkeypatch.setenv(CACHE_DIR_ENV, converted.cache_dir)
-    monkeypatch.delenv(GGUF_PATH_ENV, raising=False)
     assert get_default_model_dir() == converted.model_dir
 
 
 def test_cli_reuses_converted_dir(converted, monkeypatch, capsys):
     monkeypatch.setenv(CACHE_DIR_ENV, converted.cache_dir)
-    monkeypatch.delenv(GGUF_PATH_ENV, raising=False)
     monkeypatch.setattr(embedded_model, "_default_converter", _must_not_convert)
     convert_gguf.main([])
     assert f"model dir ready: {converted.model_dir}" in capsys.readouterr().out
