@@ -14,3 +14,9 @@ export LIGHTLLM_GSM8K_DIR=$PWD/.data
 export LIGHTLLM_CACHE_DIR=/root/lightllm_cache
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+# A draft trained on this machine in this lease (gpu_session.sh train) replaces the checkout's:
+# every call re-sends the repository's tracked draft files.
+if [ -f /root/draft_new/model.safetensors ]; then
+  cp /root/draft_new/config.json /root/draft_new/model.safetensors /root/draft_new/training_info.json \
+    lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att/ && echo "env.sh: using the draft trained in this lease"
+fi

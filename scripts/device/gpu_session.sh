@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU session's jobs, one verb each, so that a device call stays a short command line.
+# Run in the repository root on the GPU machine after `source scripts/device/env.sh`
+# (docs/gpu_ci.md, "Runbook"). Every job writes what must come back under its OUT dir at
+# once: a machine that goes cold loses everything else.
+#
+#   gpu_session.sh data                 unpack .dz/*.jsonl.gz (carried) into .data/
+#   gpu_session.sh train OUT            train the embedded model's draft; OUT/draft/ comes
+#                                       back, and the draft is installed in this checkout
+#   gpu_session.sh quality OUT          draft quality, 200 test questions, K = 1..4
+#   gpu_session.sh eval OUT K SWEEP B   calibrate + evaluate all arms at K (sweep budgets SWEEP,
+#                                       '' for none; time budget B s); OUT/eval_kK.tgz
+#   gpu_session.sh suite OUT [PATHS]    the whole test suite on this GPU (unit_tests/run_gpu_ci.sh)
+#   gpu_session.sh multi_gpu OUT        the two-GPU tests and tp 1 vs --tp 2 --dp 2 throughput
+set -uo pipefail
+
+DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
+TRAIN_FLAGS=(--mtp_mode eagle_with_att --init last_layer --unroll 4 --max_new_tokens 200
+             --gen_batch_size 768 --epochs 8 --lr 1e-3 --batch_size 64 --max_gen_seconds 240
+             --max_train_seconds 200 --device cuda)
+CALIB_QUESTIONS=64
+EVAL_CONCURRENCY=256
+EVAL_NEW_TOKENS=256
+
+job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu ...}
+shift
+
+case "$job" in
+data)
+    mkdir -p .data
+    for f in .dz/*.jsonl.gz; do gunzip -c "$f" > ".data/$(basename "$f" .gz)"; done
+    ls -la .data
+    ;;
+train)
+    out=${1:?OUT}; mkdir -p "$out/draft"
+    python -m lightllm.tools.train_mtp_draft --data .data/train.jsonl --out "$out/draft" "${TRAIN_FLAGS[@]}" \
+        > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
+    cp "$out"/draft/* "$DRAFT_DIR"/
+    mkdir -p /root/draft_new && cp "$out"/draft/* /root/draft_new/  # env.sh re-installs it in later calls
+    tail -3 "$out/train.log"
+    ;;
+quality)
+    out=${1:?OUT}; mkdir -p "$out"
+    python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 1 2 3 4 \
+        --out "$out/mtp_draft_quality.json" > "$out/quality.log" 2>&1
+    tail -12 "$out/quality.log"
+    ;;
+eval)
+    out=${1:?OUT}; k=${2:?K}; sweep=${3-}; budget=${4:-420}; mkdir -p "$out"
+    work=$(mktemp -d)
+    python -m lightllm.tools.asd_calibrate --data .data/train.jsonl --num_questions "$CALIB_QUESTIONS" \
+        --mtp_step "$k" --max_new_tokens "$EVAL_NEW_TOKENS" --out "$work/calib_k$k.json" > "$out/eval_k$k.log" 2>&1 &&
+    python -m lightllm.tools.eval_gsm8k --data .data/test.jsonl --out_dir "$work/eval_k$k" --mtp_step "$k" \
+        --concurrency "$EVAL_CONCURRENCY" --max_new_tokens "$EVAL_NEW_TOKENS" --calib "$work/calib_k$k.json" \
+        --sweep "$sweep" --time_budget_s "$budget" >> "$out/eval_k$k.log" 2>&1
+    status=$?
+    tar czf "$out/eval_k$k.tgz" -C "$work" .
+    tail -3 "$out/eval_k$k.log"
+    exit $status
+    ;;
+suite)
+    out=${1:?OUT}; shift
+    GPU_CI_PATHS="${*:-unit_tests}" bash unit_tests/run_gpu_ci.sh "$out" -q -p no:cacheprovider > "$out.log" 2>&1
+    status=$?
+    rm -f "$out/pytest.log"  # the summary, failures and junit come back; the log is $out.log
+    cat "$out/summary.txt" "$out/failed.txt"
+    exit $status
+    ;;
+multi_gpu)
+    out=${1:?OUT}; mkdir -p "$out"
+    GPU_CI_WORKERS=0 GPU_CI_PATHS=unit_tests/server/test_multi_gpu.py bash unit_tests/run_gpu_ci.sh "$out/tests" \
+        -q -p no:cacheprovider > "$out/tests.log" 2>&1
+    python benchmarks/bench_e2e_throughput.py --num_prompts 256 --max_new_tokens 128 --ignore_eos \
+        --concurrency 128 --skip_hf --gsm8k .data/test.jsonl \
+        --configs "tp1=;tp2_dp2=--tp 2 --dp 2;tp1_mtp3=--mtp_mode eagle_with_att --mtp_step 3;tp2_dp2_mtp3=--tp 2 --dp 2 --mtp_mode eagle_with_att --mtp_step 3" \
+        --out "$out/e2e_tp.json" > "$out/e2e.log" 2>&1
+    cat "$out/tests/summary.txt"; tail -8 "$out/e2e.log"
+    ;;
+*)
+    echo "unknown job $job" >&2; exit 2
+    ;;
+esac
