@@ -12,6 +12,7 @@
 #                                       '' for none; time budget B s); OUT/eval_kK.tgz
 #   gpu_session.sh suite OUT [PATHS]    the whole test suite on this GPU (unit_tests/run_gpu_ci.sh)
 #   gpu_session.sh multi_gpu OUT        the two-GPU tests and tp 1 vs --tp 2 --dp 2 throughput
+#   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
 set -uo pipefail
 
 DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
@@ -75,6 +76,13 @@ multi_gpu)
         --configs "tp1=;tp2_dp2=--tp 2 --dp 2;tp1_mtp3=--mtp_mode eagle_with_att --mtp_step 3;tp2_dp2_mtp3=--tp 2 --dp 2 --mtp_mode eagle_with_att --mtp_step 3" \
         --out "$out/e2e_tp.json" > "$out/e2e.log" 2>&1
     cat "$out/tests/summary.txt"; tail -8 "$out/e2e.log"
+    ;;
+profile)
+    out=${1:?OUT}; mkdir -p "$out"
+    for k in 0 3; do
+        python benchmarks/profile_decode_step.py --batch 256 --mtp_step "$k" > "$out/profile_k$k.txt" 2>&1
+        head -1 "$out/profile_k$k.txt"
+    done
     ;;
 *)
     echo "unknown job $job" >&2; exit 2
