@@ -14,8 +14,6 @@ The embedded model has 3 KV heads, which do not split over 2 attention ranks, so
 tiny random Llama; --tp 2 --dp 2 (whole heads per DP group) runs the embedded model and its
 trained draft on GSM8K test questions.
 """
-import json
-import os
 from typing import List, Sequence
 
 import pytest
@@ -25,7 +23,7 @@ from lightllm.models.llama_mtp.train_module import random_draft
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.offline_engine import GenResult, OfflineEngine
 from lightllm.utils.server_launcher import free_port
-from unit_tests.data_paths import gsm8k_path
+from unit_tests.data_paths import embedded_gsm8k_prompts
 from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
 
 pytestmark = [
@@ -97,21 +95,9 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def embedded():
-    from transformers import AutoTokenizer
-
     from lightllm.server.httpserver.manager import load_eos_token_ids
-    from lightllm.utils.embedded_model import default_draft_dir_for, get_default_model_dir
 
-    model_dir = get_default_model_dir()
-    if default_draft_dir_for(model_dir, "eagle_with_att") is None:
-        pytest.skip("the embedded model's trained draft is not packaged")
-    if not os.path.exists(gsm8k_path("test")):
-        pytest.skip("GSM8K test set not found")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    with open(gsm8k_path("test")) as f:
-        questions = [json.loads(line)["question"] for line in f][:EMBEDDED_QUESTIONS]
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=False), add_special_tokens=False) for q in questions]
+    model_dir, tok, prompts = embedded_gsm8k_prompts(EMBEDDED_QUESTIONS)
     # stops by EOS and by length mixed, at different steps
     params = [{"max_new_tokens": EMBEDDED_NEW_TOKENS - 7 * (i % 4)} for i in range(len(prompts))]
     return dict(model_dir=model_dir, prompts=prompts, params=params, eos=load_eos_token_ids(model_dir, tok))
