@@ -13,6 +13,8 @@
 #   gpu_session.sh suite OUT [PATHS]    the whole test suite on this GPU (unit_tests/run_gpu_ci.sh)
 #   gpu_session.sh multi_gpu OUT        the two-GPU tests and tp 1 vs --tp 2 --dp 2 throughput
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
+#   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
+#                                       come back from a call)
 set -uo pipefail
 
 DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
@@ -23,7 +25,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu ...}
+job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu|profile|pack ...}
 shift
 
 case "$job" in
@@ -83,6 +85,10 @@ profile)
         python benchmarks/profile_decode_step.py --batch 256 --mtp_step "$k" > "$out/profile_k$k.txt" 2>&1
         head -1 "$out/profile_k$k.txt"
     done
+    ;;
+pack)
+    tar czf /tmp/out.tgz -C "${OUT:?}" . && rm -rf "${OUT:?}"/* && mv /tmp/out.tgz "$OUT/out.tgz"
+    ls -la "$OUT"
     ;;
 *)
     echo "unknown job $job" >&2; exit 2
