@@ -6,18 +6,20 @@
 #
 #   gpu_session.sh data                 unpack .dz/*.jsonl.gz (carried) into .data/
 #   gpu_session.sh train OUT            train the embedded model's draft; OUT/draft/ comes
-#                                       back, and the draft is installed in this checkout
+#                                       back, and env.sh installs it in the checkout from the
+#                                       next call of this lease on
 #   gpu_session.sh quality OUT          draft quality, 200 test questions, K = 1..4
 #   gpu_session.sh eval OUT K SWEEP B   calibrate + evaluate all arms at K (sweep budgets SWEEP,
 #                                       '' for none; time budget B s); OUT/eval_kK.tgz
 #   gpu_session.sh suite OUT [PATHS]    the whole test suite on this GPU (unit_tests/run_gpu_ci.sh)
 #   gpu_session.sh multi_gpu OUT        the two-GPU tests and tp 1 vs --tp 2 --dp 2 throughput
+#   gpu_session.sh arms OUT NAME        in-process strict / usage / B = 8 arms at K = 3 and K = 2
+#                                       with the checkout's draft (OUT/arms_NAME_kK.json)
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
 set -uo pipefail
 
-DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
 TRAIN_FLAGS=(--mtp_mode eagle_with_att --init last_layer --unroll 4 --max_new_tokens 200
              --gen_batch_size 768 --epochs 8 --lr 1e-3 --batch_size 64 --max_gen_seconds 240
              --max_train_seconds 200 --device cuda)
@@ -25,7 +27,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu|profile|pack ...}
+job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu|arms|profile|pack ...}
 shift
 
 case "$job" in
@@ -38,8 +40,8 @@ train)
     out=${1:?OUT}; mkdir -p "$out/draft"
     python -m lightllm.tools.train_mtp_draft --data .data/train.jsonl --out "$out/draft" "${TRAIN_FLAGS[@]}" \
         > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
-    cp "$out"/draft/* "$DRAFT_DIR"/
-    mkdir -p /root/draft_new && cp "$out"/draft/* /root/draft_new/  # env.sh re-installs it in later calls
+    # env.sh installs it in the checkout at the next call (not now: other jobs may be loading the draft)
+    mkdir -p /root/draft_new && cp "$out"/draft/* /root/draft_new/
     tail -3 "$out/train.log"
     ;;
 quality)
@@ -78,6 +80,13 @@ multi_gpu)
         --configs "tp1=;tp2_dp2=--tp 2 --dp 2;tp1_mtp3=--mtp_mode eagle_with_att --mtp_step 3;tp2_dp2_mtp3=--tp 2 --dp 2 --mtp_mode eagle_with_att --mtp_step 3" \
         --out "$out/e2e_tp.json" > "$out/e2e.log" 2>&1
     cat "$out/tests/summary.txt"; tail -8 "$out/e2e.log"
+    ;;
+arms)
+    out=${1:?OUT}; name=${2:?NAME}; mkdir -p "$out"
+    for k in 3 2; do
+        python benchmarks/asd_arms_inprocess.py --data .data/test.jsonl --num_questions 256 --max_new_tokens 256 \
+            --mtp_step "$k" --arms strict,2.0625:0.25:2,8:0.25:2 --out "$out/arms_${name}_k$k.json" 2>&1 | grep "^|"
+    done
     ;;
 profile)
     out=${1:?OUT}; mkdir -p "$out"
