@@ -102,7 +102,8 @@ def test_two_nodes_over_loopback(llama, tmp_path):
              "--max_total_token_num", "300", "--data_type", "float32"]
     log = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen([sys.executable, "-m", "lightllm.server.api_server", *flags, "--node_rank", "1"],
-                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                             env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))  # gloo on CPU, as node 0 here
     try:
         args = StartArgs(model_dir=llama["target"], tp=2, nnodes=2, node_rank=0, nccl_port=port, **COMMON)
         with OfflineEngine(args, device="cpu", dtype="float32") as eng:
