@@ -80,6 +80,8 @@ def main(argv=None) -> None:
     p.add_argument("--max_new_tokens", type=int, default=160)
     p.add_argument("--mtp_step", type=int, default=3)
     p.add_argument("--arms", default="strict,2.0625:0.25:2,8:0.25:2")
+    p.add_argument("--running_max_req_size", type=int, default=None,
+                   help="requests decoded together (default: all; fewer admits the rest as others finish)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the server's)")
     p.add_argument("--triton_on_cpu", action="store_true")
@@ -105,9 +107,11 @@ def main(argv=None) -> None:
     prompts = [tok.encode(chat_prompt_text(tok, q.question), add_special_tokens=True) for q in questions]
     params = [{"max_new_tokens": a.max_new_tokens, "do_sample": False}] * len(prompts)
     results: List[ArmResult] = []
+    running = a.running_max_req_size or len(prompts)
+    max_len = max(map(len, prompts)) + a.max_new_tokens
     for arm in arms:
-        eng = OfflineEngine(StartArgs(mtp_mode="eagle_with_att", mtp_step=a.mtp_step, running_max_req_size=len(prompts),
-                                      max_req_total_len=max(map(len, prompts)) + a.max_new_tokens, **arm.start_args()),
+        eng = OfflineEngine(StartArgs(mtp_mode="eagle_with_att", mtp_step=a.mtp_step, running_max_req_size=running,
+                                      max_req_total_len=max_len, **arm.start_args()),
                             device=a.device, dtype=a.dtype)
         t0 = time.perf_counter()
         res = eng.generate(prompts, params, eos_token_ids=eng.eos_token_ids(), progress=True)
