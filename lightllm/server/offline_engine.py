@@ -110,10 +110,7 @@ class OfflineEngine:
                 r.logprobs.extend(u.logprobs)
                 if u.accept_len:
                     r.accept_lens.append(u.accept_len)
-                r.finish_reason = u.finish_reason
-                r.mtp_accepted_token_num = u.mtp_accepted_token_num
-                r.asd_relaxed_token_num = u.asd_relaxed_token_num
-                r.asd_regret_spent = u.asd_regret_spent
+                u.copy_totals_to(r)
                 if u.finish_reason is not None:
                     bar.update(1)
             if on_step is not None:

@@ -150,10 +150,7 @@ class HttpServerManager:
                     first = False
                 res.token_ids.extend(u.token_ids)
                 res.logprobs.extend(u.logprobs)
-                res.mtp_accepted_token_num = u.mtp_accepted_token_num
-                res.asd_relaxed_token_num = u.asd_relaxed_token_num
-                res.asd_regret_spent = u.asd_regret_spent
-                res.finish_reason = u.finish_reason
+                u.copy_totals_to(res)
                 self._apply_stop_strings(res, params)
                 if res.finish_reason is not None:
                     if u.finish_reason is None:  # a stop string the worker could not see in ids

@@ -41,6 +41,13 @@ class ReqStepUpdate:
     asd_regret_spent: float
     accept_len: int = 0  # 0 for prefill steps
 
+    def copy_totals_to(self, target) -> None:
+        """The request's state after this step (finish reason, running totals) onto ``target``."""
+        target.finish_reason = self.finish_reason
+        target.mtp_accepted_token_num = self.mtp_accepted_token_num
+        target.asd_relaxed_token_num = self.asd_relaxed_token_num
+        target.asd_regret_spent = self.asd_regret_spent
+
 
 @dataclass
 class DecodeRows:

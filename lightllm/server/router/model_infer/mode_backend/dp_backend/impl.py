@@ -105,10 +105,7 @@ def advance_shadow(req: InferReq, u: ReqStepUpdate) -> None:
     """Apply another group's update to this rank's copy of its request (what the router reads)."""
     req.output_ids.extend(u.token_ids)
     req.output_logprobs.extend(u.logprobs)
-    req.finish_reason = u.finish_reason
-    req.mtp_accepted_token_num = u.mtp_accepted_token_num
-    req.asd_relaxed_token_num = u.asd_relaxed_token_num
-    req.asd_regret_spent = u.asd_regret_spent
+    u.copy_totals_to(req)
     if u.accept_len:  # a decode step: the committed tokens' positions are now cached
         req.kv_len += u.accept_len
         req.decode_steps += 1
