@@ -12,15 +12,14 @@ from transformers import AutoTokenizer
 
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.offline_engine import OfflineEngine
+from lightllm.tools.train_mtp_draft import build_prompt_ids
 from lightllm.utils.embedded_model import get_default_model_dir
 
 
 def chat_prompts(path: str, n: int, tokenizer) -> List[List[int]]:
     with open(path) as f:
         questions = [json.loads(line)["question"] for line in f][:n]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in questions]
-    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    return build_prompt_ids(tokenizer, questions)
 
 
 def run_arm(name: str, args: StartArgs, prompts, max_new_tokens: int) -> dict:

@@ -17,6 +17,7 @@ def embedded_gsm8k_prompts(num_questions: int):
     import pytest
     from transformers import AutoTokenizer
 
+    from lightllm.tools.train_mtp_draft import build_prompt_ids
     from lightllm.utils.embedded_model import default_draft_dir_for, get_default_model_dir
 
     model_dir = get_default_model_dir()
@@ -27,6 +28,4 @@ def embedded_gsm8k_prompts(num_questions: int):
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(gsm8k_path("test")) as f:
         questions = [json.loads(line)["question"] for line in f][:num_questions]
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                  tokenize=False), add_special_tokens=False) for q in questions]
-    return model_dir, tok, prompts
+    return model_dir, tok, build_prompt_ids(tok, questions)
