@@ -87,7 +87,10 @@ def main(argv=None) -> None:
     p.add_argument("--triton_on_cpu", action="store_true")
     p.add_argument("--out", default=None, help="JSON results path")
     a = p.parse_args(argv)
-    arms = [parse_arm(t) for t in a.arms.split(",")]
+    try:
+        arms = [parse_arm(t) for t in a.arms.split(",")]
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        p.error(f"--arms: {e}")
 
     import torch
 
