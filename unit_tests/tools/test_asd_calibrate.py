@@ -9,6 +9,7 @@ import torch
 
 from lightllm.server.router.model_infer.mtp_speculative.utils import VerifyStepRecord
 from lightllm.tools import asd_calibrate
+from unit_tests.data_paths import gsm8k_path
 from lightllm.tools.asd_calibrate import (
     CalibrationError,
     check_train_split,
@@ -18,7 +19,7 @@ from lightllm.tools.asd_calibrate import (
     suggested_flags,
 )
 
-GSM8K_TRAIN = "/work/shared/data/gsm8k/train.jsonl"
+GSM8K_TRAIN = gsm8k_path("train")
 NO_DRAFT = -1
 K = 3
 VOCAB = 5

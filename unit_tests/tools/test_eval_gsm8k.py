@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightllm.tools import eval_gsm8k
+from unit_tests.data_paths import gsm8k_path
 from lightllm.tools.eval_gsm8k import (
     Arm,
     ArmRun,
@@ -30,7 +31,7 @@ from lightllm.tools.eval_gsm8k import (
     summarize_arm,
 )
 
-GSM8K_TEST = "/work/shared/data/gsm8k/test.jsonl"
+GSM8K_TEST = gsm8k_path("test")
 
 
 # ---- answers ----
