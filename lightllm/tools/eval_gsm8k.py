@@ -66,6 +66,7 @@ REQUIRED_ARMS = (STRICT, ASD_B0)  # the reference and its identity check always 
 PROMPT_TEMPLATE = "{question}\nSolve it step by step, then give the final answer as a number."
 WARMUP_REQUESTS = 32
 WARMUP_MAX_NEW_TOKENS = 32
+THROUGHPUT_NOISE_WARN = 0.05  # |B = 0 tok/s / strict tok/s - 1| above this: flag the run
 REQUEST_TIMEOUT_S = 3600.0
 MAX_LEN_ROUND = 64  # --max_req_total_len (auto) is rounded up to a multiple of this
 DEFAULT_BATCH_MAX_TOKENS = 4096  # prefill chunk: a few dozen GSM8K prompts per prefill step
@@ -281,6 +282,7 @@ class ArmSummary:
     mean_relaxed_tokens: float
     accept_len_hist: Dict[int, int] = field(default_factory=dict)
     speedup_vs_strict: Optional[float] = None  # output tokens/s ratio
+    speedup_vs_b0: Optional[float] = None  # output tokens/s ratio to the B = 0 arm (strict's work)
     requests_per_s_vs_strict: Optional[float] = None
     arm_total_s: Optional[float] = None  # server start + warm-up + timed wave + stop
 
@@ -334,13 +336,26 @@ def summarize_arm(arm: Arm, records: Sequence[RequestRecord], wall_s: float,
 
 
 def add_ratios(summaries: List[ArmSummary]) -> None:
-    """Throughput ratios to the strict arm of the same run (in place)."""
+    """Throughput ratios to the strict and the B = 0 arm of the same run (in place)."""
     strict = next((s for s in summaries if s.name == STRICT), None)
-    if strict is None:
-        return
+    b0 = next((s for s in summaries if s.name == ASD_B0), None)
     for s in summaries:
-        s.speedup_vs_strict = s.output_tokens_per_s / strict.output_tokens_per_s
-        s.requests_per_s_vs_strict = s.requests_per_s / strict.requests_per_s
+        if strict is not None:
+            s.speedup_vs_strict = s.output_tokens_per_s / strict.output_tokens_per_s
+            s.requests_per_s_vs_strict = s.requests_per_s / strict.requests_per_s
+        if b0 is not None:
+            s.speedup_vs_b0 = s.output_tokens_per_s / b0.output_tokens_per_s
+
+
+def throughput_noise_note(summaries: Sequence[ArmSummary]) -> Optional[str]:
+    """The B = 0 arm does strict's work, so its tok/s ratio to strict is this run's noise."""
+    b0 = next((s for s in summaries if s.name == ASD_B0), None)
+    if b0 is None or b0.speedup_vs_strict is None:
+        return None
+    noise = abs(b0.speedup_vs_strict - 1.0)
+    note = (f"Throughput noise check: B = 0 does exactly strict's work and measured {b0.speedup_vs_strict:.3f}x "
+            f"strict's tok/s; ratios within {noise:.3f} of 1 are not distinguishable from noise.")
+    return ("WARNING: " + note) if noise > THROUGHPUT_NOISE_WARN else note
 
 
 @dataclass
@@ -413,7 +428,7 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
     lines += [f"- {k}: {v}" for k, v in setup.items()]
     lines += ["", f"**{b0.message()}**" if b0 is not None else "**B = 0 identity check NOT RUN**", ""]
     head = ["arm", "B", "g", "m", "accuracy", "tokens/step", "accept_len", "out tok/s", "req/s",
-            "tok/s vs strict", "differs from strict", "mean regret", "mean relaxed", "wall s", "arm s"]
+            "tok/s vs strict", "tok/s vs B=0", "differs from strict", "mean regret", "mean relaxed", "wall s", "arm s"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for s in summaries:
@@ -422,11 +437,15 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
             f"{100 * s.accuracy:.2f}%", _fmt(s.tokens_per_step), _fmt(s.mean_accept_len),
             _fmt(s.output_tokens_per_s, ".1f"), _fmt(s.requests_per_s, ".2f"),
             _fmt(s.speedup_vs_strict, ".3f") + ("x" if s.speedup_vs_strict is not None else ""),
+            _fmt(s.speedup_vs_b0, ".3f") + ("x" if s.speedup_vs_b0 is not None else ""),
             "-" if s.differs_from_strict is None else f"{100 * s.differs_from_strict:.1f}%",
             _fmt(s.mean_regret_spent, ".4f"), _fmt(s.mean_relaxed_tokens, ".2f"), _fmt(s.wall_s, ".1f"),
             _fmt(s.arm_total_s, ".1f"),
         ]
         lines.append("| " + " | ".join(row) + " |")
+    noise = throughput_noise_note(summaries)
+    if noise is not None:
+        lines += ["", f"**{noise}**"]
     lines += [
         "",
         "tokens/step = sum(count_output_tokens) / sum(count_output_tokens - mtp_accepted_token_num) "

@@ -9,7 +9,6 @@ import torch
 
 from lightllm.server.router.model_infer.mtp_speculative.utils import VerifyStepRecord
 from lightllm.tools import asd_calibrate
-from unit_tests.data_paths import gsm8k_path
 from lightllm.tools.asd_calibrate import (
     CalibrationError,
     check_train_split,
@@ -18,6 +17,7 @@ from lightllm.tools.asd_calibrate import (
     q25,
     suggested_flags,
 )
+from unit_tests.data_paths import gsm8k_path
 
 GSM8K_TRAIN = gsm8k_path("train")
 NO_DRAFT = -1

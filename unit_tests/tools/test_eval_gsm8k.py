@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 
 from lightllm.tools import eval_gsm8k
-from unit_tests.data_paths import gsm8k_path
 from lightllm.tools.eval_gsm8k import (
     Arm,
     ArmRun,
@@ -29,7 +28,9 @@ from lightllm.tools.eval_gsm8k import (
     render_markdown,
     subtract_histograms,
     summarize_arm,
+    throughput_noise_note,
 )
+from unit_tests.data_paths import gsm8k_path
 
 GSM8K_TEST = gsm8k_path("test")
 
@@ -211,6 +212,23 @@ def test_accept_len_histogram_from_metrics():
     before = {1: 1, 2: 0, 3: 0, 4: 2, 5: 0}
     assert subtract_histograms(hist, before) == {1: 4, 2: 4, 3: 3, 4: 6, 5: 0}
     assert parse_accept_len_histogram("lightllm_generation_tokens_total 3.0\n") == {}
+
+
+def test_ratios_to_b0_and_the_noise_note():
+    strict = [_rec(0, [1, 2]), _rec(1, [3])]  # 3 tokens
+    st = summarize_arm(Arm("strict"), strict, 1.0, strict)  # 3 tok/s
+    b0 = summarize_arm(Arm("asd_b0", budget=0.0), strict, 1.0 / 1.02, strict)  # 3.06 tok/s: 1.020x
+    asd = summarize_arm(Arm("asd_usage", budget=2.0), strict, 0.5, strict)  # 6 tok/s
+    assert throughput_noise_note([st, asd]) is None  # no B = 0 arm
+    add_ratios([st, b0, asd])
+    assert asd.speedup_vs_b0 == pytest.approx(6.0 / 3.06) and b0.speedup_vs_b0 == pytest.approx(1.0)
+    quiet = throughput_noise_note([st, b0, asd])
+    assert not quiet.startswith("WARNING") and "1.020x" in quiet and "within 0.020 of 1" in quiet
+    b0.speedup_vs_strict = 1.145  # the third session's K = 3 run
+    loud = throughput_noise_note([st, b0, asd])
+    assert loud.startswith("WARNING") and "1.145x" in loud and "within 0.145 of 1" in loud
+    md = render_markdown([st, b0, asd], check_b0(strict, strict), "cmd", {})
+    assert "**WARNING: Throughput noise check" in md and "tok/s vs B=0" in md
 
 
 def test_render_markdown():
