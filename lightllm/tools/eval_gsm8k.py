@@ -37,6 +37,7 @@ Output in ``--out_dir``: ``results.json`` (config, summaries, B = 0 check), ``re
 """
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -382,6 +383,31 @@ def check_b0(strict: Sequence[RequestRecord], b0: Sequence[RequestRecord]) -> B0
                    first_token_difference(strict[i].token_ids, b0[i].token_ids))
 
 
+DIGEST_HEX_CHARS = 16
+
+
+def files_digest(dirs: Sequence[str]) -> str:
+    """sha256 over the names and bytes of every file in these directories (sorted)."""
+    h = hashlib.sha256()
+    for d in dirs:
+        for name in sorted(os.listdir(d)):
+            path = os.path.join(d, name)
+            if os.path.isfile(path):
+                h.update(name.encode() + b"\0")
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+    return h.hexdigest()[:DIGEST_HEX_CHARS]
+
+
+def check_same_draft(digests: Dict[str, Optional[str]]) -> Optional[str]:
+    """An error message when the arms did not all run with the same draft files, else None."""
+    known = {name: d for name, d in digests.items() if d is not None}
+    if len(set(known.values())) <= 1:
+        return None
+    return "the draft files changed during the run: " + ", ".join(f"{n} {d}" for n, d in known.items())
+
+
 # ---------------------------------------------------------------------------
 # /metrics parsing (pure)
 # ---------------------------------------------------------------------------
@@ -584,14 +610,17 @@ class ArmRun:
     wall_s: float  # the timed wave
     accept_len_hist: Dict[int, int]
     total_s: float = 0.0  # server start to stop (set by main)
+    draft_digest: Optional[str] = None  # the draft files before the server started and after it stopped
 
 
 def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Sequence[Question],
-            prompts: Sequence[str], args, out_dir: str) -> ArmRun:
+            prompts: Sequence[str], args, out_dir: str, draft_check_dirs: Optional[Sequence[str]] = None) -> ArmRun:
     import httpx
 
     from lightllm.utils.server_launcher import launch_server
 
+    check = draft_check_dirs if arm.mtp and draft_check_dirs else None
+    digest_before = files_digest(check) if check else None
     log = os.path.join(out_dir, f"server_{arm.name}.log")
     print(f"[{arm.name}] starting server: {' '.join(base_flags + arm_flags)}", flush=True)
     server = launch_server(base_flags + arm_flags, log, env=server_env())
@@ -611,7 +640,10 @@ def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Se
     with open(os.path.join(out_dir, f"requests_{arm.name}.jsonl"), "w") as f:
         for r in records:
             f.write(json.dumps(asdict(r)) + "\n")
-    return ArmRun(records, wall, subtract_histograms(after, before))
+    digest = digest_before
+    if check and files_digest(check) != digest_before:
+        digest = f"{digest_before}->{files_digest(check)}"  # changed while the server ran
+    return ArmRun(records, wall, subtract_histograms(after, before), draft_digest=digest)
 
 
 # ---------------------------------------------------------------------------
@@ -691,6 +723,7 @@ def main(argv=None) -> int:
         tok_dir = model_dir
     draft_dirs = [os.path.abspath(d) for d in args.mtp_draft_model_dir] if args.mtp_draft_model_dir else None
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    draft_check_dirs = draft_dirs or [d for d in [_default_draft_dir(tok_dir, args.mtp_mode)] if d]
     questions = load_questions(args.data, args.num_questions)
     prompts = [chat_prompt_text(tokenizer, q.question) for q in questions]
     prompt_lens = [len(tokenizer.encode(p, add_special_tokens=True)) for p in prompts]
@@ -722,7 +755,7 @@ def main(argv=None) -> int:
             continue
         t0 = time.perf_counter()
         flags = arm.server_flags(args.mtp_mode, args.mtp_step, draft_dirs)
-        runs[arm.name] = run_arm(arm, base_flags, flags, questions, prompts, args, args.out_dir)
+        runs[arm.name] = run_arm(arm, base_flags, flags, questions, prompts, args, args.out_dir, draft_check_dirs)
         last_arm_s = runs[arm.name].total_s = time.perf_counter() - t0
         print(f"[{arm.name}] done: timed wave {runs[arm.name].wall_s:.1f} s, arm in all {last_arm_s:.1f} s", flush=True)
         if arm.name == ASD_B0:
@@ -736,7 +769,17 @@ def main(argv=None) -> int:
     if b0 is None or not b0.passed:
         print(f"FAILED: {b0.message() if b0 else 'no B = 0 check'}", file=sys.stderr)
         return 1
+    draft_error = check_same_draft({name: run.draft_digest for name, run in runs.items()})
+    if draft_error:
+        print(f"FAILED: {draft_error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _default_draft_dir(model_dir: str, mtp_mode: str) -> Optional[str]:
+    from lightllm.utils.embedded_model import default_draft_dir_for
+
+    return default_draft_dir_for(model_dir, mtp_mode)
 
 
 def write_outputs(arms: Sequence[Arm], runs: Dict[str, "ArmRun"], skipped: Sequence[str], args,
@@ -751,10 +794,15 @@ def write_outputs(arms: Sequence[Arm], runs: Dict[str, "ArmRun"], skipped: Seque
     b0 = check_b0(strict, runs[ASD_B0].records) if ASD_B0 in runs else None
     if skipped:
         setup = {**setup, "skipped (time budget)": ", ".join(skipped)}
+    digests = {a.name: runs[a.name].draft_digest for a in arms}
+    known = sorted({d for d in digests.values() if d})
+    if known:
+        draft_error = check_same_draft(digests)
+        setup = {**setup, "draft files (sha256)": f"MISMATCH, {draft_error}" if draft_error else known[0]}
     results = {
         "command": command, "setup": setup, "b0_check": asdict(b0) if b0 else None, "skipped_arms": list(skipped),
-        "arms": [{**asdict(s), "server_flags": a.server_flags(args.mtp_mode, args.mtp_step, draft_dirs)}
-                 for s, a in zip(summaries, arms)],
+        "arms": [{**asdict(s), "server_flags": a.server_flags(args.mtp_mode, args.mtp_step, draft_dirs),
+                  "draft_digest": runs[a.name].draft_digest} for s, a in zip(summaries, arms)],
     }
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)

@@ -12,7 +12,8 @@
 #   gpu_session.sh eval OUT K SWEEP B   calibrate + evaluate all arms at K (sweep budgets SWEEP,
 #                                       '' for none; time budget B s); OUT/eval_kK.tgz
 #   gpu_session.sh suite OUT [PATHS]    the whole test suite on this GPU (unit_tests/run_gpu_ci.sh)
-#   gpu_session.sh multi_gpu OUT        the two-GPU tests and tp 1 vs --tp 2 --dp 2 throughput
+#   gpu_session.sh multi_gpu OUT [WHAT] the two-GPU tests (WHAT=tests), tp 1 vs --tp 2 --dp 2
+#                                       throughput (WHAT=bench), or both (default)
 #   gpu_session.sh arms OUT NAME        in-process strict / usage / B = 8 arms at K = 3 and K = 2
 #                                       with the checkout's draft (OUT/arms_NAME_kK.json)
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
@@ -72,14 +73,18 @@ suite)
     exit $status
     ;;
 multi_gpu)
-    out=${1:?OUT}; mkdir -p "$out"
-    GPU_CI_WORKERS=0 GPU_CI_PATHS=unit_tests/server/test_multi_gpu.py bash unit_tests/run_gpu_ci.sh "$out/tests" \
-        -q -p no:cacheprovider > "$out/tests.log" 2>&1
+    out=${1:?OUT}; what=${2:-all}; mkdir -p "$out"
+    if [[ "$what" != bench ]]; then
+        GPU_CI_WORKERS=0 GPU_CI_PATHS=unit_tests/server/test_multi_gpu.py bash unit_tests/run_gpu_ci.sh "$out/tests" \
+            -v -p no:cacheprovider > "$out/tests.log" 2>&1
+        cat "$out/tests/summary.txt"
+    fi
+    [[ "$what" == tests ]] && exit 0
     python benchmarks/bench_e2e_throughput.py --num_prompts 256 --max_new_tokens 128 --ignore_eos \
         --concurrency 128 --skip_hf --gsm8k .data/test.jsonl \
         --configs "tp1=;tp2_dp2=--tp 2 --dp 2;tp1_mtp3=--mtp_mode eagle_with_att --mtp_step 3;tp2_dp2_mtp3=--tp 2 --dp 2 --mtp_mode eagle_with_att --mtp_step 3" \
         --out "$out/e2e_tp.json" > "$out/e2e.log" 2>&1
-    cat "$out/tests/summary.txt"; tail -8 "$out/e2e.log"
+    tail -8 "$out/e2e.log"
     ;;
 arms)
     out=${1:?OUT}; name=${2:?NAME}; mkdir -p "$out"

@@ -13,6 +13,7 @@ from lightllm.tools.eval_gsm8k import (
     Question,
     RequestRecord,
     add_ratios,
+    check_same_draft,
     auto_max_req_total_len,
     build_arms,
     chat_prompt_text,
@@ -257,8 +258,10 @@ def fake_server(monkeypatch, tmp_path):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda d: FakeTokenizer(adds_bos=False))
     seen = {}
 
-    def fake_run_arm(arm, base_flags, arm_flags, questions, prompts, args, out_dir):
+    def fake_run_arm(arm, base_flags, arm_flags, questions, prompts, args, out_dir, draft_check_dirs=None):
         seen[arm.name] = (base_flags, arm_flags, list(prompts))
+        if fake_run_arm.before_arm is not None:
+            fake_run_arm.before_arm(arm)
         recs = []
         for j, q in enumerate(questions):
             ids = [q.index, 7, 8]
@@ -270,9 +273,11 @@ def fake_server(monkeypatch, tmp_path):
                 "mtp_accepted_token_num": 1 if arm.mtp else 0, "asd_relaxed_token_num": 1 if arm.budget else 0,
                 "asd_regret_spent": 0.5 if arm.budget else 0.0, "tokens": [{"id": t} for t in ids]}))
         hist = {1: 3, 2: 2} if arm.mtp else {1: 5}
-        return ArmRun(recs, 2.0 if arm.name == "strict" else 1.0, hist)
+        digest = eval_gsm8k.files_digest(draft_check_dirs) if arm.mtp and draft_check_dirs else None
+        return ArmRun(recs, 2.0 if arm.name == "strict" else 1.0, hist, draft_digest=digest)
 
     fake_run_arm.break_b0 = False
+    fake_run_arm.before_arm = None
     monkeypatch.setattr(eval_gsm8k, "run_arm", fake_run_arm)
     data = tmp_path / "test.jsonl"
     data.write_text("".join(json.dumps({"question": f"q{i}?", "answer": f"... #### {i + 1}"}) + "\n" for i in range(4)))
@@ -320,6 +325,45 @@ def test_cli_flow_fails_loudly_when_b0_differs(fake_server, capsys):
     assert not res["b0_check"]["passed"] and res["b0_check"]["first_question_index"] == 2
     assert "FAILED" in capsys.readouterr().err
     assert "identity check FAILED" in open(os.path.join(out, "results.md")).read()
+
+
+def test_files_digest_by_hand(tmp_path):
+    import hashlib
+
+    (tmp_path / "b.bin").write_bytes(b"\x01\x02")
+    (tmp_path / "a.json").write_text("{}")
+    (tmp_path / "sub").mkdir()  # not a file: ignored
+    want = hashlib.sha256(b"a.json\0{}" + b"b.bin\0\x01\x02").hexdigest()[:16]
+    assert eval_gsm8k.files_digest([str(tmp_path)]) == want
+    (tmp_path / "b.bin").write_bytes(b"\x01\x03")
+    assert eval_gsm8k.files_digest([str(tmp_path)]) != want
+    assert check_same_draft({"strict": "x", "asd_b0": "x", "baseline": None}) is None
+    msg = check_same_draft({"strict": "x", "asd_b0": "x", "asd_B8": "y"})
+    assert "changed during the run" in msg and "asd_B8 y" in msg
+
+
+def test_cli_flow_fails_when_the_draft_changes_between_arms(fake_server, capsys):
+    # the second session's B = 8 arm ran with other draft weights than strict: this catches it
+    fake, seen, data, tmp = fake_server
+    draft = os.path.join(tmp, "draft")
+    os.mkdir(draft)
+    with open(os.path.join(draft, "model.safetensors"), "wb") as f:
+        f.write(b"new weights")
+
+    def overwrite(arm):
+        if arm.name == "asd_usage":
+            with open(os.path.join(draft, "model.safetensors"), "wb") as f:
+                f.write(b"old weights")
+
+    fake.before_arm = overwrite
+    out = os.path.join(tmp, "out")
+    rc = eval_gsm8k.main(["--data", data, "--out_dir", out, "--model_dir", os.path.join(tmp, "model"),
+                          "--mtp_draft_model_dir", draft, "--sweep", ""])
+    assert rc == 1 and "the draft files changed during the run" in capsys.readouterr().err
+    res = json.load(open(os.path.join(out, "results.json")))
+    digests = {a["name"]: a["draft_digest"] for a in res["arms"]}
+    assert digests["strict"] == digests["asd_b0"] != digests["asd_usage"]
+    assert "MISMATCH" in open(os.path.join(out, "results.md")).read()
 
 
 def test_time_budget_skips_only_optional_arms(fake_server, monkeypatch):
@@ -377,6 +421,7 @@ def test_real_eval_run_on_cpu(tmp_path):
         assert 1.0 <= a["tokens_per_step"] <= 3.0
         assert sum(a["accept_len_hist"].values()) > 0  # this arm's decode steps, warm-up excluded
         assert a["mean_regret_spent"] <= (a["budget"] or 0.0) + 1e-6
+        assert a["draft_digest"] == eval_gsm8k.files_digest([draft])  # before and after every server
     assert arms["asd_b0"]["differs_from_strict"] == 0.0
     recs = [json.loads(l) for l in open(out / "requests_strict.jsonl")]
     assert len(recs) == 4 and all(len(r["token_ids"]) == r["count_output_tokens"] for r in recs)
