@@ -1,12 +1,30 @@
-"""Where tests find GSM8K: $LIGHTLLM_GSM8K_DIR, else ../shared/data/gsm8k beside the checkout."""
+"""Where tests find GSM8K: $LIGHTLLM_GSM8K_DIR, else ../shared/data/gsm8k beside the checkout,
+else this workplace's shared data folder. Tests that need it skip when none has it."""
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKPLACE_GSM8K_DIR = "/work/shared/data/gsm8k"
+
+
+def _gsm8k_dirs():
+    env = os.environ.get("LIGHTLLM_GSM8K_DIR")
+    return ([env] if env else []) + [os.path.join(REPO, "..", "shared", "data", "gsm8k"), WORKPLACE_GSM8K_DIR]
 
 
 def gsm8k_path(split: str) -> str:
-    root = os.environ.get("LIGHTLLM_GSM8K_DIR") or os.path.join(REPO, "..", "shared", "data", "gsm8k")
-    return os.path.join(root, f"{split}.jsonl")
+    """The first existing ``{split}.jsonl`` of the candidate dirs (else the first candidate's path)."""
+    paths = [os.path.join(d, f"{split}.jsonl") for d in _gsm8k_dirs()]
+    return next((p for p in paths if os.path.exists(p)), paths[0])
+
+
+def require_gsm8k(split: str) -> str:
+    """gsm8k_path, or skip the calling test when no candidate dir has the file."""
+    import pytest
+
+    path = gsm8k_path(split)
+    if not os.path.exists(path):
+        pytest.skip(f"GSM8K {split} set not found (set LIGHTLLM_GSM8K_DIR)")
+    return path
 
 
 def embedded_gsm8k_prompts(num_questions: int):
@@ -23,9 +41,8 @@ def embedded_gsm8k_prompts(num_questions: int):
     model_dir = get_default_model_dir()
     if default_draft_dir_for(model_dir, "eagle_with_att") is None:
         pytest.skip("the embedded model's trained draft is not packaged")
-    if not os.path.exists(gsm8k_path("test")):
-        pytest.skip("GSM8K test set not found")
+    path = require_gsm8k("test")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    with open(gsm8k_path("test")) as f:
+    with open(path) as f:
         questions = [json.loads(line)["question"] for line in f][:num_questions]
     return model_dir, tok, build_prompt_ids(tok, questions)

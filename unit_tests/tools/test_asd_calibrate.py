@@ -17,9 +17,8 @@ from lightllm.tools.asd_calibrate import (
     q25,
     suggested_flags,
 )
-from unit_tests.data_paths import gsm8k_path
+from unit_tests.data_paths import require_gsm8k
 
-GSM8K_TRAIN = gsm8k_path("train")
 NO_DRAFT = -1
 K = 3
 VOCAB = 5
@@ -107,7 +106,7 @@ def test_small_helpers():
     assert first_difference([[1, 2], [3, 4]], [[1, 2], [3, 4]]) is None
     assert first_difference([[1, 2], [3, 4, 5]], [[1, 2], [3, 9, 5]]) == (1, 1)
     assert first_difference([[1, 2]], [[1, 2, 3]]) == (0, 2)
-    check_train_split(GSM8K_TRAIN)
+    check_train_split("/data/gsm8k/train.jsonl")
     with pytest.raises(CalibrationError, match="TRAIN"):
         check_train_split("/data/gsm8k/test.jsonl")
 
@@ -203,7 +202,7 @@ def test_real_calibration_run_on_cpu(tmp_path):
     model_dir = get_default_model_dir()
     draft = random_draft(AutoConfig.from_pretrained(model_dir), str(tmp_path / "draft"), True, 1, seed=0)
     out = tmp_path / "calib.json"
-    rc = asd_calibrate.main(["--data", GSM8K_TRAIN, "--num_questions", "4", "--max_new_tokens", "16",
+    rc = asd_calibrate.main(["--data", require_gsm8k("train"), "--num_questions", "4", "--max_new_tokens", "16",
                              "--mtp_step", "2", "--mtp_draft_model_dir", draft, "--out", str(out)])
     assert rc == 0
     calib = json.load(open(out))

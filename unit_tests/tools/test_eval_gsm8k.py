@@ -31,9 +31,8 @@ from lightllm.tools.eval_gsm8k import (
     summarize_arm,
     throughput_noise_note,
 )
-from unit_tests.data_paths import gsm8k_path
+from unit_tests.data_paths import require_gsm8k
 
-GSM8K_TEST = gsm8k_path("test")
 
 
 # ---- answers ----
@@ -77,7 +76,7 @@ def test_load_questions(tmp_path):
 
 
 def test_real_gsm8k_golds_all_parse():
-    qs = load_questions(GSM8K_TEST)
+    qs = load_questions(require_gsm8k("test"))
     assert len(qs) == 1319 and qs[0].gold == 18.0
 
 
@@ -408,7 +407,7 @@ def test_real_eval_run_on_cpu(tmp_path):
     model_dir = get_default_model_dir()
     draft = random_draft(AutoConfig.from_pretrained(model_dir), str(tmp_path / "draft"), True, 1, seed=0)
     out = tmp_path / "out"
-    rc = eval_gsm8k.main(["--data", GSM8K_TEST, "--out_dir", str(out), "--num_questions", "4",
+    rc = eval_gsm8k.main(["--data", require_gsm8k("test"), "--out_dir", str(out), "--num_questions", "4",
                           "--max_new_tokens", "16", "--mtp_step", "2", "--mtp_draft_model_dir", draft,
                           "--concurrency", "4", "--q25", "0.5", "--sweep", "", "--warmup", "1"])
     assert rc == 0

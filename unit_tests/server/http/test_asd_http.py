@@ -1,6 +1,5 @@
 """ASD end to end through HTTP on the embedded model and its trained draft."""
 import json
-import os
 import threading
 
 import httpx
@@ -9,7 +8,7 @@ from transformers import AutoTokenizer
 
 from lightllm.utils.embedded_model import default_draft_dir_for, get_default_model_dir
 from lightllm.utils.server_launcher import launch_server
-from unit_tests.data_paths import gsm8k_path
+from unit_tests.data_paths import require_gsm8k
 
 NUM_QUESTIONS = 4
 MAX_NEW_TOKENS = 32
@@ -43,9 +42,7 @@ def servers(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    path = gsm8k_path("test")
-    if not os.path.exists(path):
-        pytest.skip("GSM8K test set not found beside the checkout")
+    path = require_gsm8k("test")
     tok = AutoTokenizer.from_pretrained(get_default_model_dir())
     with open(path) as f:
         qs = [json.loads(line)["question"] for line in f][:NUM_QUESTIONS]
