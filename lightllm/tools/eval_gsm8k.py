@@ -567,7 +567,8 @@ def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
 # ---------------------------------------------------------------------------
 
 
-async def _post_all(url: str, payloads: Sequence[Dict], concurrency: int, desc: Optional[str]) -> List[Dict]:
+async def post_all(url: str, payloads: Sequence[Dict], concurrency: int, desc: Optional[str]) -> List[Dict]:
+    """POST every payload to /generate, at most ``concurrency`` in flight; responses in order."""
     import httpx
     from tqdm import tqdm
 
@@ -589,8 +590,12 @@ async def _post_all(url: str, payloads: Sequence[Dict], concurrency: int, desc: 
             bar.close()
 
 
-def _payload(text: str, max_new_tokens: int) -> Dict:
-    return {"inputs": text, "parameters": {"max_new_tokens": max_new_tokens, "do_sample": False, "return_details": True}}
+def generate_payload(text: str, max_new_tokens: int, asd_regret_budget: Optional[float] = None) -> Dict:
+    """A greedy /generate request; ``asd_regret_budget`` overrides the server's budget for it."""
+    params = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_details": True}
+    if asd_regret_budget is not None:
+        params["asd_regret_budget"] = asd_regret_budget
+    return {"inputs": text, "parameters": params}
 
 
 def server_env() -> Dict[str, str]:
@@ -626,12 +631,12 @@ def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Se
     server = launch_server(base_flags + arm_flags, log, env=server_env())
     try:
         if args.warmup > 0:
-            warm = [_payload(p, min(WARMUP_MAX_NEW_TOKENS, args.max_new_tokens)) for p in prompts[:args.warmup]]
-            asyncio.run(_post_all(server.url, warm, args.concurrency, None))
+            warm = [generate_payload(p, min(WARMUP_MAX_NEW_TOKENS, args.max_new_tokens)) for p in prompts[:args.warmup]]
+            asyncio.run(post_all(server.url, warm, args.concurrency, None))
         before = parse_accept_len_histogram(httpx.get(server.url + "/metrics").text)
-        payloads = [_payload(p, args.max_new_tokens) for p in prompts]
+        payloads = [generate_payload(p, args.max_new_tokens) for p in prompts]
         t0 = time.perf_counter()
-        responses = asyncio.run(_post_all(server.url, payloads, args.concurrency, arm.name))
+        responses = asyncio.run(post_all(server.url, payloads, args.concurrency, arm.name))
         wall = time.perf_counter() - t0
         after = parse_accept_len_histogram(httpx.get(server.url + "/metrics").text)
     finally:

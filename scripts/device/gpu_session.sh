@@ -16,6 +16,8 @@
 #                                       throughput (WHAT=bench), or both (default)
 #   gpu_session.sh arms OUT NAME        in-process strict / usage / B = 8 arms at K = 3 and K = 2
 #                                       with the checkout's draft (OUT/arms_NAME_kK.json)
+#   gpu_session.sh budgets OUT K        one server, budgets 0 / usage / 8 in 3 interleaved rounds of all
+#                                       1319 questions: ASD's tok/s ratio to B = 0 (OUT/budgets_kK.json)
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
@@ -28,7 +30,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu|arms|profile|pack ...}
+job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu|arms|budgets|profile|pack ...}
 shift
 
 case "$job" in
@@ -92,6 +94,13 @@ arms)
         python benchmarks/asd_arms_inprocess.py --data .data/test.jsonl --num_questions 256 --max_new_tokens 256 \
             --mtp_step "$k" --arms strict,2.0625:0.25:2,8:0.25:2 --out "$out/arms_${name}_k$k.json" 2>&1 | grep "^|"
     done
+    ;;
+budgets)
+    out=${1:?OUT}; k=${2:?K}; mkdir -p "$out"
+    python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step "$k" --budgets 0,2.0625,8 --rounds 3 \
+        --concurrency "$EVAL_CONCURRENCY" --max_new_tokens "$EVAL_NEW_TOKENS" --out "$out/budgets_k$k.json" \
+        > "$out/budgets_k$k.log" 2>&1
+    grep -E "^\||identical" "$out/budgets_k$k.log"
     ;;
 profile)
     out=${1:?OUT}; mkdir -p "$out"

@@ -1,0 +1,201 @@
+"""ASD throughput by budget on ONE server, in interleaved rounds: the noise-robust speed-up.
+
+eval_gsm8k starts one server per arm, so each arm's tok/s also carries that server's luck
+(start-up, the host's load at that minute); the B = 0 arm, which does strict's work, has
+read 1.09-1.25x strict that way. Here one server runs every budget: ASD's budget is a
+per-request parameter (`asd_regret_budget`), and B = 0 is token-identical to strict
+verification, so it is the baseline. Each round sends the same GSM8K wave once per budget,
+in an order rotated every round; the speed-up of budget B is the median over rounds of
+tok/s(B) / tok/s(B = 0) within the same round.
+
+g and m are server flags (one value per run: `--local_ratio`, `--max_mismatch`), as in
+the usage setting (g = 0.25, m = 2). Compared with a server without ASD, B = 0 pays the
+ASD verify kernel (about 2 us per step, docs/results.md section 6).
+
+    python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step 3 \\
+        --budgets 0,2.0625,8 --rounds 3 --concurrency 256 --max_new_tokens 256 --out asd_budgets.json
+"""
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, REPO_ROOT)
+
+BASELINE_BUDGET = 0.0
+WARMUP_REQUESTS = 64
+WARMUP_MAX_NEW_TOKENS = 32
+
+
+@dataclass
+class Wave:
+    round: int
+    budget: float
+    wall_s: float
+    output_tokens: int
+    steps: int  # sum(count_output_tokens - mtp_accepted_token_num)
+    relaxed_tokens: int
+    token_ids: Optional[List[List[int]]] = None  # kept for the B = 0 determinism check only
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+@dataclass
+class BudgetRow:
+    budget: float
+    waves: int
+    tokens_per_step: float
+    median_tok_s: float
+    min_tok_s: float
+    max_tok_s: float
+    speedup_vs_b0: float  # median over rounds of tok/s(B) / tok/s(B = 0) in the same round
+    round_ratios: List[float]
+    tokens_per_step_gain: float  # tokens/step(B) / tokens/step(B = 0) - 1
+
+
+def round_orders(budgets: Sequence[float], rounds: int) -> List[List[float]]:
+    """Round r sends the budgets rotated left by r, so no budget always runs first."""
+    n = len(budgets)
+    return [[budgets[(r + i) % n] for i in range(n)] for r in range(rounds)]
+
+
+def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow]:
+    base = {w.round: w for w in waves if w.budget == BASELINE_BUDGET}
+    if not base:
+        raise ValueError("no B = 0 wave: it is the baseline")
+    base_tps = sum(w.output_tokens for w in base.values()) / sum(w.steps for w in base.values())
+    rows = []
+    for b in budgets:
+        ws = [w for w in waves if w.budget == b]
+        tps = sum(w.output_tokens for w in ws) / sum(w.steps for w in ws)
+        ratios = [w.tokens_per_s / base[w.round].tokens_per_s for w in ws if w.round in base]
+        rates = [w.tokens_per_s for w in ws]
+        rows.append(BudgetRow(b, len(ws), tps, statistics.median(rates), min(rates), max(rates),
+                              statistics.median(ratios), ratios, tps / base_tps - 1.0))
+    return rows
+
+
+def b0_rounds_identical(waves: Sequence[Wave]) -> bool:
+    """Every B = 0 wave produced the same token ids (the server's schedule is deterministic)."""
+    ids = [w.token_ids for w in waves if w.budget == BASELINE_BUDGET]
+    return all(x == ids[0] for x in ids[1:])
+
+
+def render_table(rows: Sequence[BudgetRow]) -> str:
+    head = "| B | waves | tokens/step | vs B = 0 | median tok/s | min | max | speed-up vs B = 0 (median of rounds) | per round |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r.budget:g} | {r.waves} | {r.tokens_per_step:.3f} | {100 * r.tokens_per_step_gain:+.1f}% | "
+                     f"{r.median_tok_s:.1f} | {r.min_tok_s:.1f} | {r.max_tok_s:.1f} | {r.speedup_vs_b0:.3f}x | "
+                     + ", ".join(f"{x:.3f}" for x in r.round_ratios) + " |")
+    return "\n".join(lines)
+
+
+def parse_budgets(s: str) -> List[float]:
+    try:
+        budgets = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budgets: comma-separated numbers, got {s!r}")
+    if BASELINE_BUDGET not in budgets:
+        raise argparse.ArgumentTypeError("--budgets must include 0 (the baseline)")
+    if any(b < 0 for b in budgets) or len(set(budgets)) != len(budgets):
+        raise argparse.ArgumentTypeError(f"--budgets: distinct values >= 0, got {s!r}")
+    return budgets
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", required=True, help="GSM8K jsonl (the test split)")
+    p.add_argument("--num_questions", type=int, default=None, help="first N questions (default: all)")
+    p.add_argument("--model_dir", default=None, help="default: the embedded model")
+    p.add_argument("--mtp_mode", default="eagle_with_att")
+    p.add_argument("--mtp_step", type=int, default=3)
+    p.add_argument("--budgets", type=parse_budgets, default=parse_budgets("0,2.0625,8"))
+    p.add_argument("--local_ratio", type=float, default=0.25, help="--mtp_asd_local_regret_ratio (g)")
+    p.add_argument("--max_mismatch", type=int, default=2, help="--mtp_asd_block_max_mismatch (m)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--server_extra", default="", help="extra server flags (one shell-quoted string)")
+    p.add_argument("--out", default=None, help="JSON results")
+    a = p.parse_args(argv)
+    if a.rounds < 1 or a.concurrency < 1 or a.max_new_tokens < 1:
+        p.error("--rounds, --concurrency and --max_new_tokens must be >= 1")
+    return a
+
+
+def main(argv=None) -> int:
+    import shlex
+
+    from transformers import AutoTokenizer
+
+    from lightllm.tools.eval_gsm8k import (
+        auto_max_req_total_len,
+        chat_prompt_text,
+        generate_payload,
+        load_questions,
+        post_all,
+        server_env,
+    )
+    from lightllm.utils.server_launcher import launch_server
+
+    args = parse_args(argv)
+    if args.model_dir:
+        model_dir = os.path.abspath(args.model_dir)
+    else:
+        from lightllm.utils.embedded_model import get_default_model_dir
+
+        model_dir = get_default_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    questions = load_questions(args.data, args.num_questions)
+    prompts = [chat_prompt_text(tok, q.question) for q in questions]
+    max_len = auto_max_req_total_len([len(tok.encode(p)) for p in prompts], args.max_new_tokens)
+    flags = ["--model_dir", model_dir, "--running_max_req_size", str(args.concurrency),
+             "--max_req_total_len", str(max_len), "--mtp_mode", args.mtp_mode, "--mtp_step", str(args.mtp_step),
+             "--mtp_asd_regret_budget", "0", "--mtp_asd_local_regret_ratio", str(args.local_ratio),
+             "--mtp_asd_block_max_mismatch", str(args.max_mismatch)] + shlex.split(args.server_extra)
+    log = os.path.join(tempfile.mkdtemp(prefix="bench_asd_budgets_"), "server.log")
+    print(f"{len(prompts)} questions, budgets {args.budgets}, {args.rounds} rounds; server log {log}", flush=True)
+    server = launch_server(flags, log, env=server_env())
+    waves: List[Wave] = []
+    try:
+        warm = [generate_payload(p, min(WARMUP_MAX_NEW_TOKENS, args.max_new_tokens)) for p in prompts[:WARMUP_REQUESTS]]
+        asyncio.run(post_all(server.url, warm, args.concurrency, None))
+        for r, order in enumerate(round_orders(args.budgets, args.rounds)):
+            for b in order:
+                payloads = [generate_payload(p, args.max_new_tokens, b) for p in prompts]
+                t0 = time.perf_counter()
+                res = asyncio.run(post_all(server.url, payloads, args.concurrency, f"round {r} B={b:g}"))
+                wall = time.perf_counter() - t0
+                count = sum(x["count_output_tokens"] for x in res)
+                waves.append(Wave(
+                    r, b, wall, count, count - sum(x["mtp_accepted_token_num"] for x in res),
+                    sum(x["asd_relaxed_token_num"] for x in res),
+                    [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None))
+    finally:
+        server.stop()
+    rows = summarize(waves, args.budgets)
+    identical = b0_rounds_identical(waves)
+    print(render_table(rows))
+    print(f"B = 0 waves token-identical across rounds: {identical}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "server_flags": flags,
+                       "b0_rounds_identical": identical, "rows": [asdict(r) for r in rows],
+                       "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s} for w in waves]},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

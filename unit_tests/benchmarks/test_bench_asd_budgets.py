@@ -1,0 +1,69 @@
+"""benchmarks/bench_asd_budgets.py: round orders and the paired ratios by hand; one real CPU run."""
+import argparse
+import importlib.util
+import json
+import os
+
+import pytest
+
+from unit_tests.data_paths import require_gsm8k
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_asd_budgets", os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_asd_budgets.py"))
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+Wave = bench.Wave
+
+
+def test_round_orders_rotate():
+    assert bench.round_orders([0.0, 2.0, 8.0], 4) == [
+        [0.0, 2.0, 8.0], [2.0, 8.0, 0.0], [8.0, 0.0, 2.0], [0.0, 2.0, 8.0]]
+
+
+def test_parse_budgets():
+    assert bench.parse_budgets("0,2.0625, 8") == [0.0, 2.0625, 8.0]
+    for bad, msg in (("2,8", "include 0"), ("0,-1", ">= 0"), ("0,2,2", "distinct"), ("0,x", "numbers")):
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            bench.parse_budgets(bad)
+
+
+def test_summarize_pairs_each_wave_with_its_rounds_b0():
+    waves = [
+        # round 0: B = 0 at 100 tok/s, B = 2 at 120 tok/s (ratio 1.2)
+        Wave(0, 0.0, 10.0, 1000, 500, 0), Wave(0, 2.0, 10.0, 1200, 500, 30),
+        # round 1, a slower minute: B = 0 at 50 tok/s, B = 2 at 55 tok/s (ratio 1.1)
+        Wave(1, 2.0, 20.0, 1100, 440, 20), Wave(1, 0.0, 20.0, 1000, 500, 0),
+        # round 2: B = 0 at 100, B = 2 at 130 (ratio 1.3)
+        Wave(2, 0.0, 10.0, 1000, 500, 0), Wave(2, 2.0, 10.0, 1300, 520, 40),
+    ]
+    b0, b2 = bench.summarize(waves, [0.0, 2.0])
+    assert b0.speedup_vs_b0 == 1.0 and b0.tokens_per_step == pytest.approx(2.0) and b0.tokens_per_step_gain == 0.0
+    assert b2.round_ratios == pytest.approx([1.2, 1.1, 1.3]) and b2.speedup_vs_b0 == pytest.approx(1.2)
+    assert (b2.median_tok_s, b2.min_tok_s, b2.max_tok_s) == pytest.approx((120.0, 55.0, 130.0))
+    assert b2.tokens_per_step == pytest.approx(3600 / 1460)  # pooled over the waves
+    assert b2.tokens_per_step_gain == pytest.approx(3600 / 1460 / 2.0 - 1)
+    table = bench.render_table([b0, b2])
+    assert "| 2 | 3 | 2.466 | +23.3% | 120.0 | 55.0 | 130.0 | 1.200x | 1.200, 1.100, 1.300 |" in table
+    with pytest.raises(ValueError, match="B = 0"):
+        bench.summarize([Wave(0, 2.0, 1.0, 1, 1, 0)], [2.0])
+
+
+def test_b0_rounds_identical():
+    same = [Wave(0, 0.0, 1, 1, 1, 0, [[1, 2]]), Wave(1, 0.0, 1, 1, 1, 0, [[1, 2]]), Wave(1, 2.0, 1, 1, 1, 0)]
+    assert bench.b0_rounds_identical(same)
+    assert not bench.b0_rounds_identical(same + [Wave(2, 0.0, 1, 1, 1, 0, [[1, 3]])])
+
+
+@pytest.mark.slow
+def test_real_run_on_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    rc = bench.main(["--data", require_gsm8k("test"), "--num_questions", "3", "--max_new_tokens", "12",
+                     "--mtp_step", "2", "--budgets", "0,8", "--rounds", "2", "--concurrency", "3", "--out", str(out)])
+    assert rc == 0
+    res = json.load(open(out))
+    assert res["b0_rounds_identical"] is True
+    rows = {r["budget"]: r for r in res["rows"]}
+    assert rows[0.0]["waves"] == rows[8.0]["waves"] == 2 and rows[0.0]["speedup_vs_b0"] == 1.0
+    waves = res["waves"]
+    assert [w["budget"] for w in waves] == [0.0, 8.0, 8.0, 0.0]  # rotated in round 1
+    assert all(w["output_tokens"] <= 3 * 12 and w["relaxed_tokens"] == 0 for w in waves if w["budget"] == 0.0)
