@@ -18,7 +18,8 @@ For each arm: start ``python -m lightllm.server.api_server`` with the arm's flag
 greedy, ``return_details``; read the accept-length histogram from ``/metrics`` before and after
 the timed wave (the difference is this arm's), stop the server. Results are rewritten after
 every arm, so a run cut short keeps what it measured; ``--time_budget_s`` skips the optional
-arms that would not fit (strict and asd_b0 always run).
+arms that would not fit (strict and asd_b0 always run). The draft files are hashed before each
+server starts and after it stops; arms that ran with different drafts fail the run.
 
 Metrics per arm:
 
@@ -27,7 +28,9 @@ Metrics per arm:
   (every step, the prefill one included, commits one non-draft token);
 - accept_len (metrics): mean of ``lightllm_mtp_accept_len`` over the arm's decode steps;
 - output tokens/s and requests/s over the timed wave's wall time, and their ratio to ``strict``
-  measured in the same run;
+  and to ``asd_b0`` measured in the same run (``asd_b0`` does strict's work, so its own ratio to
+  ``strict`` is the run's noise: printed under the table, a WARNING above 5%; for ratios that
+  do not depend on server starts use ``benchmarks/bench_asd_budgets.py``);
 - differs: share of requests whose token ids differ from ``strict``;
 - mean regret spent and mean relaxed tokens per request.
 
