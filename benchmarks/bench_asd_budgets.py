@@ -31,8 +31,6 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
 BASELINE_BUDGET = 0.0
-WARMUP_REQUESTS = 64
-WARMUP_MAX_NEW_TOKENS = 32
 
 
 @dataclass
@@ -73,16 +71,20 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
     base = {w.round: w for w in waves if w.budget == BASELINE_BUDGET}
     if not base:
         raise ValueError("no B = 0 wave: it is the baseline")
-    base_tps = sum(w.output_tokens for w in base.values()) / sum(w.steps for w in base.values())
+    base_per_step = pooled_tokens_per_step(base.values())
     rows = []
     for b in budgets:
         ws = [w for w in waves if w.budget == b]
-        tps = sum(w.output_tokens for w in ws) / sum(w.steps for w in ws)
+        per_step = pooled_tokens_per_step(ws)
         ratios = [w.tokens_per_s / base[w.round].tokens_per_s for w in ws if w.round in base]
         rates = [w.tokens_per_s for w in ws]
-        rows.append(BudgetRow(b, len(ws), tps, statistics.median(rates), min(rates), max(rates),
-                              statistics.median(ratios), ratios, tps / base_tps - 1.0))
+        rows.append(BudgetRow(b, len(ws), per_step, statistics.median(rates), min(rates), max(rates),
+                              statistics.median(ratios), ratios, per_step / base_per_step - 1.0))
     return rows
+
+
+def pooled_tokens_per_step(waves) -> float:
+    return sum(w.output_tokens for w in waves) / sum(w.steps for w in waves)
 
 
 def b0_rounds_identical(waves: Sequence[Wave]) -> bool:
@@ -135,12 +137,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    import shlex
-
     from transformers import AutoTokenizer
 
     from lightllm.tools.eval_gsm8k import (
+        DEFAULT_BATCH_MAX_TOKENS,
+        WARMUP_MAX_NEW_TOKENS,
+        WARMUP_REQUESTS,
+        Arm,
         auto_max_req_total_len,
+        base_server_flags,
         chat_prompt_text,
         generate_payload,
         load_questions,
@@ -160,10 +165,10 @@ def main(argv=None) -> int:
     questions = load_questions(args.data, args.num_questions)
     prompts = [chat_prompt_text(tok, q.question) for q in questions]
     max_len = auto_max_req_total_len([len(tok.encode(p)) for p in prompts], args.max_new_tokens)
-    flags = ["--model_dir", model_dir, "--running_max_req_size", str(args.concurrency),
-             "--max_req_total_len", str(max_len), "--mtp_mode", args.mtp_mode, "--mtp_step", str(args.mtp_step),
-             "--mtp_asd_regret_budget", "0", "--mtp_asd_local_regret_ratio", str(args.local_ratio),
-             "--mtp_asd_block_max_mismatch", str(args.max_mismatch)] + shlex.split(args.server_extra)
+    # eval_gsm8k's server set-up; the server's own budget is B = 0, each request sets its own
+    asd = Arm("asd", budget=BASELINE_BUDGET, local_ratio=args.local_ratio, max_mismatch=args.max_mismatch)
+    flags = (base_server_flags(model_dir, args.concurrency, max_len, DEFAULT_BATCH_MAX_TOKENS, args.server_extra)
+             + asd.server_flags(args.mtp_mode, args.mtp_step, None))
     log = os.path.join(tempfile.mkdtemp(prefix="bench_asd_budgets_"), "server.log")
     print(f"{len(prompts)} questions, budgets {args.budgets}, {args.rounds} rounds; server log {log}", flush=True)
     server = launch_server(flags, log, env=server_env())
@@ -190,7 +195,7 @@ def main(argv=None) -> int:
     print(f"B = 0 waves token-identical across rounds: {identical}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "server_flags": flags,
+            json.dump({"args": vars(args), "server_flags": flags,
                        "b0_rounds_identical": identical, "rows": [asdict(r) for r in rows],
                        "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s} for w in waves]},
                       f, indent=1)

@@ -649,14 +649,26 @@ def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Se
         for r in records:
             f.write(json.dumps(asdict(r)) + "\n")
     digest = digest_before
-    if check and files_digest(check) != digest_before:
-        digest = f"{digest_before}->{files_digest(check)}"  # changed while the server ran
+    if check:
+        digest_after = files_digest(check)
+        if digest_after != digest_before:
+            digest = f"{digest_before}->{digest_after}"  # changed while the server ran
     return ArmRun(records, wall, subtract_histograms(after, before), draft_digest=digest)
 
 
 # ---------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------
+
+
+def base_server_flags(model_dir: Optional[str], running_max_req_size: int, max_req_total_len: int,
+                      batch_max_tokens: int, server_extra: str) -> List[str]:
+    """The server flags every arm shares (model_dir None: the embedded model)."""
+    return (["--model_dir", model_dir] if model_dir else []) + [
+        "--running_max_req_size", str(running_max_req_size),
+        "--max_req_total_len", str(max_req_total_len),
+        "--batch_max_tokens", str(max(batch_max_tokens, max_req_total_len)),
+    ] + shlex.split(server_extra)
 
 
 def read_calib_q25(path: str, mtp_step: int) -> float:
@@ -736,11 +748,8 @@ def main(argv=None) -> int:
     prompts = [chat_prompt_text(tokenizer, q.question) for q in questions]
     prompt_lens = [len(tokenizer.encode(p, add_special_tokens=True)) for p in prompts]
     max_len = args.max_req_total_len or auto_max_req_total_len(prompt_lens, args.max_new_tokens)
-    base_flags = (["--model_dir", model_dir] if model_dir else []) + [
-        "--running_max_req_size", str(args.running_max_req_size or args.concurrency),
-        "--max_req_total_len", str(max_len),
-        "--batch_max_tokens", str(max(args.batch_max_tokens, max_len)),
-    ] + shlex.split(args.server_extra)
+    base_flags = base_server_flags(model_dir, args.running_max_req_size or args.concurrency, max_len,
+                                   args.batch_max_tokens, args.server_extra)
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"{len(questions)} questions, arms: {', '.join(a.name for a in arms)}", flush=True)
 

@@ -29,7 +29,8 @@ held-out top-1 by depth on 64 other answers):
 random starts faster (the identity init's 31-RMS hidden path drowns the token half
 until Adam grows it), last_layer catches up and is better calibrated at depth 1.
 The shipped draft (lightllm/drafts/...) was trained with last_layer on an H200
-(360 steps of 64): held-out top-1 0.60 / 0.53 / 0.51 / 0.49.
+(all 7473 train questions, 904 steps of 64): held-out top-1 0.68 / 0.62 / 0.60 / 0.57
+(its training_info.json).
 
 CLI:
     python -m lightllm.tools.train_mtp_draft --data train.jsonl --out DIR \\
