@@ -6,7 +6,9 @@ read 1.09-1.25x strict that way. Here one server runs every budget: ASD's budget
 per-request parameter (`asd_regret_budget`), and B = 0 is token-identical to strict
 verification, so it is the baseline. Each round sends the same GSM8K wave once per budget,
 in an order rotated every round; the speed-up of budget B is the median over rounds of
-tok/s(B) / tok/s(B = 0) within the same round.
+tok/s(B) / tok/s(B = 0) within the same round. The same ratio is also taken on the
+engine's own clock (`lightllm_batch_step_seconds` from /metrics: time inside batch
+steps), which leaves out the HTTP front end and the client.
 
 g and m are server flags (one value per run: `--local_ratio`, `--max_mismatch`), as in
 the usage setting (g = 0.25, m = 2). Compared with a server without ASD, B = 0 pays the
@@ -30,7 +32,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
+from lightllm.tools.eval_gsm8k import ENGINE_SECONDS  # noqa: E402 (after the path set-up)
+
 BASELINE_BUDGET = 0.0
+ENGINE_METRICS = (ENGINE_SECONDS, "lightllm_batch_steps_total", "lightllm_batch_step_requests_total")
 
 
 @dataclass
@@ -41,11 +46,18 @@ class Wave:
     output_tokens: int
     steps: int  # sum(count_output_tokens - mtp_accepted_token_num)
     relaxed_tokens: int
+    engine_s: float  # the router's time inside batch steps during the wave
+    batch_steps: int
+    batch_reqs: int  # running requests summed over the wave's batch steps
     token_ids: Optional[List[List[int]]] = None  # kept for the B = 0 determinism check only
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s
+
+    @property
+    def engine_tokens_per_s(self) -> float:
+        return self.output_tokens / self.engine_s
 
 
 @dataclass
@@ -59,6 +71,10 @@ class BudgetRow:
     speedup_vs_b0: float  # median over rounds of tok/s(B) / tok/s(B = 0) in the same round
     round_ratios: List[float]
     tokens_per_step_gain: float  # tokens/step(B) / tokens/step(B = 0) - 1
+    engine_speedup_vs_b0: float  # the same median on the engine's clock
+    engine_round_ratios: List[float]
+    mean_batch: float  # running requests per batch step
+    ms_per_batch_step: float
 
 
 def round_orders(budgets: Sequence[float], rounds: int) -> List[List[float]]:
@@ -77,9 +93,13 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
         ws = [w for w in waves if w.budget == b]
         per_step = pooled_tokens_per_step(ws)
         ratios = [w.tokens_per_s / base[w.round].tokens_per_s for w in ws if w.round in base]
+        engine_ratios = [w.engine_tokens_per_s / base[w.round].engine_tokens_per_s for w in ws if w.round in base]
         rates = [w.tokens_per_s for w in ws]
+        steps = sum(w.batch_steps for w in ws)
         rows.append(BudgetRow(b, len(ws), per_step, statistics.median(rates), min(rates), max(rates),
-                              statistics.median(ratios), ratios, per_step / base_per_step - 1.0))
+                              statistics.median(ratios), ratios, per_step / base_per_step - 1.0,
+                              statistics.median(engine_ratios), engine_ratios,
+                              sum(w.batch_reqs for w in ws) / steps, 1000 * sum(w.engine_s for w in ws) / steps))
     return rows
 
 
@@ -93,13 +113,19 @@ def b0_rounds_identical(waves: Sequence[Wave]) -> bool:
     return all(x == ids[0] for x in ids[1:])
 
 
+def _ratios(xs: Sequence[float]) -> str:
+    return ", ".join(f"{x:.3f}" for x in xs)
+
+
 def render_table(rows: Sequence[BudgetRow]) -> str:
-    head = "| B | waves | tokens/step | vs B = 0 | median tok/s | min | max | speed-up vs B = 0 (median of rounds) | per round |"
+    head = ("| B | waves | tokens/step | vs B = 0 | median tok/s | min | max | speed-up vs B = 0 (median of rounds) "
+            "| per round | engine speed-up vs B = 0 | per round | mean batch | ms / batch step |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r.budget:g} | {r.waves} | {r.tokens_per_step:.3f} | {100 * r.tokens_per_step_gain:+.1f}% | "
                      f"{r.median_tok_s:.1f} | {r.min_tok_s:.1f} | {r.max_tok_s:.1f} | {r.speedup_vs_b0:.3f}x | "
-                     + ", ".join(f"{x:.3f}" for x in r.round_ratios) + " |")
+                     f"{_ratios(r.round_ratios)} | {r.engine_speedup_vs_b0:.3f}x | {_ratios(r.engine_round_ratios)} | "
+                     f"{r.mean_batch:.1f} | {r.ms_per_batch_step:.2f} |")
     return "\n".join(lines)
 
 
@@ -137,6 +163,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    import httpx
     from transformers import AutoTokenizer
 
     from lightllm.tools.eval_gsm8k import (
@@ -149,6 +176,7 @@ def main(argv=None) -> int:
         chat_prompt_text,
         generate_payload,
         load_questions,
+        parse_samples,
         post_all,
         server_env,
     )
@@ -179,13 +207,16 @@ def main(argv=None) -> int:
         for r, order in enumerate(round_orders(args.budgets, args.rounds)):
             for b in order:
                 payloads = [generate_payload(p, args.max_new_tokens, b) for p in prompts]
+                before = parse_samples(httpx.get(server.url + "/metrics").text, ENGINE_METRICS)
                 t0 = time.perf_counter()
                 res = asyncio.run(post_all(server.url, payloads, args.concurrency, f"round {r} B={b:g}"))
                 wall = time.perf_counter() - t0
+                after = parse_samples(httpx.get(server.url + "/metrics").text, ENGINE_METRICS)
+                engine_s, batch_steps, batch_reqs = (after[n] - before[n] for n in ENGINE_METRICS)
                 count = sum(x["count_output_tokens"] for x in res)
                 waves.append(Wave(
                     r, b, wall, count, count - sum(x["mtp_accepted_token_num"] for x in res),
-                    sum(x["asd_relaxed_token_num"] for x in res),
+                    sum(x["asd_relaxed_token_num"] for x in res), engine_s, int(batch_steps), int(batch_reqs),
                     [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None))
     finally:
         server.stop()
@@ -197,7 +228,8 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "server_flags": flags,
                        "b0_rounds_identical": identical, "rows": [asdict(r) for r in rows],
-                       "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s} for w in waves]},
+                       "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s,
+                                  "engine_tokens_per_s": w.engine_tokens_per_s} for w in waves]},
                       f, indent=1)
     return 0
 

@@ -31,6 +31,13 @@ class ServerMetrics:
         self.kv_used_tokens = Gauge("lightllm_kv_used_tokens", "KV cache slots in use", registry=r)
         self.running_reqs = Gauge("lightllm_running_requests", "Requests being served", registry=r)
         self.waiting_reqs = Gauge("lightllm_waiting_requests", "Requests waiting for admission", registry=r)
+        self.batch_step_seconds = Counter(
+            "lightllm_batch_step_seconds", "Router wall time inside batch steps (the engine's busy time)", registry=r
+        )
+        self.batch_steps = Counter("lightllm_batch_steps", "Batch steps the router ran", registry=r)
+        self.batch_step_requests = Counter(
+            "lightllm_batch_step_requests", "Running requests summed over batch steps (mean batch = this / steps)", registry=r
+        )
         self._steps = 0
         self._step_tokens = 0
 
@@ -44,6 +51,9 @@ class ServerMetrics:
         self.kv_used_tokens.set(stats.kv_used_tokens)
         self.running_reqs.set(stats.running_reqs)
         self.waiting_reqs.set(stats.waiting_reqs)
+        self.batch_step_seconds.inc(stats.timing.seconds)
+        self.batch_steps.inc(stats.timing.steps)
+        self.batch_step_requests.inc(stats.timing.batch_reqs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

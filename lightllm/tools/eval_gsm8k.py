@@ -76,6 +76,7 @@ MAX_LEN_ROUND = 64  # --max_req_total_len (auto) is rounded up to a multiple of 
 DEFAULT_BATCH_MAX_TOKENS = 4096  # prefill chunk: a few dozen GSM8K prompts per prefill step
 
 ACCEPT_LEN_BUCKET = "lightllm_mtp_accept_len_bucket"
+ENGINE_SECONDS = "lightllm_batch_step_seconds_total"  # the router's time inside batch steps
 
 # A number: with thousands separators ("1,234.50") or plain ("12", "3.5"). A minus sign
 # counts only where it cannot be a binary minus: "is -7" -> -7, but "5-3" -> 5 and 3.
@@ -289,6 +290,10 @@ class ArmSummary:
     speedup_vs_b0: Optional[float] = None  # output tokens/s ratio to the B = 0 arm (strict's work)
     requests_per_s_vs_strict: Optional[float] = None
     arm_total_s: Optional[float] = None  # server start + warm-up + timed wave + stop
+    engine_s: Optional[float] = None  # the router's time inside batch steps during the wave
+    engine_tokens_per_s: Optional[float] = None  # output tokens per second of engine_s
+    engine_speedup_vs_strict: Optional[float] = None
+    engine_speedup_vs_b0: Optional[float] = None
 
 
 def differing_requests(a: Sequence[RequestRecord], b: Sequence[RequestRecord]) -> List[int]:
@@ -312,7 +317,8 @@ def mean_accept_len(hist: Dict[int, int]) -> Optional[float]:
 
 
 def summarize_arm(arm: Arm, records: Sequence[RequestRecord], wall_s: float,
-                  strict: Optional[Sequence[RequestRecord]], hist: Optional[Dict[int, int]] = None) -> ArmSummary:
+                  strict: Optional[Sequence[RequestRecord]], hist: Optional[Dict[int, int]] = None,
+                  engine_s: Optional[float] = None) -> ArmSummary:
     n = len(records)
     if n == 0:
         raise ValueError(f"arm {arm.name}: no requests")
@@ -336,6 +342,8 @@ def summarize_arm(arm: Arm, records: Sequence[RequestRecord], wall_s: float,
         mean_regret_spent=sum(r.asd_regret_spent for r in records) / n,
         mean_relaxed_tokens=sum(r.asd_relaxed_token_num for r in records) / n,
         accept_len_hist=hist,
+        engine_s=engine_s,
+        engine_tokens_per_s=tokens / engine_s if engine_s else None,
     )
 
 
@@ -347,8 +355,14 @@ def add_ratios(summaries: List[ArmSummary]) -> None:
         if strict is not None:
             s.speedup_vs_strict = s.output_tokens_per_s / strict.output_tokens_per_s
             s.requests_per_s_vs_strict = s.requests_per_s / strict.requests_per_s
+            s.engine_speedup_vs_strict = _ratio(s.engine_tokens_per_s, strict.engine_tokens_per_s)
         if b0 is not None:
             s.speedup_vs_b0 = s.output_tokens_per_s / b0.output_tokens_per_s
+            s.engine_speedup_vs_b0 = _ratio(s.engine_tokens_per_s, b0.engine_tokens_per_s)
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
 
 
 def throughput_noise_note(summaries: Sequence[ArmSummary]) -> Optional[str]:
@@ -359,6 +373,8 @@ def throughput_noise_note(summaries: Sequence[ArmSummary]) -> Optional[str]:
     noise = abs(b0.speedup_vs_strict - 1.0)
     note = (f"Throughput noise check: B = 0 does exactly strict's work and measured {b0.speedup_vs_strict:.3f}x "
             f"strict's tok/s; ratios within {noise:.3f} of 1 are not distinguishable from noise.")
+    if b0.engine_speedup_vs_strict is not None:
+        note += f" On the engine's clock B = 0 measured {b0.engine_speedup_vs_strict:.3f}x strict."
     return ("WARNING: " + note) if noise > THROUGHPUT_NOISE_WARN else note
 
 
@@ -440,6 +456,21 @@ def subtract_histograms(after: Dict[int, int], before: Dict[int, int]) -> Dict[i
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
+def parse_samples(metrics_text: str, names: Sequence[str]) -> Dict[str, float]:
+    """The values of the named unlabelled samples (e.g. ``lightllm_batch_steps_total``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in names and not sample.labels:
+                found[sample.name] = sample.value
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise KeyError(f"/metrics lacks {missing}")
+    return found
+
+
 # ---------------------------------------------------------------------------
 # Rendering (pure)
 # ---------------------------------------------------------------------------
@@ -457,7 +488,8 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
     lines += [f"- {k}: {v}" for k, v in setup.items()]
     lines += ["", f"**{b0.message()}**" if b0 is not None else "**B = 0 identity check NOT RUN**", ""]
     head = ["arm", "B", "g", "m", "accuracy", "tokens/step", "accept_len", "out tok/s", "req/s",
-            "tok/s vs strict", "tok/s vs B=0", "differs from strict", "mean regret", "mean relaxed", "wall s", "arm s"]
+            "tok/s vs strict", "tok/s vs B=0", "engine tok/s", "engine vs strict", "engine vs B=0",
+            "differs from strict", "mean regret", "mean relaxed", "wall s", "arm s"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for s in summaries:
@@ -467,6 +499,9 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
             _fmt(s.output_tokens_per_s, ".1f"), _fmt(s.requests_per_s, ".2f"),
             _fmt(s.speedup_vs_strict, ".3f") + ("x" if s.speedup_vs_strict is not None else ""),
             _fmt(s.speedup_vs_b0, ".3f") + ("x" if s.speedup_vs_b0 is not None else ""),
+            _fmt(s.engine_tokens_per_s, ".1f"),
+            _fmt(s.engine_speedup_vs_strict, ".3f") + ("x" if s.engine_speedup_vs_strict is not None else ""),
+            _fmt(s.engine_speedup_vs_b0, ".3f") + ("x" if s.engine_speedup_vs_b0 is not None else ""),
             "-" if s.differs_from_strict is None else f"{100 * s.differs_from_strict:.1f}%",
             _fmt(s.mean_regret_spent, ".4f"), _fmt(s.mean_relaxed_tokens, ".2f"), _fmt(s.wall_s, ".1f"),
             _fmt(s.arm_total_s, ".1f"),
@@ -480,6 +515,8 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
         "tokens/step = sum(count_output_tokens) / sum(count_output_tokens - mtp_accepted_token_num) "
         "(the prefill step included); accept_len = mean of the server's lightllm_mtp_accept_len "
         "histogram over the timed wave's decode steps; wall s = the timed wave (throughput is over it); "
+        "engine tok/s = output tokens / the router's time inside batch steps during the wave "
+        "(lightllm_batch_step_seconds: leaves out the HTTP front end and the client); "
         "arm s = server start + warm-up + timed wave + stop; B/g/m '-' = flag unset.",
         "",
         "Command:",
@@ -619,6 +656,7 @@ class ArmRun:
     accept_len_hist: Dict[int, int]
     total_s: float = 0.0  # server start to stop (set by main)
     draft_digest: Optional[str] = None  # the draft files before the server started and after it stopped
+    engine_s: Optional[float] = None  # the router's time inside batch steps during the timed wave
 
 
 def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Sequence[Question],
@@ -636,12 +674,12 @@ def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Se
         if args.warmup > 0:
             warm = [generate_payload(p, min(WARMUP_MAX_NEW_TOKENS, args.max_new_tokens)) for p in prompts[:args.warmup]]
             asyncio.run(post_all(server.url, warm, args.concurrency, None))
-        before = parse_accept_len_histogram(httpx.get(server.url + "/metrics").text)
+        before = httpx.get(server.url + "/metrics").text
         payloads = [generate_payload(p, args.max_new_tokens) for p in prompts]
         t0 = time.perf_counter()
         responses = asyncio.run(post_all(server.url, payloads, args.concurrency, arm.name))
         wall = time.perf_counter() - t0
-        after = parse_accept_len_histogram(httpx.get(server.url + "/metrics").text)
+        after = httpx.get(server.url + "/metrics").text
     finally:
         server.stop()
     records = [RequestRecord.from_response(q, r) for q, r in zip(questions, responses)]
@@ -653,7 +691,9 @@ def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Se
         digest_after = files_digest(check)
         if digest_after != digest_before:
             digest = f"{digest_before}->{digest_after}"  # changed while the server ran
-    return ArmRun(records, wall, subtract_histograms(after, before), draft_digest=digest)
+    hist = subtract_histograms(parse_accept_len_histogram(after), parse_accept_len_histogram(before))
+    engine_s = parse_samples(after, [ENGINE_SECONDS])[ENGINE_SECONDS] - parse_samples(before, [ENGINE_SECONDS])[ENGINE_SECONDS]
+    return ArmRun(records, wall, hist, draft_digest=digest, engine_s=engine_s)
 
 
 # ---------------------------------------------------------------------------
@@ -803,8 +843,8 @@ def write_outputs(arms: Sequence[Arm], runs: Dict[str, "ArmRun"], skipped: Seque
                   draft_dirs, command: str, setup: Dict[str, object]) -> Tuple[str, Optional[B0Check]]:
     """results.json, results.md and the plots for the arms run so far."""
     strict = runs[STRICT].records
-    summaries = [summarize_arm(a, runs[a.name].records, runs[a.name].wall_s, strict, runs[a.name].accept_len_hist)
-                 for a in arms]
+    summaries = [summarize_arm(a, runs[a.name].records, runs[a.name].wall_s, strict, runs[a.name].accept_len_hist,
+                               runs[a.name].engine_s) for a in arms]
     add_ratios(summaries)
     for s in summaries:
         s.arm_total_s = runs[s.name].total_s

@@ -25,6 +25,7 @@ from lightllm.tools.eval_gsm8k import (
     is_correct,
     load_questions,
     parse_accept_len_histogram,
+    parse_samples,
     parse_float_list,
     render_markdown,
     subtract_histograms,
@@ -158,7 +159,7 @@ def test_summarize_arm_by_hand():
         _rec(2, [3] * 6, acc=0, relaxed=1, regret=1.0),
     ]
     s = summarize_arm(Arm("asd_usage", budget=2.0625, local_ratio=0.25, max_mismatch=2), arm, 4.0, strict,
-                      {1: 2, 2: 1, 3: 1})
+                      {1: 2, 2: 1, 3: 1}, engine_s=3.0)
     assert s.num_requests == 3 and s.accuracy == pytest.approx(2 / 3)
     # 36 tokens over (10-6) + (20-10) + (6-0) = 20 steps
     assert s.output_tokens == 36 and s.tokens_per_step == pytest.approx(1.8)
@@ -166,11 +167,16 @@ def test_summarize_arm_by_hand():
     assert s.differs_from_strict == pytest.approx(1 / 3)
     assert s.mean_regret_spent == pytest.approx(0.5) and s.mean_relaxed_tokens == pytest.approx(1.0)
     assert s.mean_accept_len == pytest.approx((2 * 1 + 2 + 3) / 4)
-    st = summarize_arm(Arm("strict"), strict, 6.0, strict)
+    assert s.engine_tokens_per_s == pytest.approx(12.0)  # 36 tokens in 3 s of batch steps
+    st = summarize_arm(Arm("strict"), strict, 6.0, strict, engine_s=4.0)  # 9 tok/s on the engine's clock
     assert st.differs_from_strict is None and st.tokens_per_step == 1.0 and st.mean_accept_len is None
     add_ratios([st, s])
     assert st.speedup_vs_strict == 1.0 and s.speedup_vs_strict == pytest.approx(9.0 / 6.0)
     assert s.requests_per_s_vs_strict == pytest.approx(0.75 / 0.5)
+    assert s.engine_speedup_vs_strict == pytest.approx(12.0 / 9.0) and s.engine_speedup_vs_b0 is None
+    no_clock = summarize_arm(Arm("asd_b0", budget=0.0), strict, 6.0, strict)  # a server without the metric
+    add_ratios([st, no_clock])
+    assert no_clock.engine_tokens_per_s is None and no_clock.engine_speedup_vs_strict is None
 
 
 def test_differences_and_b0_check():
@@ -214,16 +220,24 @@ def test_accept_len_histogram_from_metrics():
     assert parse_accept_len_histogram("lightllm_generation_tokens_total 3.0\n") == {}
 
 
+def test_parse_samples():
+    assert parse_samples(METRICS, ["lightllm_generation_tokens_total", "lightllm_mtp_accept_len_sum"]) == {
+        "lightllm_generation_tokens_total": 70.0, "lightllm_mtp_accept_len_sum": 54.0}
+    with pytest.raises(KeyError, match="lightllm_batch_steps_total"):
+        parse_samples(METRICS, ["lightllm_batch_steps_total"])
+
+
 def test_ratios_to_b0_and_the_noise_note():
     strict = [_rec(0, [1, 2]), _rec(1, [3])]  # 3 tokens
-    st = summarize_arm(Arm("strict"), strict, 1.0, strict)  # 3 tok/s
-    b0 = summarize_arm(Arm("asd_b0", budget=0.0), strict, 1.0 / 1.02, strict)  # 3.06 tok/s: 1.020x
+    st = summarize_arm(Arm("strict"), strict, 1.0, strict, engine_s=0.5)  # 3 tok/s, engine 6
+    b0 = summarize_arm(Arm("asd_b0", budget=0.0), strict, 1.0 / 1.02, strict, engine_s=0.6)  # 3.06 tok/s: 1.020x
     asd = summarize_arm(Arm("asd_usage", budget=2.0), strict, 0.5, strict)  # 6 tok/s
     assert throughput_noise_note([st, asd]) is None  # no B = 0 arm
     add_ratios([st, b0, asd])
     assert asd.speedup_vs_b0 == pytest.approx(6.0 / 3.06) and b0.speedup_vs_b0 == pytest.approx(1.0)
     quiet = throughput_noise_note([st, b0, asd])
     assert not quiet.startswith("WARNING") and "1.020x" in quiet and "within 0.020 of 1" in quiet
+    assert "On the engine's clock B = 0 measured 0.833x strict." in quiet  # 5 vs 6 tok/s
     b0.speedup_vs_strict = 1.145  # the third session's K = 3 run
     loud = throughput_noise_note([st, b0, asd])
     assert loud.startswith("WARNING") and "1.145x" in loud and "within 0.145 of 1" in loud
@@ -233,8 +247,8 @@ def test_ratios_to_b0_and_the_noise_note():
 
 def test_render_markdown():
     strict = [_rec(0, [1, 2]), _rec(1, [3])]
-    sums = [summarize_arm(Arm("strict"), strict, 1.0, strict),
-            summarize_arm(Arm("asd_b0", budget=0.0), strict, 0.5, strict)]
+    sums = [summarize_arm(Arm("strict"), strict, 1.0, strict, engine_s=0.5),
+            summarize_arm(Arm("asd_b0", budget=0.0), strict, 0.5, strict, engine_s=0.25)]
     add_ratios(sums)
     md = render_markdown(sums, check_b0(strict, strict), "python -m lightllm.tools.eval_gsm8k --data x", {"K": 3})
     lines = md.splitlines()
@@ -243,6 +257,8 @@ def test_render_markdown():
     assert "accuracy" in header and "out tok/s" in header and "differs from strict" in header
     row = next(l for l in lines if l.startswith("| asd_b0 |"))
     assert "| 0 | - | - | 100.00% |" in row and "| 2.000x |" in row and "| 0.0% |" in row
+    assert "| 1.000x | 12.0 | 2.000x | 1.000x |" in row  # tok/s vs B=0, engine tok/s, vs strict, vs B=0
+    assert "engine tok/s" in header
     assert "```\npython -m lightllm.tools.eval_gsm8k --data x\n```" in md
     assert "NOT RUN" in render_markdown(sums, None, "cmd", {})
 
@@ -273,7 +289,7 @@ def fake_server(monkeypatch, tmp_path):
                 "asd_regret_spent": 0.5 if arm.budget else 0.0, "tokens": [{"id": t} for t in ids]}))
         hist = {1: 3, 2: 2} if arm.mtp else {1: 5}
         digest = eval_gsm8k.files_digest(draft_check_dirs) if arm.mtp and draft_check_dirs else None
-        return ArmRun(recs, 2.0 if arm.name == "strict" else 1.0, hist, draft_digest=digest)
+        return ArmRun(recs, 2.0 if arm.name == "strict" else 1.0, hist, draft_digest=digest, engine_s=0.5)
 
     fake_run_arm.break_b0 = False
     fake_run_arm.before_arm = None

@@ -7,6 +7,7 @@ and steps identically (docs/parallel.md); only rank 0 sends updates back.
 import logging
 import multiprocessing
 import queue
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -45,12 +46,27 @@ class WorkerReady:
 
 
 @dataclass
+class StepTiming:
+    """Batch steps the driver ran since its last report: the engine's own clock."""
+
+    seconds: float = 0.0  # wall time inside steps (admission, forward, verify, draft)
+    steps: int = 0
+    batch_reqs: int = 0  # sum over those steps of the running requests
+
+    def add(self, seconds: float, batch_reqs: int) -> None:
+        self.seconds += seconds
+        self.steps += 1
+        self.batch_reqs += batch_reqs
+
+
+@dataclass
 class WorkerStats:
     """Sent with every batch of updates: the worker's load."""
 
     kv_used_tokens: int
     running_reqs: int
     waiting_reqs: int
+    timing: StepTiming
 
 
 @dataclass
@@ -68,6 +84,12 @@ class RouterManager:
         self.mean_tokens_per_step = 0.0
         self._steps = 0
         self._step_tokens = 0
+        self.timing = StepTiming()
+
+    def take_timing(self) -> StepTiming:
+        """The timing since the last call, and start a new one."""
+        timing, self.timing = self.timing, StepTiming()
+        return timing
 
     def add_req(self, msg: AddReq) -> None:
         self.queue.append(
@@ -90,6 +112,7 @@ class RouterManager:
         self.queue.release(req)
 
     def step(self) -> List[ReqStepUpdate]:
+        t0 = time.perf_counter()
         running_per_group = [0] * self.queue.dp_size
         for req in self.running:
             running_per_group[req.dp_rank] += 1
@@ -98,6 +121,7 @@ class RouterManager:
             self.running.append(req)
         if not self.running:
             return []
+        batch_reqs = len(self.running)
         updates = self.backend.run_step(self.running)
         for u in updates:
             if u.accept_len:
@@ -109,6 +133,7 @@ class RouterManager:
         for req in done:
             self._finish(req)
             self.running.remove(req)
+        self.timing.add(time.perf_counter() - t0, batch_reqs)
         return updates
 
     @property
@@ -200,7 +225,9 @@ def serve_steps(router: RouterManager, parallel: ParallelContext, in_q, out_q) -
         updates.extend(router.step())
         if updates and parallel.is_driver:
             mem = backend.mem_manager
-            out_q.put((updates, WorkerStats(mem.size - mem.can_use_mem_size, len(router.running), len(router.queue.waiting))))
+            stats = WorkerStats(mem.size - mem.can_use_mem_size, len(router.running), len(router.queue.waiting),
+                                router.take_timing())
+            out_q.put((updates, stats))
         if backend.mtp_step and router._steps >= next_log and parallel.is_driver:
             next_log += log_every_steps
             logger.info("mtp mean tokens per step %.3f", router.mean_tokens_per_step)

@@ -77,6 +77,19 @@ def test_completions_models_health_metrics(server):
             assert name in metrics
 
 
+def test_batch_step_metrics_count_the_engine_steps(server):
+    names = ("lightllm_batch_steps_total", "lightllm_batch_step_requests_total", "lightllm_batch_step_seconds_total")
+    before = {n: server.metric(n) for n in names}
+    with server.client() as c:
+        out = _gen(c, "1, 2, 3, 4,", max_new_tokens=6, ignore_eos=True)
+    assert len(out["tokens"]) == 6
+    delta = {n: server.metric(n) - before[n] for n in names}
+    # no MTP, a one-chunk prompt, alone: one prefill step and five decode steps, batch size 1
+    assert delta["lightllm_batch_steps_total"] == 6
+    assert delta["lightllm_batch_step_requests_total"] == 6
+    assert delta["lightllm_batch_step_seconds_total"] > 0
+
+
 def test_concurrent_requests_each_get_their_own_answer(server):
     questions = [f"What is {a} plus {b}?" for a, b in [(1, 2), (3, 4), (10, 5), (7, 7), (2, 9), (6, 1)]]
     with server.client() as c:
