@@ -218,20 +218,24 @@ def main(argv=None) -> int:
                     r, b, wall, count, count - sum(x["mtp_accepted_token_num"] for x in res),
                     sum(x["asd_relaxed_token_num"] for x in res), engine_s, int(batch_steps), int(batch_reqs),
                     [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None))
+            if args.out:  # after every round: a run cut short keeps its finished rounds
+                write_results(args.out, args, flags, waves)
     finally:
         server.stop()
     rows = summarize(waves, args.budgets)
-    identical = b0_rounds_identical(waves)
     print(render_table(rows))
-    print(f"B = 0 waves token-identical across rounds: {identical}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "server_flags": flags,
-                       "b0_rounds_identical": identical, "rows": [asdict(r) for r in rows],
-                       "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s,
-                                  "engine_tokens_per_s": w.engine_tokens_per_s} for w in waves]},
-                      f, indent=1)
+    print(f"B = 0 waves token-identical across rounds: {b0_rounds_identical(waves)}")
     return 0
+
+
+def write_results(path: str, args, flags: List[str], waves: Sequence[Wave]) -> None:
+    rows = summarize(waves, args.budgets)
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "server_flags": flags, "rounds_done": 1 + max(w.round for w in waves),
+                   "b0_rounds_identical": b0_rounds_identical(waves), "rows": [asdict(r) for r in rows],
+                   "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s,
+                              "engine_tokens_per_s": w.engine_tokens_per_s} for w in waves]},
+                  f, indent=1)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def test_real_run_on_cpu(tmp_path):
                      "--mtp_step", "2", "--budgets", "0,8", "--rounds", "2", "--concurrency", "3", "--out", str(out)])
     assert rc == 0
     res = json.load(open(out))
-    assert res["b0_rounds_identical"] is True
+    assert res["b0_rounds_identical"] is True and res["rounds_done"] == 2
     rows = {r["budget"]: r for r in res["rows"]}
     assert rows[0.0]["waves"] == rows[8.0]["waves"] == 2 and rows[0.0]["speedup_vs_b0"] == 1.0
     waves = res["waves"]
