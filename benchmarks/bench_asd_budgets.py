@@ -8,7 +8,10 @@ verification, so it is the baseline. Each round sends the same GSM8K wave once p
 in an order rotated every round; the speed-up of budget B is the median over rounds of
 tok/s(B) / tok/s(B = 0) within the same round. The same ratio is also taken on the
 engine's own clock (`lightllm_batch_step_seconds` from /metrics: time inside batch
-steps), which leaves out the HTTP front end and the client.
+steps), which leaves out the HTTP front end and the client. Last, the ratio of batch steps
+per wave, B = 0 over B, is the speed-up ASD would give if its steps cost what B = 0's do: it
+is exact and free of timing noise (the schedule is deterministic), while ms / batch step
+shows whether they do.
 
 g and m are server flags (one value per run: `--local_ratio`, `--max_mismatch`), as in
 the usage setting (g = 0.25, m = 2). Compared with a server without ASD, B = 0 pays the
@@ -75,6 +78,7 @@ class BudgetRow:
     engine_round_ratios: List[float]
     mean_batch: float  # running requests per batch step
     ms_per_batch_step: float
+    fewer_steps_vs_b0: float  # batch steps per wave of B = 0 / of B: the speed-up at B = 0's step cost
 
 
 def round_orders(budgets: Sequence[float], rounds: int) -> List[List[float]]:
@@ -88,6 +92,7 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
     if not base:
         raise ValueError("no B = 0 wave: it is the baseline")
     base_per_step = pooled_tokens_per_step(base.values())
+    base_steps_per_wave = sum(w.batch_steps for w in base.values()) / len(base)
     rows = []
     for b in budgets:
         ws = [w for w in waves if w.budget == b]
@@ -99,7 +104,8 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
         rows.append(BudgetRow(b, len(ws), per_step, statistics.median(rates), min(rates), max(rates),
                               statistics.median(ratios), ratios, per_step / base_per_step - 1.0,
                               statistics.median(engine_ratios), engine_ratios,
-                              sum(w.batch_reqs for w in ws) / steps, 1000 * sum(w.engine_s for w in ws) / steps))
+                              sum(w.batch_reqs for w in ws) / steps, 1000 * sum(w.engine_s for w in ws) / steps,
+                              base_steps_per_wave / (steps / len(ws))))
     return rows
 
 
@@ -119,13 +125,13 @@ def _ratios(xs: Sequence[float]) -> str:
 
 def render_table(rows: Sequence[BudgetRow]) -> str:
     head = ("| B | waves | tokens/step | vs B = 0 | median tok/s | min | max | speed-up vs B = 0 (median of rounds) "
-            "| per round | engine speed-up vs B = 0 | per round | mean batch | ms / batch step |")
+            "| per round | engine speed-up vs B = 0 | per round | mean batch | ms / batch step | batch steps: B = 0 / B |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r.budget:g} | {r.waves} | {r.tokens_per_step:.3f} | {100 * r.tokens_per_step_gain:+.1f}% | "
                      f"{r.median_tok_s:.1f} | {r.min_tok_s:.1f} | {r.max_tok_s:.1f} | {r.speedup_vs_b0:.3f}x | "
                      f"{_ratios(r.round_ratios)} | {r.engine_speedup_vs_b0:.3f}x | {_ratios(r.engine_round_ratios)} | "
-                     f"{r.mean_batch:.1f} | {r.ms_per_batch_step:.2f} |")
+                     f"{r.mean_batch:.1f} | {r.ms_per_batch_step:.2f} | {r.fewer_steps_vs_b0:.3f}x |")
     return "\n".join(lines)
 
 
@@ -143,7 +149,8 @@ def parse_budgets(s: str) -> List[float]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", required=True, help="GSM8K jsonl (the test split)")
+    p.add_argument("--data", help="GSM8K jsonl (the test split)")
+    p.add_argument("--from_json", default=None, help="print the table of an earlier run's --out JSON and exit")
     p.add_argument("--num_questions", type=int, default=None, help="first N questions (default: all)")
     p.add_argument("--model_dir", default=None, help="default: the embedded model")
     p.add_argument("--mtp_mode", default="eagle_with_att")
@@ -157,6 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--server_extra", default="", help="extra server flags (one shell-quoted string)")
     p.add_argument("--out", default=None, help="JSON results")
     a = p.parse_args(argv)
+    if not a.data and not a.from_json:
+        p.error("--data is required (or --from_json)")
     if a.rounds < 1 or a.concurrency < 1 or a.max_new_tokens < 1:
         p.error("--rounds, --concurrency and --max_new_tokens must be >= 1")
     return a
@@ -183,6 +192,8 @@ def main(argv=None) -> int:
     from lightllm.utils.server_launcher import launch_server
 
     args = parse_args(argv)
+    if args.from_json:
+        return print_saved(args.from_json)
     if args.model_dir:
         model_dir = os.path.abspath(args.model_dir)
     else:
@@ -225,6 +236,19 @@ def main(argv=None) -> int:
     rows = summarize(waves, args.budgets)
     print(render_table(rows))
     print(f"B = 0 waves token-identical across rounds: {b0_rounds_identical(waves)}")
+    return 0
+
+
+def print_saved(path: str) -> int:
+    saved = json.load(open(path))
+    fields = set(Wave.__dataclass_fields__)
+    missing = fields - {"token_ids"} - set(saved["waves"][0])
+    if missing:
+        raise SystemExit(f"{path}: its waves lack {sorted(missing)} (written before the engine clock)")
+    waves = [Wave(**{k: v for k, v in w.items() if k in fields}) for w in saved["waves"]]
+    budgets = [float(b) for b in saved["args"]["budgets"]]
+    print(render_table(summarize(waves, budgets)))
+    print(f"B = 0 waves token-identical across rounds: {saved['b0_rounds_identical']}")
     return 0
 
 

@@ -34,11 +34,11 @@ def _wave(rnd, budget, wall_s, tokens, steps, relaxed=0, engine_s=1.0, batch_ste
 def test_summarize_pairs_each_wave_with_its_rounds_b0():
     waves = [
         # round 0: B = 0 at 100 tok/s (engine 125), B = 2 at 120 (engine 150): ratios 1.2, 1.2
-        _wave(0, 0.0, 10.0, 1000, 500, 0, 8.0, 100, 2000), _wave(0, 2.0, 10.0, 1200, 500, 30, 8.0, 100, 2000),
+        _wave(0, 0.0, 10.0, 1000, 500, 0, 8.0, 100, 2000), _wave(0, 2.0, 10.0, 1200, 500, 30, 8.0, 80, 2000),
         # round 1, a slower minute: B = 0 at 50 (engine 100), B = 2 at 55 (engine 110): 1.1, 1.1
-        _wave(1, 2.0, 20.0, 1100, 440, 20, 10.0, 100, 2000), _wave(1, 0.0, 20.0, 1000, 500, 0, 10.0, 100, 2000),
+        _wave(1, 2.0, 20.0, 1100, 440, 20, 10.0, 80, 2000), _wave(1, 0.0, 20.0, 1000, 500, 0, 10.0, 100, 2000),
         # round 2: B = 0 at 100 (engine 125), B = 2 at 130 (engine 130): 1.3, 1.04
-        _wave(2, 0.0, 10.0, 1000, 500, 0, 8.0, 100, 2000), _wave(2, 2.0, 10.0, 1300, 520, 40, 10.0, 100, 2600),
+        _wave(2, 0.0, 10.0, 1000, 500, 0, 8.0, 100, 2000), _wave(2, 2.0, 10.0, 1300, 520, 40, 10.0, 80, 2600),
     ]
     b0, b2 = bench.summarize(waves, [0.0, 2.0])
     assert b0.speedup_vs_b0 == 1.0 and b0.tokens_per_step == pytest.approx(2.0) and b0.tokens_per_step_gain == 0.0
@@ -48,10 +48,11 @@ def test_summarize_pairs_each_wave_with_its_rounds_b0():
     assert (b2.median_tok_s, b2.min_tok_s, b2.max_tok_s) == pytest.approx((120.0, 55.0, 130.0))
     assert b2.tokens_per_step == pytest.approx(3600 / 1460)  # pooled over the waves
     assert b2.tokens_per_step_gain == pytest.approx(3600 / 1460 / 2.0 - 1)
-    assert b2.mean_batch == pytest.approx(6600 / 300) and b2.ms_per_batch_step == pytest.approx(1000 * 28 / 300)
+    assert b2.mean_batch == pytest.approx(6600 / 240) and b2.ms_per_batch_step == pytest.approx(1000 * 28 / 240)
+    assert b0.fewer_steps_vs_b0 == 1.0 and b2.fewer_steps_vs_b0 == pytest.approx(100 / 80)
     table = bench.render_table([b0, b2])
     assert ("| 2 | 3 | 2.466 | +23.3% | 120.0 | 55.0 | 130.0 | 1.200x | 1.200, 1.100, 1.300 | "
-            "1.100x | 1.200, 1.100, 1.040 | 22.0 | 93.33 |") in table
+            "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 1.250x |") in table
     with pytest.raises(ValueError, match="B = 0"):
         bench.summarize([_wave(0, 2.0, 1.0, 1, 1)], [2.0])
 
@@ -63,7 +64,7 @@ def test_b0_rounds_identical():
 
 
 @pytest.mark.slow
-def test_real_run_on_cpu(tmp_path):
+def test_real_run_on_cpu(tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = bench.main(["--data", require_gsm8k("test"), "--num_questions", "3", "--max_new_tokens", "12",
                      "--mtp_step", "2", "--budgets", "0,8", "--rounds", "2", "--concurrency", "3", "--out", str(out)])
@@ -78,3 +79,7 @@ def test_real_run_on_cpu(tmp_path):
     # the engine's clock: at least one batch step per committed token step of the longest request
     assert all(0 < w["engine_s"] <= w["wall_s"] and w["batch_steps"] >= 1 for w in waves)
     assert all(w["batch_reqs"] <= 3 * w["batch_steps"] for w in waves)
+    capsys.readouterr()  # the run's own table
+    assert bench.main(["--from_json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.count("\n| 0 | 2 | ") == 1 and table.count("\n| 8 | 2 | ") == 1
