@@ -189,8 +189,8 @@ def main(argv=None) -> int:
         chat_prompt_text,
         generate_payload,
         load_questions,
-        parse_samples,
         post_all,
+        sample_deltas,
         server_env,
     )
     from lightllm.utils.server_launcher import launch_server
@@ -222,12 +222,12 @@ def main(argv=None) -> int:
         for r, order in enumerate(round_orders(args.budgets, args.rounds)):
             for b in order:
                 payloads = [generate_payload(p, args.max_new_tokens, b) for p in prompts]
-                before = parse_samples(httpx.get(server.url + "/metrics").text, ENGINE_METRICS)
+                before = httpx.get(server.url + "/metrics").text
                 t0 = time.perf_counter()
                 res = asyncio.run(post_all(server.url, payloads, args.concurrency, f"round {r} B={b:g}"))
                 wall = time.perf_counter() - t0
-                after = parse_samples(httpx.get(server.url + "/metrics").text, ENGINE_METRICS)
-                engine_s, batch_steps, batch_reqs = (after[n] - before[n] for n in ENGINE_METRICS)
+                delta = sample_deltas(before, httpx.get(server.url + "/metrics").text, ENGINE_METRICS)
+                engine_s, batch_steps, batch_reqs = (delta[n] for n in ENGINE_METRICS)
                 count = sum(x["count_output_tokens"] for x in res)
                 waves.append(Wave(
                     r, b, wall, count, count - sum(x["mtp_accepted_token_num"] for x in res),
@@ -244,7 +244,8 @@ def main(argv=None) -> int:
 
 
 def print_saved(path: str) -> int:
-    saved = json.load(open(path))
+    with open(path) as f:
+        saved = json.load(f)
     fields = set(Wave.__dataclass_fields__)
     missing = fields - {"token_ids"} - set(saved["waves"][0])
     if missing:

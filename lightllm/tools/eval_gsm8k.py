@@ -471,9 +471,19 @@ def parse_samples(metrics_text: str, names: Sequence[str]) -> Dict[str, float]:
     return found
 
 
+def sample_deltas(before_text: str, after_text: str, names: Sequence[str]) -> Dict[str, float]:
+    """How much each named counter grew between two /metrics snapshots."""
+    before, after = parse_samples(before_text, names), parse_samples(after_text, names)
+    return {n: after[n] - before[n] for n in names}
+
+
 # ---------------------------------------------------------------------------
 # Rendering (pure)
 # ---------------------------------------------------------------------------
+
+
+def _fmt_x(ratio: Optional[float]) -> str:
+    return _fmt(ratio) + ("x" if ratio is not None else "")
 
 
 def _fmt(v, spec: str = ".3f", none: str = "-") -> str:
@@ -497,11 +507,8 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
             s.name, _fmt(s.budget, "g"), _fmt(s.local_ratio, "g"), _fmt(s.max_mismatch, "d"),
             f"{100 * s.accuracy:.2f}%", _fmt(s.tokens_per_step), _fmt(s.mean_accept_len),
             _fmt(s.output_tokens_per_s, ".1f"), _fmt(s.requests_per_s, ".2f"),
-            _fmt(s.speedup_vs_strict, ".3f") + ("x" if s.speedup_vs_strict is not None else ""),
-            _fmt(s.speedup_vs_b0, ".3f") + ("x" if s.speedup_vs_b0 is not None else ""),
-            _fmt(s.engine_tokens_per_s, ".1f"),
-            _fmt(s.engine_speedup_vs_strict, ".3f") + ("x" if s.engine_speedup_vs_strict is not None else ""),
-            _fmt(s.engine_speedup_vs_b0, ".3f") + ("x" if s.engine_speedup_vs_b0 is not None else ""),
+            _fmt_x(s.speedup_vs_strict), _fmt_x(s.speedup_vs_b0), _fmt(s.engine_tokens_per_s, ".1f"),
+            _fmt_x(s.engine_speedup_vs_strict), _fmt_x(s.engine_speedup_vs_b0),
             "-" if s.differs_from_strict is None else f"{100 * s.differs_from_strict:.1f}%",
             _fmt(s.mean_regret_spent, ".4f"), _fmt(s.mean_relaxed_tokens, ".2f"), _fmt(s.wall_s, ".1f"),
             _fmt(s.arm_total_s, ".1f"),
@@ -692,7 +699,7 @@ def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Se
         if digest_after != digest_before:
             digest = f"{digest_before}->{digest_after}"  # changed while the server ran
     hist = subtract_histograms(parse_accept_len_histogram(after), parse_accept_len_histogram(before))
-    engine_s = parse_samples(after, [ENGINE_SECONDS])[ENGINE_SECONDS] - parse_samples(before, [ENGINE_SECONDS])[ENGINE_SECONDS]
+    engine_s = sample_deltas(before, after, [ENGINE_SECONDS])[ENGINE_SECONDS]
     return ArmRun(records, wall, hist, draft_digest=digest, engine_s=engine_s)
 
 

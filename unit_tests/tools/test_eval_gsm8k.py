@@ -26,6 +26,7 @@ from lightllm.tools.eval_gsm8k import (
     load_questions,
     parse_accept_len_histogram,
     parse_samples,
+    sample_deltas,
     parse_float_list,
     render_markdown,
     subtract_histograms,
@@ -225,6 +226,9 @@ def test_parse_samples():
         "lightllm_generation_tokens_total": 70.0, "lightllm_mtp_accept_len_sum": 54.0}
     with pytest.raises(KeyError, match="lightllm_batch_steps_total"):
         parse_samples(METRICS, ["lightllm_batch_steps_total"])
+    later = METRICS.replace("lightllm_generation_tokens_total 70.0", "lightllm_generation_tokens_total 95.5")
+    assert sample_deltas(METRICS, later, ["lightllm_generation_tokens_total", "lightllm_mtp_accept_len_sum"]) == {
+        "lightllm_generation_tokens_total": 25.5, "lightllm_mtp_accept_len_sum": 0.0}
 
 
 def test_ratios_to_b0_and_the_noise_note():
