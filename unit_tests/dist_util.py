@@ -22,6 +22,8 @@ def _rank_entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple
         dist.destroy_process_group()
     except BaseException:  # the test process re-raises it with the rank's traceback
         out.put((rank, None, traceback.format_exc()))
+        out.close()
+        out.join_thread()  # the traceback must reach the test before the hard exit
         os._exit(1)
 
 

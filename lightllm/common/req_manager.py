@@ -6,6 +6,7 @@ is ever stored there and nothing reads it back. Its ``req_to_token_indexs`` row 
 every position at ``mem_manager.HOLD_SLOT``, so a padding row's attention reads only the
 HOLD slot it writes.
 """
+import math
 from typing import List
 
 import torch
@@ -43,10 +44,39 @@ class ReqManager:
         assert req_idx not in self._free_req_idx, f"req_idx {req_idx} freed twice"
         self._free_req_idx.append(req_idx)
 
+    def free_all(self) -> None:
+        """Every req_idx back to the free list (after a failed step, when no request holds one)."""
+        self._free_req_idx = list(range(self.max_request_num))
+
 
 # Width of the per-request next-token table: column 0 holds the pending token,
 # columns 1..K the draft tokens of the next verify step (K = mtp_step <= 7).
 MTP_TABLE_WIDTH = 8
+
+
+# Ranges of the tables' element types: a value outside them cannot be stored.
+INT32_MIN, INT32_MAX = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+class ReqParamsError(ValueError):
+    """A request's parameters cannot be held by the worker's tables; the message names the field."""
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_fp32(name: str, v) -> None:
+    if not _is_number(v) or abs(v) > FP32_MAX or not math.isfinite(v):  # abs first: huge ints
+        raise ReqParamsError(f"{name}: {v!r} is not a finite number within the worker's float32 range "
+                             f"(|x| <= {FP32_MAX:.6g})")
+
+
+def _check_token_ids(name: str, ids, vocab_size: int) -> None:
+    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ReqParamsError(f"{name}: token id {bad!r} outside the vocabulary [0, {vocab_size})")
 
 
 class ReqSamplingParamsManager:
@@ -75,8 +105,34 @@ class ReqSamplingParamsManager:
             self.req_to_asd_cum_regret = torch.zeros(rows, dtype=torch.float32, device=device)  # [rows]
             self.req_to_asd_budget = torch.zeros(rows, dtype=torch.float32, device=device)  # [rows]
 
+    def check_req(self, req) -> None:
+        """Raise ReqParamsError when ``req`` cannot be stored in (or sampled from) these tables.
+
+        The HTTP edge validates requests; this is the worker's own guard, so a value that got
+        past it fails its request alone. It reads only the request (no device state), so every
+        rank reaches the same verdict."""
+        p = req.params
+        top_k = p.top_k
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not INT32_MIN <= top_k <= INT32_MAX:
+            raise ReqParamsError(f"top_k: {top_k!r} is not an integer within the worker's int32 range "
+                                 f"[{INT32_MIN}, {INT32_MAX}]")
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            _check_fp32(name, getattr(p, name))
+        if self.req_to_asd_budget is not None:
+            _check_fp32("asd_regret_budget", req.asd_budget)
+        if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool)):
+            raise ReqParamsError(f"seed: must be an integer, got {p.seed!r}")
+        _check_token_ids("inputs", req.prompt_ids, self.vocab_size)
+        _check_token_ids("logit_bias", list(p.logit_bias), self.vocab_size)
+        bad_bias = next((v for v in p.logit_bias.values() if not _is_number(v) or math.isnan(v)), None)
+        if bad_bias is not None:
+            raise ReqParamsError(f"logit_bias: {bad_bias!r} is not a number")
+
     def init_req_sampling_params(self, req) -> None:
-        """Reset every table row of ``req.req_idx`` for a new request (the prefill seam)."""
+        """Reset every table row of ``req.req_idx`` for a new request (the prefill seam).
+
+        Raises ReqParamsError (before writing anything) when ``check_req`` refuses ``req``."""
+        self.check_req(req)
         p, idx = req.params, req.req_idx
         self.req_to_temperature[idx] = p.temperature
         self.req_to_top_k[idx] = p.top_k

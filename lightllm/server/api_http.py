@@ -1,47 +1,126 @@
-"""FastAPI app: LightLLM's /generate, /generate_stream, OpenAI-compatible endpoints, /health, /metrics."""
+"""FastAPI app: LightLLM's /generate, /generate_stream, OpenAI-compatible endpoints, /health, /metrics.
+
+What a client may send is bounded here (body size) and in SamplingParams.verify() (parameter
+ranges); docs/limits.md lists both. Every refusal is a 4xx naming the client's own field.
+"""
 import json
+import logging
+import math
+import os
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError
-from lightllm.server.httpserver.manager import HttpServerManager, ReqResult
+from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError, is_utf8_text, quote
+from lightllm.server.httpserver.manager import ClientDisconnected, HttpServerManager, ReqResult, WorkerDied
+
+logger = logging.getLogger(__name__)
 
 # OpenAI finish reasons for ours
 OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 SSE_DONE = "data: [DONE]\n\n"
 
+# Request bodies above this are refused with 413 (Content-Length first, then the bytes read)
+MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+# An oversized body up to this size is read and dropped so the client gets the 413 instead of a
+# connection reset mid-upload; larger ones (or ones sent after 100-continue) are not read at all.
+MAX_DISCARDED_BODY_BYTES = 64 * 1024 * 1024
+# Longest field name an error quotes in full
+MAX_FIELD_NAME_CHARS = 64
+# nginx's status for "client closed the request": the answer nobody reads
+CLIENT_CLOSED_REQUEST = 499
+# Worker watchdog: how often it looks, how long failed requests get to send their 503
+WORKER_WATCH_INTERVAL_S = 0.5
+WORKER_DEATH_GRACE_S = 0.5
+WORKER_DIED_EXIT_CODE = 1  # the API server's exit status when the model worker died
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
-def _bad_request(manager: HttpServerManager, field: str, message: str) -> JSONResponse:
-    manager.metrics.bad_requests.inc()
-    return JSONResponse(status_code=400, content={"error": f"{field}: {message}", "field": field})
+
+class BodyTooLarge(Exception):
+    """The request body exceeds MAX_REQUEST_BODY_BYTES."""
+
+
+def _client_text(s: str, limit: Optional[int] = None) -> str:
+    """``s`` made safe for a JSON answer: lone surrogates escaped, optionally shortened."""
+    s = s.encode("utf-8", "backslashreplace").decode("utf-8")
+    return s if limit is None or len(s) <= limit else s[:limit] + "..."
+
+
+def _error(status: int, field: Optional[str], message: str) -> JSONResponse:
+    field = None if field is None else _client_text(field, MAX_FIELD_NAME_CHARS)
+    text = message if field is None else f"{field}: {message}"
+    return JSONResponse(status_code=status, content={"error": _client_text(text), "field": field})
+
+
+def _content_length(request: Request) -> Optional[int]:
+    value = request.headers.get("content-length")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, or BodyTooLarge past MAX_REQUEST_BODY_BYTES (declared or read)."""
+    declared = _content_length(request)
+    if declared is not None and declared > MAX_REQUEST_BODY_BYTES:
+        if declared > MAX_DISCARDED_BODY_BYTES or request.headers.get("expect", "").lower() == "100-continue":
+            raise BodyTooLarge()
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= MAX_REQUEST_BODY_BYTES:
+            parts.append(chunk)
+        elif size > MAX_DISCARDED_BODY_BYTES:
+            break
+    if size > MAX_REQUEST_BODY_BYTES:
+        raise BodyTooLarge()
+    return b"".join(parts)
 
 
 async def _json_body(request: Request) -> Dict[str, Any]:
+    raw = await _read_body(request)
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = json.loads(raw)
+    except RecursionError:
+        raise SamplingParamsError("body", "is nested too deeply") from None
+    except ValueError:  # bad JSON, bad UTF-8, an integer of too many digits
         raise SamplingParamsError("body", "is not valid JSON") from None
     if not isinstance(body, dict):
         raise SamplingParamsError("body", "must be a JSON object")
     return body
 
 
+def _need_text(field: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise SamplingParamsError(field, "must be a string")
+    if not is_utf8_text(v):
+        raise SamplingParamsError(field, "is not valid Unicode (a lone surrogate)")
+    return v
+
+
+def _finite(x: float) -> Optional[float]:
+    """JSON has no inf / NaN: such a value is sent as null."""
+    return x if math.isfinite(x) else None
+
+
 def _asd_fields(res: ReqResult) -> Dict[str, Any]:
     return {
         "mtp_accepted_token_num": res.mtp_accepted_token_num,
         "asd_relaxed_token_num": res.asd_relaxed_token_num,
-        "asd_regret_spent": res.asd_regret_spent,
+        "asd_regret_spent": _finite(res.asd_regret_spent),
     }
 
 
 def _sse(obj: Dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+    return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
+
+
+def _worker_failed_message(res: ReqResult) -> str:
+    return f"the model worker could not serve this request: {res.error}"
 
 
 # OpenAI request fields and our sampling parameter names
@@ -59,40 +138,163 @@ OPENAI_PARAM_MAP = {
     "ignore_eos": "ignore_eos",
     "asd_regret_budget": "asd_regret_budget",
 }
-OPENAI_IGNORED = {"model", "user", "stream_options", "logprobs", "echo", "suffix", "best_of", "n", "stream"}
+OPENAI_MAX_TOKENS_ALIAS = "max_completion_tokens"  # what current clients send instead of max_tokens
+OPENAI_IGNORED = {"model", "user"}
+OPENAI_STREAM_FIELDS = {"stream", "stream_options"}
+# Fields we do not implement: accepted only at these (default) values, refused otherwise
+OPENAI_DEFAULT_ONLY = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False, 0),
+    "suffix": (None,),
+}
 OPENAI_DEFAULT_MAX_TOKENS = 16
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 
 
+def _is_one_of(v: Any, allowed: Tuple) -> bool:
+    """``v`` equals one of ``allowed`` with the same JSON type (true is not 1)."""
+    return any(v is a or (type(v) is type(a) and v == a) for a in allowed)
+
+
+def _openai_names(body: Dict[str, Any], prompt_field: str) -> Dict[str, str]:
+    """Our parameter names -> the client's field names, for error messages."""
+    names = {ours: theirs for theirs, ours in OPENAI_PARAM_MAP.items() if ours != theirs}
+    names["inputs"] = prompt_field
+    names["do_sample"] = "temperature"
+    if body.get(OPENAI_MAX_TOKENS_ALIAS) is not None:
+        names["max_new_tokens"] = OPENAI_MAX_TOKENS_ALIAS
+    return names
+
+
+def _client_error(e: SamplingParamsError, names: Dict[str, str]) -> SamplingParamsError:
+    """``e`` with our parameter names replaced by the client's."""
+    message = str(e).split(": ", 1)[-1]
+    for ours, theirs in names.items():
+        message = re.sub(rf"\b{ours}\b", theirs, message)
+    return SamplingParamsError(names.get(e.field_name, e.field_name), message)
+
+
 def _openai_params(body: Dict[str, Any], prompt_field: str) -> SamplingParams:
-    unknown = sorted(set(body) - set(OPENAI_PARAM_MAP) - OPENAI_IGNORED - {prompt_field})
+    known = set(OPENAI_PARAM_MAP) | {OPENAI_MAX_TOKENS_ALIAS} | OPENAI_IGNORED | OPENAI_STREAM_FIELDS
+    unknown = sorted(set(body) - known - set(OPENAI_DEFAULT_ONLY) - {prompt_field})
     if unknown:
         raise SamplingParamsError(unknown[0], "unknown field")
-    n = body.get("n", 1)
-    if n != 1:
-        raise SamplingParamsError("n", "only n = 1 is supported")
+    for name, allowed in OPENAI_DEFAULT_ONLY.items():
+        if not _is_one_of(body.get(name), allowed):
+            shown = " or ".join(json.dumps(a) for a in allowed)
+            raise SamplingParamsError(name, f"is not supported: only {shown} (the default), got {quote(body[name])}")
     params = {ours: body[theirs] for theirs, ours in OPENAI_PARAM_MAP.items() if theirs in body}
-    params.setdefault("max_new_tokens", OPENAI_DEFAULT_MAX_TOKENS)
+    alias = body.get(OPENAI_MAX_TOKENS_ALIAS)
+    if alias is not None:
+        given = body.get("max_tokens")
+        if given is not None and not _is_one_of(given, (alias,)):
+            raise SamplingParamsError(OPENAI_MAX_TOKENS_ALIAS, f"{quote(alias)} differs from max_tokens {quote(given)}")
+        params["max_new_tokens"] = alias
+    if params.get("max_new_tokens") is None:
+        params["max_new_tokens"] = OPENAI_DEFAULT_MAX_TOKENS
     temperature = params.get("temperature", OPENAI_DEFAULT_TEMPERATURE)
     # OpenAI semantics: temperature 0 (or top_k 1) is greedy, anything else samples
     params["do_sample"] = not (temperature == 0 and not isinstance(temperature, bool)) and params.get("top_k") != 1
     return SamplingParams.from_request(params)
 
 
-def create_app(manager: HttpServerManager) -> FastAPI:
+def _openai_stream_flags(body: Dict[str, Any]) -> Tuple[bool, bool]:
+    """(stream, include_usage) of an OpenAI request."""
+    stream = body.get("stream")
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise SamplingParamsError("stream", "must be true or false")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise SamplingParamsError("stream_options", "is only allowed when stream is true")
+    if not isinstance(options, dict):
+        raise SamplingParamsError("stream_options", "must be an object")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise SamplingParamsError("stream_options", f"unknown key {quote(unknown[0])} (valid: include_usage)")
+    include_usage = options.get("include_usage")
+    include_usage = False if include_usage is None else include_usage
+    if not isinstance(include_usage, bool):
+        raise SamplingParamsError("stream_options", "include_usage must be true or false")
+    return stream, include_usage
+
+
+def _chat_messages(body: Dict[str, Any]) -> List[Dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise SamplingParamsError("messages", "must be a non-empty list of {role, content} strings")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise SamplingParamsError("messages", f"[{i}] must be an object with string role and content")
+        if m["role"] not in CHAT_ROLES:
+            raise SamplingParamsError("messages", f"[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {quote(m['role'])}")
+        for k, v in m.items():
+            if isinstance(v, str) and not is_utf8_text(v):
+                raise SamplingParamsError("messages", f"[{i}].{quote(k)} is not valid Unicode (a lone surrogate)")
+    return messages
+
+
+def _completion_prompt(body: Dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise SamplingParamsError("prompt", "must be a string (or a list of one string)")
+    return _need_text("prompt", prompt)
+
+
+def _exit_process(code: int) -> None:
+    logging.shutdown()
+    os._exit(code)
+
+
+def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] = _exit_process) -> FastAPI:
+    """The app over ``manager``. When the model worker dies the app fails its waiting requests
+    (503) and calls ``exit_process(WORKER_DIED_EXIT_CODE)``; tests pass their own."""
+
+    async def watch_worker():
+        while manager.worker_alive():
+            await asyncio.sleep(WORKER_WATCH_INTERVAL_S)
+        failed = manager.fail_pending()
+        logger.error("the model worker exited (code %s): failing %d waiting requests, exiting with code %d",
+                     manager.worker_exit_code(), failed, WORKER_DIED_EXIT_CODE)
+        await asyncio.sleep(WORKER_DEATH_GRACE_S)  # the failed requests send their 503
+        manager.stop_worker()
+        exit_process(WORKER_DIED_EXIT_CODE)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         manager.start(asyncio.get_running_loop())
+        watchdog = asyncio.create_task(watch_worker())
         yield
+        watchdog.cancel()
         manager.shutdown()
 
     app = FastAPI(title="lightllm", lifespan=lifespan)
 
     @app.exception_handler(SamplingParamsError)
     async def _params_error(request: Request, exc: SamplingParamsError):
-        return _bad_request(manager, exc.field_name, str(exc).split(": ", 1)[-1])
+        manager.metrics.bad_requests.inc()
+        return _error(400, exc.field_name, str(exc).split(": ", 1)[-1])
 
-    async def _run(prompt_ids, params, request: Request) -> ReqResult:
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge):
+        return _error(413, "body", f"larger than {MAX_REQUEST_BODY_BYTES} bytes")
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; manager logged the abort
+
+    @app.exception_handler(WorkerDied)
+    async def _worker_died(request: Request, exc: WorkerDied):
+        return _error(503, None, str(exc))
+
+    async def _final(prompt_ids, params, request: Request) -> ReqResult:
+        """Run a non-streaming request to its end (ClientDisconnected when its client hangs up)."""
         final = None
         async for res in manager.generate(prompt_ids, params, request.is_disconnected):
             final = res
@@ -113,19 +315,30 @@ def create_app(manager: HttpServerManager) -> FastAPI:
         return {"object": "list", "data": [{"id": manager.model_name, "object": "model", "owned_by": "lightllm",
                                             "max_model_len": manager.args.max_req_total_len}]}
 
-    def _lightllm_request(body) -> (List[int], SamplingParams):
-        inputs = body.get("inputs")
-        if not isinstance(inputs, str):
-            raise SamplingParamsError("inputs", "must be a string")
+    async def _lightllm_request(body) -> Tuple[List[int], SamplingParams]:
+        inputs = _need_text("inputs", body.get("inputs"))
         unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
         if unknown:
             raise SamplingParamsError(unknown[0], "unknown field (valid: inputs, parameters)")
         params = SamplingParams.from_request(body.get("parameters") or {})
-        prompt_ids = manager.encode_prompt(inputs)
+        prompt_ids = await manager.encode_prompt_async(inputs)
         manager.check_request(prompt_ids, params)
         return prompt_ids, params
 
-    def _generate_payload(res: ReqResult, params: SamplingParams) -> Dict[str, Any]:
+    def _token(res: ReqResult, i: int) -> Dict[str, Any]:
+        t = res.token_ids[i]
+        return {"id": t, "text": manager.tokenizer.decode([t]), "logprob": _finite(res.logprobs[i]),
+                "special": t in manager.eos_token_ids}
+
+    def _details(res: ReqResult) -> Dict[str, Any]:
+        return {**_asd_fields(res), "prompt_tokens": res.prompt_tokens, "count_output_tokens": len(res.token_ids)}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        prompt_ids, params = await _lightllm_request(await _json_body(request))
+        res = await _final(prompt_ids, params, request)
+        if res.finish_reason == "error":
+            return _error(500, None, _worker_failed_message(res))
         out = {
             "generated_text": [res.text],
             "count_output_tokens": len(res.token_ids),
@@ -134,41 +347,39 @@ def create_app(manager: HttpServerManager) -> FastAPI:
             **_asd_fields(res),
         }
         if params.return_details:
-            out["tokens"] = [
-                {"id": t, "text": manager.tokenizer.decode([t]), "logprob": lp}
-                for t, lp in zip(res.token_ids, res.logprobs)
-            ]
+            out["tokens"] = [{k: v for k, v in _token(res, i).items() if k != "special"} for i in range(len(res.token_ids))]
         return out
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        prompt_ids, params = _lightllm_request(await _json_body(request))
-        res = await _run(prompt_ids, params, request)
-        return _generate_payload(res, params)
 
     @app.post("/generate_stream")
     async def generate_stream(request: Request):
-        prompt_ids, params = _lightllm_request(await _json_body(request))
+        prompt_ids, params = await _lightllm_request(await _json_body(request))
 
         async def events():
-            sent = 0
-            async for res in manager.generate(prompt_ids, params, request.is_disconnected):
-                new = res.token_ids[sent:]
-                for i, t in enumerate(new):
-                    last = res.finish_reason is not None and i == len(new) - 1
-                    yield _sse({
-                        "token": {"id": t, "text": manager.tokenizer.decode([t]), "logprob": res.logprobs[sent + i],
-                                  "special": t in manager.eos_token_ids},
-                        "generated_text": res.text if last else None,
-                        "finished": last,
-                        "finish_reason": res.finish_reason if last else None,
-                        "details": {**_asd_fields(res), "prompt_tokens": res.prompt_tokens,
-                                    "count_output_tokens": len(res.token_ids)} if last else None,
-                    })
-                sent = len(res.token_ids)
-                if res.finish_reason is not None and not new:
-                    yield _sse({"token": None, "generated_text": res.text, "finished": True,
-                                "finish_reason": res.finish_reason, "details": _asd_fields(res)})
+            sent = 0  # token events sent
+            try:
+                async for res in manager.generate(prompt_ids, params):
+                    done = res.finish_reason is not None
+                    if res.finish_reason == "error":
+                        yield _sse({"token": None, "generated_text": None, "finished": True, "finish_reason": "error",
+                                    "error": _worker_failed_message(res), "details": None})
+                        return
+                    upto = max(res.stream_token_num, sent)  # tokens that cannot be part of a stop string
+                    for i in range(sent, upto):
+                        last = done and i == upto - 1
+                        yield _sse({
+                            "token": _token(res, i),
+                            "generated_text": res.text if last else None,
+                            "finished": last,
+                            "finish_reason": res.finish_reason if last else None,
+                            "details": _details(res) if last else None,
+                        })
+                    if done and upto == sent:
+                        yield _sse({"token": None, "generated_text": res.text, "finished": True,
+                                    "finish_reason": res.finish_reason, "details": _details(res)})
+                    sent = upto
+            except WorkerDied as e:
+                yield _sse({"token": None, "generated_text": None, "finished": True, "finish_reason": "error",
+                            "error": str(e), "details": None})
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -179,27 +390,16 @@ def create_app(manager: HttpServerManager) -> FastAPI:
     async def _openai(request: Request, chat: bool):
         body = await _json_body(request)
         prompt_field = "messages" if chat else "prompt"
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            ):
-                raise SamplingParamsError("messages", "must be a non-empty list of {role, content} strings")
+        try:  # everything cheap first, then tokenize
             params = _openai_params(body, prompt_field)
-            prompt_ids = manager.apply_chat_template(messages)
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise SamplingParamsError("prompt", "must be a string (or a list of one string)")
-            params = _openai_params(body, prompt_field)
-            prompt_ids = manager.encode_prompt(prompt)
-        manager.check_request(prompt_ids, params)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise SamplingParamsError("stream", "must be true or false")
+            stream, include_usage = _openai_stream_flags(body)
+            if chat:
+                prompt_ids = await manager.apply_chat_template_async(_chat_messages(body))
+            else:
+                prompt_ids = await manager.encode_prompt_async(_completion_prompt(body))
+            manager.check_request(prompt_ids, params)
+        except SamplingParamsError as e:
+            raise _client_error(e, _openai_names(body, prompt_field)) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -213,25 +413,46 @@ def create_app(manager: HttpServerManager) -> FastAPI:
                 c["logprobs"] = None
             return c
 
+        def chunk(choices: List[Dict[str, Any]]) -> Dict[str, Any]:
+            return {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
+                    "model": manager.model_name, "choices": choices}
+
+        def stream_error(message: str) -> str:
+            return _sse({"error": {"message": message, "type": "server_error", "code": 500}})
+
         if not stream:
-            res = await _run(prompt_ids, params, request)
+            res = await _final(prompt_ids, params, request)
+            if res.finish_reason == "error":
+                return _error(500, None, _worker_failed_message(res))
             return {"id": rid, "object": obj, "created": created, "model": manager.model_name,
                     "choices": [choice(res.text, res.finish_reason, False)], "usage": _usage(res), **_asd_fields(res)}
 
         async def events():
             sent_text = ""
-            async for res in manager.generate(prompt_ids, params, request.is_disconnected):
-                text = res.text
-                if res.finish_reason is None and text.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 sequence: wait for the next token
-                delta = text[len(sent_text):]
-                sent_text = text
-                chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                         "model": manager.model_name, "choices": [choice(delta, res.finish_reason, True)]}
-                if res.finish_reason is not None:
-                    chunk["usage"] = _usage(res)
-                    chunk.update(_asd_fields(res))
-                yield _sse(chunk)
+            final = None
+            try:
+                async for res in manager.generate(prompt_ids, params):
+                    done = res.finish_reason is not None
+                    if res.finish_reason == "error":
+                        yield stream_error(_worker_failed_message(res))
+                        break
+                    # held back: the start of a possible stop string, an incomplete UTF-8 sequence
+                    visible = res.text[:res.stream_text_len]
+                    delta = visible[len(sent_text):] if visible.startswith(sent_text) else ""
+                    if not delta and not done:
+                        continue
+                    sent_text += delta
+                    c = chunk([choice(delta, res.finish_reason, True)])
+                    if include_usage:
+                        c["usage"] = None  # OpenAI: only the extra last chunk has usage
+                    if done:
+                        c.update(_asd_fields(res))
+                        final = res
+                    yield _sse(c)
+            except WorkerDied as e:
+                yield stream_error(str(e))
+            if include_usage and final is not None:
+                yield _sse({**chunk([]), "usage": _usage(final)})
             yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")

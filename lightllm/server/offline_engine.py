@@ -27,6 +27,7 @@ class GenResult:
     mtp_accepted_token_num: int = 0
     asd_relaxed_token_num: int = 0
     asd_regret_spent: float = 0.0
+    error: Optional[str] = None  # set with finish_reason "error": why the worker failed the request
 
 
 class OfflineEngine:

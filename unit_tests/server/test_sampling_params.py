@@ -55,3 +55,64 @@ def test_valid_values_are_kept():
     assert sp.stop_sequences == ["\n"] and sp.logit_bias == {7: 2.0} and sp.asd_regret_budget == 0.0
     with pytest.raises(SamplingParamsError):
         sp.verify_vocab(5)
+
+
+# The documented limits (docs/limits.md), as literals: (base params, field, last accepted,
+# first refused). Before issue 13 every "refused" value here was accepted.
+EDGES = [
+    ({"do_sample": True}, "top_k", 2**31 - 1, 2**31),
+    ({}, "max_new_tokens", 2**31 - 1, 2**31),
+    ({"do_sample": True}, "temperature", 0.01, 0.0099),
+    ({"do_sample": True}, "temperature", 100.0, 100.01),
+    ({}, "repetition_penalty", 0.01, 0.0099),
+    ({}, "repetition_penalty", 100.0, 100.01),
+    ({}, "seed", 2**63 - 2**31, 2**63 - 2**31 + 1),
+    ({}, "asd_regret_budget", 1e6, 1e6 + 1),
+]
+
+
+@pytest.mark.parametrize("base,name,ok,bad", EDGES)
+def test_range_edges(base, name, ok, bad):
+    assert getattr(SamplingParams.from_request({**base, name: ok}), name) == ok
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams.from_request({**base, name: bad})
+    assert e.value.field_name == name
+
+
+def test_greedy_requests_ignore_the_sampling_temperature_minimum():
+    sp = SamplingParams.from_request({"temperature": 1e-3})
+    assert sp.is_greedy and sp.temperature == 1.0
+    assert SamplingParams.from_request({"do_sample": True, "temperature": 0}).is_greedy
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"logit_bias": {"3": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"3": -100.5}}, "logit_bias"),
+    ({"logit_bias": {str(2**31): 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"logit_bias": {"3": 10**400}}, "logit_bias"),
+    ({"temperature": 10**400}, "temperature"),
+    ({"stop_sequences": ["x" * 1025]}, "stop_sequences"),
+    ({"stop_sequences": ["a\ud800"]}, "stop_sequences"),
+])
+def test_values_past_the_limits_name_the_field(params, field):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams.from_request(params)
+    assert e.value.field_name == field
+
+
+def test_values_at_the_limits_are_kept():
+    sp = SamplingParams.from_request({"logit_bias": {str(i): (100 if i % 2 else -100) for i in range(1024)},
+                                      "stop_sequences": ["x" * 1024]})
+    assert len(sp.logit_bias) == 1024 and sp.logit_bias[1] == 100.0 and sp.logit_bias[0] == -100.0
+
+
+def test_error_messages_quote_bad_values_briefly():
+    deep = []
+    for _ in range(500):
+        deep = [deep]
+    for bad in ("x" * 100000, deep):
+        with pytest.raises(SamplingParamsError) as e:
+            SamplingParams.from_request({"top_k": bad})
+        assert len(str(e.value)) < 200

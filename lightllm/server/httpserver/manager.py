@@ -6,9 +6,11 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional
+from typing import AsyncIterator, Dict, List, Optional, Sequence
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError
@@ -16,6 +18,23 @@ from lightllm.server.metrics import ServerMetrics
 from lightllm.server.router.manager import AbortReq, AddReq
 
 logger = logging.getLogger(__name__)
+
+# How often a waiting request checks that its client is still connected and the worker alive
+DISCONNECT_POLL_S = 0.5
+# Threads that tokenize prompts, off the event loop (a large prompt takes seconds)
+TOKENIZER_THREADS = 4
+# What decode() shows for an incomplete UTF-8 sequence at the end of the tokens so far
+REPLACEMENT_CHAR = "\ufffd"
+# Put in every waiting request's queue when the worker died
+WORKER_DIED = object()
+
+
+class ClientDisconnected(Exception):
+    """The client of a request hung up; the request was aborted."""
+
+
+class WorkerDied(Exception):
+    """The model worker is gone: no request can be served any more."""
 
 
 def load_eos_token_ids(model_dir: str, tokenizer) -> List[int]:
@@ -46,7 +65,25 @@ class ReqResult:
     mtp_accepted_token_num: int = 0
     asd_relaxed_token_num: int = 0
     asd_regret_spent: float = 0.0
-    text: str = ""
+    text: str = ""  # cut before the first stop string
+    error: Optional[str] = None  # why the worker failed the request (finish_reason "error")
+    # What a stream may show now: text that cannot turn out to be the start of a stop string
+    # (nor an incomplete UTF-8 sequence), and the tokens whose text lies within it. Once
+    # finished, all of text and token_ids.
+    stream_text_len: int = 0
+    stream_token_num: int = 0
+
+
+def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of a stop string."""
+    held = 0
+    for s in stops:
+        tail = text[max(0, len(text) - (len(s) - 1)):]  # a proper beginning is shorter than s
+        for i in range(len(tail) - held):  # only longer matches than the one found
+            if s.startswith(tail[i:]):
+                held = len(tail) - i
+                break
+    return held
 
 
 class HttpServerManager:
@@ -65,6 +102,7 @@ class HttpServerManager:
         self._streams: Dict[int, asyncio.Queue] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._reader: Optional[threading.Thread] = None
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     # ---- worker link ----
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -91,13 +129,38 @@ class HttpServerManager:
     def worker_alive(self) -> bool:
         return self.worker is None or self.worker.is_alive()
 
+    def worker_exit_code(self) -> Optional[int]:
+        return None if self.worker is None else self.worker.exitcode
+
+    def fail_pending(self) -> int:
+        """Wake every waiting request with WorkerDied; returns how many there were."""
+        for q in self._streams.values():
+            q.put_nowait(WORKER_DIED)
+        return len(self._streams)
+
+    def stop_worker(self) -> None:
+        """Kill what is left of the worker processes (the API server is about to exit)."""
+        kill = getattr(self.worker, "kill", None)
+        if kill is not None:
+            kill()
+
     # ---- requests ----
     def encode_prompt(self, text: str) -> List[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def apply_chat_template(self, messages) -> List[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as e:  # the model's template refuses this conversation
+            raise SamplingParamsError("messages", f"the chat template refused them: {e}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def encode_prompt_async(self, text: str) -> List[int]:
+        """encode_prompt on a tokenizer thread, so the event loop (and /health) never waits for it."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.encode_prompt, text)
+
+    async def apply_chat_template_async(self, messages) -> List[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.apply_chat_template, messages)
 
     def check_request(self, prompt_ids: List[int], params: SamplingParams) -> None:
         """Raise SamplingParamsError for anything the engine cannot serve."""
@@ -127,51 +190,109 @@ class HttpServerManager:
         return self.args.mtp_asd_regret_budget
 
     async def generate(self, prompt_ids: List[int], params: SamplingParams, is_disconnected=None) -> AsyncIterator[ReqResult]:
-        """Yield the growing result after each worker update; the last one has finish_reason set."""
+        """Yield the growing result after each worker update; the last one has finish_reason set.
+
+        ``is_disconnected`` (an async callable) is polled every DISCONNECT_POLL_S, also while
+        tokens flow: when it says so the request is aborted and ClientDisconnected raised.
+        Streams pass None: Starlette cancels their generator when the client goes."""
+        if not self.worker_alive():
+            raise WorkerDied(f"the model worker exited (code {self.worker_exit_code()})")
         req_id = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = q
         res = ReqResult(prompt_tokens=len(prompt_ids))
         start = time.time()
         first = True
+        finished = False
         self.in_q.put(AddReq(req_id, prompt_ids, params, self.eos_token_ids, self._asd_budget(params)))
         try:
+            next_check = time.monotonic() + DISCONNECT_POLL_S
             while True:
                 try:
-                    u = await asyncio.wait_for(q.get(), timeout=1.0)
+                    u = await asyncio.wait_for(q.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    u = None
+                if u is WORKER_DIED:
+                    raise WorkerDied(f"the model worker exited (code {self.worker_exit_code()})")
+                now = time.monotonic()
+                if u is None or now >= next_check:
+                    next_check = now + DISCONNECT_POLL_S
                     if is_disconnected is not None and await is_disconnected():
-                        raise asyncio.CancelledError()
+                        raise ClientDisconnected()
                     if not self.worker_alive():
-                        raise RuntimeError("model worker died")
-                    continue
+                        raise WorkerDied(f"the model worker exited (code {self.worker_exit_code()})")
+                    if u is None:
+                        continue
                 if first and u.token_ids:
                     self.metrics.ttft.observe(time.time() - start)
                     first = False
                 res.token_ids.extend(u.token_ids)
                 res.logprobs.extend(u.logprobs)
                 u.copy_totals_to(res)
-                self._apply_stop_strings(res, params)
+                self._update_text(res, params)
                 if res.finish_reason is not None:
+                    finished = True
                     if u.finish_reason is None:  # a stop string the worker could not see in ids
                         self.in_q.put(AbortReq(req_id))
                     self._record_finished(res, time.time() - start)
                     yield res
                     return
                 yield res
-        except (asyncio.CancelledError, GeneratorExit):
-            self.in_q.put(AbortReq(req_id))  # client went away: free its KV at once
-            self.metrics.requests.labels(finish_reason="abort").inc()
+        except (ClientDisconnected, asyncio.CancelledError, GeneratorExit):
+            if not finished:  # the client went away: free its KV at once
+                self.in_q.put(AbortReq(req_id))
+                self.metrics.requests.labels(finish_reason="abort").inc()
+                logger.info("request %d: client disconnected after %d tokens, aborted", req_id, len(res.token_ids))
             raise
         finally:
             self._streams.pop(req_id, None)
 
-    def _apply_stop_strings(self, res: ReqResult, params: SamplingParams) -> None:
-        res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        cut = min((i for i in (res.text.find(s) for s in params.stop_sequences) if i >= 0), default=-1)
+    def _decode(self, token_ids: List[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _update_text(self, res: ReqResult, params: SamplingParams) -> None:
+        """Decode, cut at the first stop string and end the tokens there; set what a stream may show."""
+        text = self._decode(res.token_ids)
+        cut = min((i for i in (text.find(s) for s in params.stop_sequences) if i >= 0), default=-1)
         if cut >= 0:
-            res.text = res.text[:cut]
+            res.text = text[:cut]
             res.finish_reason = "stop"
+            keep = self._tokens_covering(res.token_ids, res.text)
+            del res.token_ids[keep:], res.logprobs[keep:]
+        else:
+            res.text = text
+        if res.finish_reason is not None:
+            res.stream_text_len, res.stream_token_num = len(res.text), len(res.token_ids)
+            return
+        visible = len(text) - stop_prefix_len(text, params.stop_sequences)
+        if visible < len(text):
+            res.stream_token_num = self._tokens_within(res.token_ids, visible, res.stream_token_num)
+        else:
+            res.stream_token_num = len(res.token_ids)
+        res.stream_text_len = len(text[:visible].rstrip(REPLACEMENT_CHAR))
+
+    def _tokens_covering(self, token_ids: List[int], kept: str) -> int:
+        """The fewest leading tokens whose text begins with ``kept`` (so counts end at a stop
+        string however the tokens were grouped into updates)."""
+        lo, hi = 0, len(token_ids)  # the text of all of them begins with kept
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._decode(token_ids[:mid]).startswith(kept):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _tokens_within(self, token_ids: List[int], text_len: int, at_least: int) -> int:
+        """The most leading tokens (>= at_least, already streamed) whose text fits in text_len characters."""
+        lo, hi = at_least, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self._decode(token_ids[:mid])) <= text_len:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _record_finished(self, res: ReqResult, latency: float) -> None:
         m = self.metrics
@@ -184,6 +305,7 @@ class HttpServerManager:
         m.request_latency.observe(latency)
 
     def shutdown(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         try:
             self.in_q.put(None)
         except Exception:  # the worker may already be gone

@@ -3,15 +3,25 @@
 With ``--tp N`` every rank runs this loop with its own RouterManager: rank 0 (the driver)
 reads the HTTP process's messages and broadcasts them, so every rank admits, schedules
 and steps identically (docs/parallel.md); only rank 0 sends updates back.
+
+Failures stay with their requests: one the worker cannot serve, and every request of a
+batch step that raised, finish with reason "error" and ``ReqStepUpdate.error`` saying why;
+the loop goes on. Worker processes end with the process that started them.
 """
+import ctypes
 import logging
 import multiprocessing
+import os
 import queue
+import signal
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
+from lightllm.common.req_manager import ReqParamsError
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
 from lightllm.server.router.model_infer.mode_backend.base_backend import ReqStepUpdate
@@ -21,6 +31,12 @@ from lightllm.utils.dist_utils import NUM_OVERLAP_MICROBATCHES, ParallelContext,
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # how long an idle router waits for a new request
+# A batch step that raises fails its requests and the router goes on; this many failed steps
+# in a row mean the worker itself is broken (a poisoned CUDA context): it raises and exits.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+PARENT_CHECK_INTERVAL_S = 0.5  # how often a worker process checks that its parent lives
+PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal this process gets when its parent dies
+ORPHAN_EXIT_CODE = 1  # exit status of a worker whose parent (the API server) died
 
 
 @dataclass
@@ -85,6 +101,8 @@ class RouterManager:
         self._steps = 0
         self._step_tokens = 0
         self.timing = StepTiming()
+        self._failed: List[ReqStepUpdate] = []  # updates of refused requests, sent with the next step
+        self._step_failures = 0  # batch steps that raised in a row
 
     def take_timing(self) -> StepTiming:
         """The timing since the last call, and start a new one."""
@@ -92,9 +110,43 @@ class RouterManager:
         return timing
 
     def add_req(self, msg: AddReq) -> None:
-        self.queue.append(
-            InferReq(msg.req_id, msg.prompt_ids, msg.params, msg.eos_token_ids, asd_budget=msg.asd_budget)
-        )
+        """Queue a request; one the worker cannot serve fails at once (its update comes with
+        the next ``step``). The verdict reads only the message, so every rank agrees."""
+        req = InferReq(msg.req_id, msg.prompt_ids, msg.params, msg.eos_token_ids, asd_budget=msg.asd_budget)
+        try:
+            error = self._unservable(req)
+        except Exception as e:  # a malformed message (wrong types): its request fails, the worker goes on
+            error = f"malformed request: {type(e).__name__}: {e}"
+        if error is not None:
+            logger.warning("request %d refused: %s", req.req_id, error)
+            self._failed.append(self._fail(req, error))
+            return
+        self.queue.append(req)
+
+    def _unservable(self, req: InferReq) -> Optional[str]:
+        """Why the worker cannot serve ``req``, or None (the HTTP edge checks the same and more)."""
+        try:
+            self.backend.params_manager.check_req(req)
+        except ReqParamsError as e:
+            return str(e)
+        max_new = req.params.max_new_tokens
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+            return f"max_new_tokens: must be an integer >= 1, got {max_new!r}"
+        if not req.prompt_ids:
+            return "inputs: the prompt is empty"
+        limit = self.backend.args.max_req_total_len
+        if req.prompt_len + max_new > limit:
+            return f"prompt ({req.prompt_len} tokens) + max_new_tokens ({max_new}) exceeds --max_req_total_len {limit}"
+        stops = req.params.stop_token_ids
+        if not all(isinstance(s, list) and s and all(isinstance(t, int) for t in s) for s in stops):
+            return "stop_token_ids: must be non-empty lists of token ids"
+        return None
+
+    def _fail(self, req: InferReq, error: str) -> ReqStepUpdate:
+        """Finish ``req`` with an error (it holds no KV slot nor req_idx any more)."""
+        req.finish_reason = FinishReason.ERROR
+        req.error = error
+        return self.backend._update(req, [], [], accept_len=0)
 
     def abort(self, req_id: int) -> List[ReqStepUpdate]:
         req = self.queue.remove(req_id)
@@ -111,19 +163,58 @@ class RouterManager:
         self.backend.free_req(req)
         self.queue.release(req)
 
-    def step(self) -> List[ReqStepUpdate]:
-        t0 = time.perf_counter()
+    def _admit(self) -> List[ReqStepUpdate]:
+        """Move admissible requests into the running batch; returns the updates of those whose
+        settings the backend could not store (they fail alone, their row goes back)."""
         running_per_group = [0] * self.queue.dp_size
         for req in self.running:
             running_per_group[req.dp_rank] += 1
+        failed = []
         for req in self.queue.pop_admissible(running_per_group):
-            self.backend.add_req(req)
+            try:
+                self.backend.add_req(req)
+            except Exception as e:
+                logger.exception("request %d: the backend cannot store it", req.req_id)
+                self._finish(req)
+                failed.append(self._fail(req, f"the worker cannot serve this request: {type(e).__name__}: {e}"))
+                continue
             self.running.append(req)
+        return failed
+
+    def _fail_running(self, e: Exception) -> List[ReqStepUpdate]:
+        """A batch step raised: fail every running request and take back all KV slots and
+        req_idx rows (the step may have allocated some no request records yet). Waiting
+        requests hold neither, so the pools are whole again."""
+        failed, self.running = self.running, []
+        for req in failed:
+            req.slots, req.req_idx = [], -1
+            self.queue.release(req)
+        self.backend.mem_manager.free_all()
+        self.backend.req_manager.free_all()
+        error = f"the worker failed a batch step: {type(e).__name__}: {e}"
+        return [self._fail(req, error) for req in failed]
+
+    def step(self) -> List[ReqStepUpdate]:
+        t0 = time.perf_counter()
+        updates, self._failed = self._failed, []
+        updates.extend(self._admit())
         if not self.running:
-            return []
+            return updates
         batch_reqs = len(self.running)
-        updates = self.backend.run_step(self.running)
-        for u in updates:
+        try:
+            step_updates = self.backend.run_step(self.running)
+        except Exception as e:
+            # Ranks run the same step on the same inputs, so an error that comes from them is
+            # raised on every rank and all fail the same requests, in lock-step. An error on one
+            # rank only (a device fault) leaves the others in a collective, as a crash would.
+            self._step_failures += 1
+            logger.exception("batch step failed (%d in a row): failing its %d requests", self._step_failures,
+                             batch_reqs)
+            if self._step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            return updates + self._fail_running(e)
+        self._step_failures = 0
+        for u in step_updates:
             if u.accept_len:
                 self._steps += 1
                 self._step_tokens += u.accept_len
@@ -134,11 +225,11 @@ class RouterManager:
             self._finish(req)
             self.running.remove(req)
         self.timing.add(time.perf_counter() - t0, batch_reqs)
-        return updates
+        return updates + step_updates
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.queue.waiting)
+        return bool(self.running or self.queue.waiting or self._failed)
 
 
 def build_backend(args, device: str, dtype: str, parallel: Optional[ParallelContext] = None):
@@ -167,6 +258,53 @@ def _poll_messages(in_q, block: bool) -> list:
     return msgs
 
 
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Linux: have the kernel send ``sig`` to this process when the thread that started it
+    exits (SIGKILL included). Returns False where prctl is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def start_parent_watchdog(parent_alive: Callable[[], bool], on_death: Callable[[], None],
+                          interval_s: float = PARENT_CHECK_INTERVAL_S) -> threading.Thread:
+    """A daemon thread that calls ``on_death`` once ``parent_alive()`` turns False, checked
+    every ``interval_s`` whatever the main thread is doing (a long batch step included)."""
+
+    def watch() -> None:
+        while parent_alive():
+            time.sleep(interval_s)
+        on_death()
+
+    thread = threading.Thread(target=watch, name="parent-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def exit_orphan() -> None:
+    logger.error("the process that started this worker is gone: exiting")
+    os._exit(ORPHAN_EXIT_CODE)  # no atexit joins: nobody is left to read our queues
+
+
+def exit_with_parent() -> None:
+    """End this worker process when its parent (the API server or launcher) dies: a
+    parent-death signal where the kernel has one, and a watchdog thread everywhere."""
+    parent = multiprocessing.parent_process()
+    ppid = os.getppid()
+
+    def parent_alive() -> bool:
+        return os.getppid() == ppid and (parent is None or parent.is_alive())
+
+    set_parent_death_signal()
+    if not parent_alive():  # it died before the signal was armed
+        exit_orphan()
+    start_parent_watchdog(parent_alive, exit_orphan)
+
+
 def _format_error(rank: int, e: Exception) -> str:
     return f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
 
@@ -175,6 +313,7 @@ def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0
     """Process entry of one rank: join the ranks, build the backend, report readiness
     (rank 0), then loop forever. ``in_q`` / ``out_q`` are None except on rank 0."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s router[{rank}]: %(message)s")
+    exit_with_parent()
     if device == "cpu":  # ranks share the host's cores
         from lightllm.utils.cpu_threads import configure_cpu_threads
 
@@ -202,6 +341,9 @@ def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0
         return
     if parallel.is_driver:
         out_q.put(WorkerReady(backend.vocab_size, backend.mem_manager.size, device, dtype))
+        # From here on, exiting never waits for the queue's feeder thread to flush into a pipe
+        # whose reader may be dead (updates for a server that is gone are worthless).
+        out_q.cancel_join_thread()
     serve_steps(router, parallel, in_q, out_q)
     parallel.destroy()
 

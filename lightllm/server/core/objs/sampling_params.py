@@ -1,5 +1,11 @@
-"""Per-request sampling parameters, validated once at the HTTP edge."""
+"""Per-request sampling parameters, validated once at the HTTP edge.
+
+The ranges below are what the engine can hold (its tables are int32 / float32) and what
+keeps sampling finite: with them no processed logit, probability or log-prob can become
+inf or NaN. docs/limits.md lists them for users.
+"""
 import math
+import reprlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -8,6 +14,31 @@ TOP_K_ALL = -1
 # top_k value that means greedy decoding; sample() uses exactly this rule
 TOP_K_GREEDY = 1
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCE_CHARS = 1024  # each stop string; streams hold back at most this much text
+
+INT32_MAX = 2**31 - 1  # top_k, max_new_tokens and token ids live in int32 tables
+INT64_MAX = 2**63 - 1
+# A sampled token's seed is the request's seed + its output position (< INT32_MAX): the sum
+# must stay an int64.
+MAX_SEED = INT64_MAX - INT32_MAX
+# Sampled requests divide logits by the temperature. Below the minimum sampling is greedy
+# in all but name (and 1e-50 rounds to 0 in fp32: a division by zero, NaN log-probs); above
+# the maximum the distribution is flat. With these bounds and the penalty and bias bounds
+# below, |processed logit| <= 1e4 * (|logit| + 100 + 2 * output tokens): far inside fp32.
+MIN_SAMPLING_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 1e2
+# repetition_penalty divides (or multiplies) the logits of seen tokens: same reasoning
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 1e2
+MAX_ABS_PRESENCE_PENALTY = 2.0  # OpenAI's range
+MAX_ABS_FREQUENCY_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range; +-100 already forces or bans a token
+MAX_LOGIT_BIAS_ENTRIES = 1024  # biases are applied per row per step on the host
+MAX_ASD_REGRET_BUDGET = 1e6  # stored in fp32; far above any useful budget
+
+# How much of a bad value an error message quotes
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlist, _QUOTE.maxdict = 2, 40, 40, 4, 4
 
 
 class SamplingParamsError(ValueError):
@@ -20,6 +51,30 @@ class SamplingParamsError(ValueError):
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_finite_number(v: Any) -> bool:
+    """A JSON number that is finite as a float (a 400-digit integer is not)."""
+    if not _is_number(v):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def quote(v: Any) -> str:
+    """A short repr of a client's value for an error message (bounded, never recursing deep)."""
+    return _QUOTE.repr(v)
+
+
+def is_utf8_text(s: str) -> bool:
+    """False for strings UTF-8 cannot encode (lone surrogates such as JSON's "\\ud800")."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -65,44 +120,59 @@ class SamplingParams:
         return sp
 
     def verify(self) -> None:
-        """Check types and ranges; greedy (do_sample=False) becomes top_k == 1."""
+        """Check types and ranges (the module constants); greedy (do_sample=False) becomes top_k == 1."""
         def need_int(name, lo=None, hi=None):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
-                raise SamplingParamsError(name, f"must be an integer, got {v!r}")
+                raise SamplingParamsError(name, f"must be an integer, got {quote(v)}")
             if lo is not None and v < lo:
-                raise SamplingParamsError(name, f"must be >= {lo}, got {v}")
+                raise SamplingParamsError(name, f"must be >= {lo}, got {quote(v)}")
             if hi is not None and v > hi:
-                raise SamplingParamsError(name, f"must be <= {hi}, got {v}")
+                raise SamplingParamsError(name, f"must be <= {hi}, got {quote(v)}")
 
         def need_float(name, lo=None, hi=None, lo_open=False):
             v = getattr(self, name)
-            if not _is_number(v) or not math.isfinite(v):
-                raise SamplingParamsError(name, f"must be a finite number, got {v!r}")
+            if not _is_finite_number(v):
+                raise SamplingParamsError(name, f"must be a finite number, got {quote(v)}")
             if lo is not None and (v < lo or (lo_open and v == lo)):
-                raise SamplingParamsError(name, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
+                raise SamplingParamsError(name, f"must be {'>' if lo_open else '>='} {lo}, got {quote(v)}")
             if hi is not None and v > hi:
-                raise SamplingParamsError(name, f"must be <= {hi}, got {v}")
+                raise SamplingParamsError(name, f"must be <= {hi}, got {quote(v)}")
             setattr(self, name, float(v))
 
         def need_bool(name):
             if not isinstance(getattr(self, name), bool):
-                raise SamplingParamsError(name, f"must be true or false, got {getattr(self, name)!r}")
+                raise SamplingParamsError(name, f"must be true or false, got {quote(getattr(self, name))}")
 
-        need_int("max_new_tokens", lo=1)
+        need_int("max_new_tokens", lo=1, hi=INT32_MAX)
         need_bool("do_sample")
         need_bool("ignore_eos")
         need_bool("return_details")
-        need_float("temperature", lo=0.0)
-        need_int("top_k", lo=TOP_K_ALL)
+        need_float("temperature", lo=0.0, hi=MAX_TEMPERATURE)
+        if self.do_sample and 0.0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            raise SamplingParamsError(
+                "temperature", f"must be 0 (greedy) or >= {MIN_SAMPLING_TEMPERATURE} when sampling, got {self.temperature}"
+            )
+        need_int("top_k", lo=TOP_K_ALL, hi=INT32_MAX)
         if self.top_k == 0:
             raise SamplingParamsError("top_k", "must be -1 (all) or >= 1, got 0")
         need_float("top_p", lo=0.0, hi=1.0, lo_open=True)
-        need_float("repetition_penalty", lo=0.0, lo_open=True)
-        need_float("presence_penalty", lo=-2.0, hi=2.0)
-        need_float("frequency_penalty", lo=-2.0, hi=2.0)
+        need_float("repetition_penalty", lo=MIN_REPETITION_PENALTY, hi=MAX_REPETITION_PENALTY)
+        need_float("presence_penalty", lo=-MAX_ABS_PRESENCE_PENALTY, hi=MAX_ABS_PRESENCE_PENALTY)
+        need_float("frequency_penalty", lo=-MAX_ABS_FREQUENCY_PENALTY, hi=MAX_ABS_FREQUENCY_PENALTY)
         if self.seed is not None:
-            need_int("seed", lo=0)
+            need_int("seed", lo=0, hi=MAX_SEED)
+        self._verify_stop_sequences()
+        self._verify_logit_bias()
+        if self.asd_regret_budget is not None:
+            need_float("asd_regret_budget", lo=0.0, hi=MAX_ASD_REGRET_BUDGET)
+        # greedy: LightLLM's rule, do_sample=False or temperature 0 means top_k == 1
+        if not self.do_sample or self.temperature == 0.0:
+            self.top_k = TOP_K_GREEDY
+            self.temperature = 1.0
+            self.top_p = 1.0
+
+    def _verify_stop_sequences(self) -> None:
         if isinstance(self.stop_sequences, str):
             self.stop_sequences = [self.stop_sequences]
         if not isinstance(self.stop_sequences, list) or not all(
@@ -111,25 +181,31 @@ class SamplingParams:
             raise SamplingParamsError("stop_sequences", "must be a non-empty string or a list of non-empty strings")
         if len(self.stop_sequences) > MAX_STOP_SEQUENCES:
             raise SamplingParamsError("stop_sequences", f"at most {MAX_STOP_SEQUENCES} entries")
+        for s in self.stop_sequences:
+            if len(s) > MAX_STOP_SEQUENCE_CHARS:
+                raise SamplingParamsError("stop_sequences", f"each at most {MAX_STOP_SEQUENCE_CHARS} characters")
+            if not is_utf8_text(s):
+                raise SamplingParamsError("stop_sequences", "is not valid Unicode (a lone surrogate)")
+
+    def _verify_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
             raise SamplingParamsError("logit_bias", "must be an object mapping token id to bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
         bias = {}
         for k, v in self.logit_bias.items():
             try:
                 tok = int(k)
             except (TypeError, ValueError):
-                raise SamplingParamsError("logit_bias", f"key {k!r} is not a token id") from None
-            if not _is_number(v) or not math.isfinite(v):
-                raise SamplingParamsError("logit_bias", f"bias for {k!r} must be a finite number")
+                raise SamplingParamsError("logit_bias", f"key {quote(k)} is not a token id") from None
+            if not 0 <= tok <= INT32_MAX:
+                raise SamplingParamsError("logit_bias", f"token id {quote(k)} is not in [0, {INT32_MAX}]")
+            if not _is_finite_number(v) or abs(v) > MAX_ABS_LOGIT_BIAS:
+                raise SamplingParamsError(
+                    "logit_bias", f"bias for {quote(k)} must be a number in [-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}]"
+                )
             bias[tok] = float(v)
         self.logit_bias = bias
-        if self.asd_regret_budget is not None:
-            need_float("asd_regret_budget", lo=0.0)
-        # greedy: LightLLM's rule, do_sample=False or temperature 0 means top_k == 1
-        if not self.do_sample or self.temperature == 0.0:
-            self.top_k = TOP_K_GREEDY
-            self.temperature = 1.0
-            self.top_p = 1.0
 
     def verify_vocab(self, vocab_size: int) -> None:
         for tok in self.logit_bias:

@@ -10,6 +10,7 @@ class FinishReason:
     STOP = "stop"  # a stop sequence
     LENGTH = "length"  # max_new_tokens
     ABORT = "abort"  # client went away
+    ERROR = "error"  # the worker could not serve it (InferReq.error / ReqStepUpdate.error say why)
 
 
 @dataclass
@@ -26,6 +27,7 @@ class InferReq:
     output_ids: List[int] = field(default_factory=list)
     output_logprobs: List[float] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    error: Optional[str] = None  # why the worker failed it (finish_reason ERROR), for the client
     # MTP / ASD counters reported in the response
     mtp_accepted_token_num: int = 0
     asd_relaxed_token_num: int = 0

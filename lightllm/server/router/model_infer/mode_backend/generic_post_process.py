@@ -7,6 +7,18 @@ import torch
 from lightllm.common.req_manager import ReqSamplingParamsManager
 from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 
+# Processed logits are clamped to [-LOGIT_LIMIT, LOGIT_LIMIT] after every stage whose math can
+# overflow (a tiny temperature or repetition penalty, a huge logit bias): far beyond any real
+# logit, and sums of a few stay finite in fp32, so softmax, logsumexp and ASD regrets never
+# meet inf - inf (NaN). Ordinary logits never reach it, so ordinary results are unchanged.
+LOGIT_LIMIT = 1e30
+# Temperatures below fp32's smallest normal (1e-50 is stored as 0) are raised to it: 0 / 0 is NaN.
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    return logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
+
 
 @dataclass
 class SampleOutput:
@@ -14,15 +26,20 @@ class SampleOutput:
     processed_logits: torch.Tensor  # [rows, vocab] fp32, the logits the choice was made from
 
 
-def _apply_penalties(logits, b_req_idx, pm: ReqSamplingParamsManager):
-    idx = b_req_idx.long()
-    rep = pm.req_to_repetition_penalty[idx].unsqueeze(1)  # [rows, 1]
-    seen = pm.req_to_token_seen[idx]  # [rows, vocab]
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    counts = pm.req_to_out_token_counts[idx].to(torch.float32)  # [rows, vocab]
-    logits = logits - pm.req_to_frequency_penalty[idx].unsqueeze(1) * counts
-    return logits - pm.req_to_presence_penalty[idx].unsqueeze(1) * (counts > 0).to(torch.float32)
+def _apply_penalties(logits, b_req_idx, pm: ReqSamplingParamsManager, rows: Optional[torch.Tensor] = None):
+    """Repetition, frequency and presence penalties of the rows ``rows`` ([n] int64, the
+    rows whose request has one; None: every row); the other rows are returned unchanged."""
+    sub = logits if rows is None else logits.index_select(0, rows)  # [n, vocab]
+    idx = b_req_idx.long() if rows is None else b_req_idx.long().index_select(0, rows)  # [n]
+    rep = pm.req_to_repetition_penalty[idx].unsqueeze(1)  # [n, 1]
+    seen = pm.req_to_token_seen[idx]  # [n, vocab]
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalized, sub)
+    counts = pm.req_to_out_token_counts[idx].to(torch.float32)  # [n, vocab]
+    sub = sub - pm.req_to_frequency_penalty[idx].unsqueeze(1) * counts
+    sub = sub - pm.req_to_presence_penalty[idx].unsqueeze(1) * (counts > 0).to(torch.float32)
+    sub = _finite(sub)  # a tiny or huge repetition penalty overflows
+    return sub if rows is None else logits.index_copy(0, rows, sub)
 
 
 def _apply_logit_bias(logits, row_biases: Sequence[dict]):
@@ -35,8 +52,21 @@ def _apply_logit_bias(logits, row_biases: Sequence[dict]):
     if rows:
         dev = logits.device
         logits = logits.clone()
-        logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] += torch.tensor(vals, device=dev)
+        r, c = torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
+        # fp32: a bias past its range becomes +-inf, clamped with the sum
+        logits[r, c] = _finite(logits[r, c] + torch.tensor(vals, device=dev))
     return logits
+
+
+def _apply_temperature(logits, temperature):
+    """logits [rows, vocab] / temperature [rows, 1]. A row that would leave
+    [-LOGIT_LIMIT, LOGIT_LIMIT] (a tiny temperature) is shifted by its max first: its top
+    token lands on 0 and the rest below, so its draw is greedy in effect and nothing
+    overflows. Every other row is exactly logits / temperature."""
+    lo, hi = torch.aminmax(logits, dim=1, keepdim=True)  # [rows, 1]
+    overflows = torch.maximum(hi, -lo) / temperature > LOGIT_LIMIT  # [rows, 1]
+    shift = torch.where(overflows, hi, torch.zeros_like(hi))  # [rows, 1]
+    return _finite((logits - shift) / temperature)
 
 
 def _top_k_top_p_filter(logits, top_k, top_p):
@@ -71,15 +101,18 @@ def sample(
     row_seeds: Optional[Sequence[Optional[int]]] = None,  # [rows] per-row seed for this draw
 ) -> SampleOutput:
     logits = logits.float()
-    if any(r.has_penalty for r in reqs):
-        logits = _apply_penalties(logits, b_req_idx, pm)
+    penalty_rows = [i for i, r in enumerate(reqs) if r.has_penalty]
+    if penalty_rows:  # only the rows that use a penalty pay for it
+        rows = None if len(penalty_rows) == len(reqs) else torch.tensor(penalty_rows, device=logits.device)
+        logits = _apply_penalties(logits, b_req_idx, pm, rows)
     if any(r.params.logit_bias for r in reqs):
         logits = _apply_logit_bias(logits, [r.params.logit_bias for r in reqs])
     all_greedy = all(r.params.top_k == TOP_K_GREEDY for r in reqs)
     if all_greedy:
         return SampleOutput(torch.argmax(logits, dim=-1), logits)
     idx = b_req_idx.long()
-    logits = logits / pm.req_to_temperature[idx].unsqueeze(1)
+    temperature = pm.req_to_temperature[idx].clamp_min(MIN_TEMPERATURE).unsqueeze(1)  # [rows, 1]
+    logits = _apply_temperature(logits, temperature)
     top_k = pm.req_to_top_k[idx]
     filtered = _top_k_top_p_filter(logits, top_k, pm.req_to_top_p[idx])
     probs = torch.softmax(filtered, dim=-1)

@@ -1,0 +1,455 @@
+"""Hostile-client run (issue 13): throw every hostile request of the issue at a live server
+while a few normal clients keep working, then check the server is healthy and lost nothing.
+
+Probes, by the issue's item numbers (5, SIGKILL of the API server, and the worker-death
+watchdog end the server, so they live in unit_tests only):
+
+1. values the engine cannot hold (top_k 2**31, temperature / repetition_penalty /
+   asd_regret_budget 1e39, seed 2**64 and 2**64-1): 400 naming the field, server alive;
+2. values that made log-probs non-finite (temperature / repetition_penalty 1e-50, a 1e308
+   bias): 400; the edges of the ranges: 200 with strict JSON (no NaN) and finite log-probs;
+3. 8 non-streaming clients that hang up: all aborted (KV freed) within about a second;
+4. a 20 MB body and a 9 MB chunked one: 413 at once; /health answers while an ~8 MB prompt
+   is tokenized;
+6. streams hold back a possible stop string: streamed text == final text, stream token
+   events == the non-streamed tokens;
+7. counts end at the stop: the fewest tokens whose text covers the kept text;
+8. a lone surrogate and 100k-deep JSON: 400;
+9. OpenAI: max_completion_tokens, stream_options.include_usage, unsupported logprobs /
+   echo / best_of, a bogus role, errors naming the client's fields.
+
+Meanwhile ``--concurrency`` ordinary clients send requests until the probes end (at least ``--normal``); at the end /health
+must be 200, no normal request failed, and no request still holds KV.
+
+    python benchmarks/hostile_client.py --url http://127.0.0.1:8123 --out hostile.json
+    python benchmarks/hostile_client.py --server_args "--mtp_mode eagle_with_att --mtp_step 3"
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import httpx
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, REPO_ROOT)
+
+REQUEST_TIMEOUT_S = 300.0
+HANG_UP_AFTER_S = 2.0  # how long an abandoning client waits (decoding by then) before it hangs up
+ABANDONING_CLIENTS = 8
+ABORT_DEADLINE_S = 1.5  # hang-up to abort (the server polls every 0.5 s)
+HEALTH_LATENCY_LIMIT_S = 0.5
+QUIET_DEADLINE_S = 30.0  # for running requests and KV to drain at the end
+HUGE_BODY_BYTES = 20 * 1024 * 1024
+CHUNKED_BODY_BYTES = 9 * 1024 * 1024
+BIG_PROMPT_CHARS = 7_500_000  # under an 8 MiB body limit, far over any --max_req_total_len
+DEEP_NESTING = 100_000
+QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?"
+CHAT_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass
+class ProbeResult:
+    item: str  # the issue's item number
+    name: str
+    expected: str
+    got: str
+    ok: bool
+    seconds: float
+
+
+@dataclass
+class NormalLoad:
+    """Ordinary requests running beside the probes; each must succeed."""
+
+    sent: int = 0
+    failed: List[str] = field(default_factory=list)
+
+
+def _strict_json(text: str):
+    def bad(c):
+        raise ValueError(f"non-JSON constant {c}")
+    return json.loads(text, parse_constant=bad)
+
+
+def _sse(lines) -> List[str]:
+    return [l[len("data: "):] for l in lines if l.startswith("data: ")]
+
+
+class Client:
+    """The few calls the probes make."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S)
+
+    def post(self, path: str, body=None, raw: Optional[bytes] = None) -> httpx.Response:
+        if raw is not None:
+            return self.http.post(path, content=raw, headers={"content-type": "application/json"})
+        return self.http.post(path, json=body)
+
+    def stream(self, path: str, body) -> Tuple[int, List[str]]:
+        with self.http.stream("POST", path, json=body) as r:
+            return r.status_code, _sse(r.iter_lines())
+
+    def metric(self, name: str) -> float:
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def health(self) -> int:
+        return self.http.get("/health").status_code
+
+
+def _refused(c: Client, path: str, body=None, raw: Optional[bytes] = None, status: int = 400,
+             field_name: Optional[str] = None) -> Tuple[bool, str]:
+    r = c.post(path, body, raw)
+    try:
+        got_field = r.json().get("field")
+    except ValueError:
+        got_field = None
+    ok = r.status_code == status and (field_name is None or got_field == field_name)
+    return ok, f"{r.status_code} {got_field or r.text[:60]}"
+
+
+def _gen(params) -> Dict:
+    return {"inputs": "hi", "parameters": {"max_new_tokens": 4, **params}}
+
+
+# ---------------------------------------------------------------- probes
+
+Probe = Tuple[str, str, str, Callable[[Client], Tuple[bool, str]]]  # item, name, expected, run
+
+
+def _refusal_probes() -> List[Probe]:
+    probes = []
+    for item, name, params, name_of_field in [
+        ("1", "top_k 2**31 sampled", {"do_sample": True, "top_k": 2**31}, "top_k"),
+        ("1", "temperature 1e39 sampled", {"do_sample": True, "temperature": 1e39}, "temperature"),
+        ("1", "repetition_penalty 1e39", {"repetition_penalty": 1e39}, "repetition_penalty"),
+        ("1", "asd_regret_budget 1e39", {"asd_regret_budget": 1e39}, "asd_regret_budget"),
+        ("1", "seed 2**64", {"do_sample": True, "seed": 2**64}, "seed"),
+        ("1", "seed 2**64-1 (overflows at token 2)", {"do_sample": True, "seed": 2**64 - 1}, "seed"),
+        ("2", "temperature 1e-50 sampled", {"do_sample": True, "temperature": 1e-50, "return_details": True},
+         "temperature"),
+        ("2", "repetition_penalty 1e-50", {"repetition_penalty": 1e-50, "return_details": True},
+         "repetition_penalty"),
+        ("2", "logit_bias 1e308", {"logit_bias": {"5": 1e308}, "return_details": True}, "logit_bias"),
+    ]:
+        probes.append((item, name, f"400 {name_of_field}",
+                       lambda c, p=params, f=name_of_field: _refused(c, "/generate", _gen(p), field_name=f)))
+    probes.append(("1", "the issue's curl, then /health", "400, health 200", _curl_then_health))
+    return probes
+
+
+def _curl_then_health(c: Client) -> Tuple[bool, str]:
+    r = c.post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2, "do_sample": True, "top_k": 2147483648}})
+    h = c.health()
+    return r.status_code == 400 and h == 200, f"{r.status_code}, health {h}"
+
+
+def _edge_values_finite(c: Client) -> Tuple[bool, str]:
+    params = {"max_new_tokens": 8, "ignore_eos": True, "return_details": True, "do_sample": True,
+              "temperature": 0.01, "repetition_penalty": 0.01, "logit_bias": {"5": 100, "6": -100}, "seed": 7}
+    r = c.post("/generate", {"inputs": "Hello Hello Hello", "parameters": params})
+    if r.status_code != 200:
+        return False, f"{r.status_code}"
+    lps = [t["logprob"] for t in _strict_json(r.text)["tokens"]]
+    status, events = c.stream("/generate_stream", {"inputs": "Hello Hello Hello", "parameters": params})
+    stream_lps = [_strict_json(e)["token"]["logprob"] for e in events]
+    finite = all(isinstance(x, float) and math.isfinite(x) for x in lps + stream_lps)
+    return finite and status == 200, f"200, {len(lps) + len(stream_lps)} log-probs finite={finite}"
+
+
+def _abandoned_requests(c: Client) -> Tuple[bool, str]:
+    before = c.metric('lightllm_request_count_total{finish_reason="abort"}')
+    body = {"inputs": "Count from one to one thousand:", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+
+    def hang_up(_):
+        try:
+            httpx.post(c.url + "/generate", json=body, timeout=HANG_UP_AFTER_S)
+            return False  # it finished before we hung up: not abandoned
+        except httpx.TimeoutException:
+            return True
+
+    with ThreadPoolExecutor(ABANDONING_CLIENTS) as ex:
+        abandoned = sum(ex.map(hang_up, range(ABANDONING_CLIENTS)))
+    hung_up = time.time()
+    aborted = 0.0
+    while time.time() - hung_up < ABORT_DEADLINE_S * 4:
+        aborted = c.metric('lightllm_request_count_total{finish_reason="abort"}') - before
+        if aborted >= abandoned:
+            break
+        time.sleep(0.05)
+    took = time.time() - hung_up
+    ok = abandoned == ABANDONING_CLIENTS and aborted >= abandoned and took <= ABORT_DEADLINE_S
+    return ok, f"{int(aborted)}/{abandoned} aborted in {took:.2f}s"
+
+
+def _huge_body(c: Client) -> Tuple[bool, str]:
+    t0 = time.time()
+    ok, got = _refused(c, "/generate", raw=b" " * HUGE_BODY_BYTES, status=413, field_name="body")
+    took = time.time() - t0
+    return ok and took < 2.0, f"{got} in {took:.2f}s"
+
+
+def _chunked_body(c: Client) -> Tuple[bool, str]:
+    def chunks():
+        yield b'{"inputs": "'
+        for _ in range(CHUNKED_BODY_BYTES // 2**20):
+            yield b"x" * 2**20
+        yield b'"}'
+    r = c.http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    return r.status_code == 413, f"{r.status_code}"
+
+
+def _health_while_tokenizing(c: Client) -> Tuple[bool, str]:
+    result = {}
+
+    def big():
+        t0 = time.time()
+        result["status"] = c.post("/generate", {"inputs": "hello world, this is filler. " * (BIG_PROMPT_CHARS // 29)}).status_code
+        result["seconds"] = time.time() - t0
+
+    th = threading.Thread(target=big)
+    th.start()
+    worst, polls = 0.0, 0
+    while th.is_alive():
+        t0 = time.time()
+        c.health()
+        worst = max(worst, time.time() - t0)
+        polls += 1
+        time.sleep(0.05)
+    th.join()
+    ok = result["status"] == 400 and worst < HEALTH_LATENCY_LIMIT_S
+    return ok, f"prompt {result['status']} after {result['seconds']:.1f}s; worst /health {worst * 1000:.0f} ms ({polls} polls)"
+
+
+def _stop_case(c: Client) -> Tuple[str, str]:
+    """(stop string, the greedy text) for a stop that spans several tokens mid-text."""
+    text = c.post("/generate", {"inputs": CHAT_PROMPT.format(QUESTION),
+                                "parameters": {"max_new_tokens": 48}}).json()["generated_text"][0]
+    start = text.find(" ", len(text) // 3)
+    return text[start:start + 6], text
+
+
+def _stream_holds_back(c: Client) -> Tuple[bool, str]:
+    stop, text = _stop_case(c)
+    kept = text[:text.find(stop)]
+    prompt = CHAT_PROMPT.format(QUESTION)
+    body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "stop": stop}
+    final = c.post("/v1/completions", body).json()["choices"][0]["text"]
+    _, events = c.stream("/v1/completions", {**body, "stream": True})
+    streamed = "".join(_strict_json(e)["choices"][0]["text"] for e in events if e != "[DONE]")
+    params = {"max_new_tokens": 48, "stop_sequences": [stop]}
+    ids = [t["id"] for t in c.post("/generate", {"inputs": prompt, "parameters": {**params, "return_details": True}}
+                                   ).json()["tokens"]]
+    _, events = c.stream("/generate_stream", {"inputs": prompt, "parameters": params})
+    stream_ids = [_strict_json(e)["token"]["id"] for e in events if _strict_json(e)["token"] is not None]
+    ok = streamed == final == kept and stream_ids == ids
+    return ok, f"stop {stop!r}: stream==final {streamed == final}, final==kept {final == kept}, events==tokens {stream_ids == ids}"
+
+
+def _counts_end_at_stop(c: Client) -> Tuple[bool, str]:
+    stop, _ = _stop_case(c)
+    prompt = CHAT_PROMPT.format(QUESTION)
+    out = c.post("/generate", {"inputs": prompt, "parameters": {"max_new_tokens": 48, "stop_sequences": [stop],
+                                                                "return_details": True}}).json()
+    final, pieces = out["generated_text"][0], [t["text"] for t in out["tokens"]]
+    covers = "".join(pieces).startswith(final)
+    fewest = not pieces or not "".join(pieces[:-1]).startswith(final) or not final
+    usage = c.post("/v1/completions", {"prompt": prompt, "max_tokens": 48, "temperature": 0, "stop": stop}
+                   ).json()["usage"]["completion_tokens"]
+    ok = covers and fewest and out["count_output_tokens"] == len(pieces) == usage
+    return ok, f"count {out['count_output_tokens']}, tokens {len(pieces)}, usage {usage}, fewest covering {covers and fewest}"
+
+
+def _include_usage(c: Client) -> Tuple[bool, str]:
+    body = {"prompt": "1, 2, 3,", "max_tokens": 5, "ignore_eos": True, "temperature": 0, "stream": True}
+    _, with_usage = c.stream("/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    _, without = c.stream("/v1/completions", body)
+    chunks = [_strict_json(e) for e in with_usage[:-1]]
+    last_ok = chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    others_ok = all(ch.get("usage") is None for ch in chunks[:-1])
+    plain_ok = all("usage" not in _strict_json(e) for e in without[:-1])
+    return last_ok and others_ok and plain_ok, f"final usage chunk {last_ok}, none elsewhere {others_ok and plain_ok}"
+
+
+def _max_completion_tokens(c: Client) -> Tuple[bool, str]:
+    msgs = [{"role": "user", "content": "Count to twenty."}]
+    r = c.post("/v1/chat/completions", {"messages": msgs, "max_completion_tokens": 5, "ignore_eos": True, "temperature": 0})
+    n = r.json().get("usage", {}).get("completion_tokens") if r.status_code == 200 else None
+    conflict, got = _refused(c, "/v1/chat/completions", {"messages": msgs, "max_completion_tokens": 5, "max_tokens": 6},
+                             field_name="max_completion_tokens")
+    return r.status_code == 200 and n == 5 and conflict, f"{r.status_code} with {n} tokens; conflict {got}"
+
+
+def _probes() -> List[Probe]:
+    chat = [{"role": "user", "content": "hi"}]
+    surrogate = b'{"inputs": "hi \\ud800 there", "parameters": {"max_new_tokens": 2}}'
+    deep = b"[" * DEEP_NESTING + b"]" * DEEP_NESTING
+    return _refusal_probes() + [
+        ("2", "range edges, return_details", "200, finite log-probs", _edge_values_finite),
+        ("3", f"{ABANDONING_CLIENTS} non-streaming clients hang up", f"aborted <= {ABORT_DEADLINE_S}s",
+         _abandoned_requests),
+        ("4", "20 MB body", "413 < 2s", _huge_body),
+        ("4", "9 MB chunked body", "413", _chunked_body),
+        ("4", "/health while an 8 MB prompt tokenizes", f"< {HEALTH_LATENCY_LIMIT_S * 1000:.0f} ms",
+         _health_while_tokenizing),
+        ("6", "stop string across updates", "stream == final", _stream_holds_back),
+        ("7", "counts end at the stop", "fewest covering tokens", _counts_end_at_stop),
+        ("8", "lone surrogate in inputs", "400 inputs", lambda c: _refused(c, "/generate", raw=surrogate,
+                                                                          field_name="inputs")),
+        ("8", "100k-deep JSON", "400 body", lambda c: _refused(c, "/generate", raw=deep, field_name="body")),
+        ("9", "max_completion_tokens", "200; conflict 400", _max_completion_tokens),
+        ("9", "stream_options.include_usage", "usage in a last chunk", _include_usage),
+        ("9", "logprobs 1", "400 logprobs", lambda c: _refused(c, "/v1/completions", {"prompt": "hi", "logprobs": 1},
+                                                             field_name="logprobs")),
+        ("9", "echo true", "400 echo", lambda c: _refused(c, "/v1/completions", {"prompt": "hi", "echo": True},
+                                                         field_name="echo")),
+        ("9", "best_of 2", "400 best_of", lambda c: _refused(c, "/v1/completions", {"prompt": "hi", "best_of": 2},
+                                                            field_name="best_of")),
+        ("9", "role 'bogus'", "400 messages", lambda c: _refused(
+            c, "/v1/chat/completions", {"messages": [{"role": "bogus", "content": "hi"}]}, field_name="messages")),
+        ("9", "max_tokens 10**6 names max_tokens", "400 max_tokens", lambda c: _refused(
+            c, "/v1/chat/completions", {"messages": chat, "max_tokens": 10**6}, field_name="max_tokens")),
+        ("9", "empty prompt names prompt", "400 prompt", lambda c: _refused(c, "/v1/completions", {"prompt": ""},
+                                                                           field_name="prompt")),
+    ]
+
+
+# ---------------------------------------------------------------- the run
+
+def _normal_client(url: str, i: int) -> Optional[str]:
+    """One ordinary request (greedy, short); None when it succeeded, else what went wrong."""
+    q = f"What is {i} plus {i + 3}?"
+    try:
+        if i % 2:
+            r = httpx.post(url + "/generate", timeout=REQUEST_TIMEOUT_S,
+                           json={"inputs": CHAT_PROMPT.format(q), "parameters": {"max_new_tokens": 24}})
+            ok = r.status_code == 200 and r.json()["finish_reason"] in ("eos", "length")
+        else:
+            r = httpx.post(url + "/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, json={
+                "messages": [{"role": "user", "content": q}], "max_tokens": 24, "temperature": 0})
+            ok = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        return None if ok else f"#{i}: {r.status_code} {r.text[:80]}"
+    except httpx.HTTPError as e:
+        return f"#{i}: {type(e).__name__}"
+
+
+def _normal_load(url: str, at_least: int, concurrency: int, probes_done: threading.Event, load: NormalLoad) -> None:
+    """``concurrency`` clients send ordinary requests until the probes are done (and at least ``at_least``)."""
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                if probes_done.is_set() and load.sent >= at_least:
+                    return
+                i = load.sent
+                load.sent += 1
+            failure = _normal_client(url, i)
+            if failure is not None:
+                with lock:
+                    load.failed.append(failure)
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def run(url: str, normal: int, concurrency: int) -> Dict:
+    c = Client(url)
+    load = NormalLoad()
+    probes_done = threading.Event()
+    background = threading.Thread(target=_normal_load, args=(url, normal, concurrency, probes_done, load))
+    background.start()
+    results = []
+    for item, name, expected, probe in _probes():
+        t0 = time.time()
+        try:
+            ok, got = probe(c)
+        except Exception as e:  # a probe that breaks is a failed probe, and the run goes on
+            ok, got = False, f"{type(e).__name__}: {str(e)[:80]}"
+        results.append(ProbeResult(item, name, expected, got, ok, round(time.time() - t0, 2)))
+    probes_done.set()
+    background.join()
+    deadline = time.time() + QUIET_DEADLINE_S
+    while time.time() < deadline and (c.metric("lightllm_running_requests") or c.metric("lightllm_kv_used_tokens")):
+        time.sleep(0.2)
+    final = {
+        "health": c.health(),
+        "normal_sent": load.sent,
+        "normal_lost": len(load.failed),
+        "normal_failures": load.failed,
+        "running_requests": c.metric("lightllm_running_requests"),
+        "kv_used_tokens": c.metric("lightllm_kv_used_tokens"),
+    }
+    final["ok"] = (final["health"] == 200 and not load.failed and not final["running_requests"]
+                   and not final["kv_used_tokens"])
+    return {"results": [asdict(r) for r in results], "final": final,
+            "passed": all(r.ok for r in results) and final["ok"]}
+
+
+def format_table(report: Dict) -> str:
+    rows = [("item", "probe", "expected", "got", "ok")]
+    rows += [(r["item"], r["name"], r["expected"], r["got"], "yes" if r["ok"] else "NO") for r in report["results"]]
+    f = report["final"]
+    rows.append(("end", "/health, normal requests lost, KV in use", "200, 0, 0",
+                 f"{f['health']}, {f['normal_lost']}/{f['normal_sent']}, {f['kv_used_tokens']:.0f}",
+                 "yes" if f["ok"] else "NO"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(str(v).ljust(w) for v, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running server; without it one is started with --server_args")
+    p.add_argument("--server_args", default="--mtp_mode eagle_with_att --mtp_step 3 --mtp_asd_regret_budget 2.0625",
+                   help="flags for the server this script starts (without --url)")
+    p.add_argument("--normal", type=int, default=24,
+                   help="ordinary requests sent beside the probes (at least; they run until the probes end)")
+    p.add_argument("--concurrency", type=int, default=4, help="ordinary requests in flight at once")
+    p.add_argument("--out", help="write the report as JSON here")
+    args = p.parse_args(argv)
+    server = None
+    url = args.url
+    if url is None:
+        from lightllm.utils.server_launcher import launch_server
+
+        log = os.path.join(tempfile.mkdtemp(prefix="hostile_"), "server.log")
+        server = launch_server(shlex.split(args.server_args), log)
+        url = server.url
+        print(f"server log: {log}")
+    try:
+        report = run(url, args.normal, args.concurrency)
+    finally:
+        if server is not None:
+            server.stop()
+    report.update({"date": datetime.datetime.now().isoformat(timespec="seconds"), "url": url,
+                   "server_args": None if args.url else args.server_args})
+    print(format_table(report))
+    print("PASSED" if report["passed"] else "FAILED")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
