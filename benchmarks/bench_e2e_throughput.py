@@ -53,6 +53,13 @@ DEFAULT_GSM8K = os.path.join(os.environ.get("LIGHTLLM_GSM8K_DIR") or os.path.joi
 DEFAULT_CONFIG_NAME = "engine"
 HF_NAME = "transformers"
 PERCENTILES = (50, 90, 99)
+# Llama-3-8B's shape (its config.json); weights are random (--load_format dummy)
+LLAMA3_8B_SHAPE = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
+    tie_word_embeddings=False, torch_dtype="bfloat16",
+)
 REQUEST_TIMEOUT_S = 1800.0
 
 
@@ -67,6 +74,20 @@ class ServerConfig:
 
     name: str
     args: Tuple[str, ...]
+
+
+def write_dummy_model_dir(out_dir: str, shape: Dict[str, object], tokenizer_dir: str) -> str:
+    """A model dir for ``--load_format dummy``: ``shape`` as config.json plus the tokenizer files
+    of ``tokenizer_dir`` (no weights)."""
+    import shutil
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(shape, f, indent=2)
+    return out_dir
 
 
 def parse_configs(spec: Optional[str], shared_args: str = "") -> List[ServerConfig]:
@@ -466,6 +487,179 @@ def server_env(device: str) -> dict:
     return env
 
 
+# ---------------------------------------------------------------------------
+# The in-process matrix: engine vs transformers per model, mode and batch (--matrix)
+# ---------------------------------------------------------------------------
+
+MATRIX_MODES = {
+    "plain": {},
+    "mtp3": dict(mtp_mode="eagle_with_att", mtp_step=3),
+    "asd_usage": dict(mtp_mode="eagle_with_att", mtp_step=3, mtp_asd_regret_budget=2.0625,
+                      mtp_asd_local_regret_ratio=0.25, mtp_asd_block_max_mismatch=2),
+}
+MATRIX_MODELS = ("embedded", "llama3_8b_dummy")
+MATRIX_BATCHES = {"embedded": {"plain": (1, 64, 256), "mtp3": (1, 64), "asd_usage": (1, 64)},
+                  "llama3_8b_dummy": {"plain": (1, 64, 256)}}
+MATRIX_COLUMNS = ("model", "mode", "batch", "engine_tok_s", "hf_tok_s", "tokens_per_step", "step_ms")
+
+
+@dataclass
+class Wave:
+    """One timed wave: ``batch`` requests submitted at once, each ``max_new_tokens`` long."""
+
+    tokens: int
+    wall_s: float
+    steps: int = 0  # engine batch steps (prefill and decode)
+    step_s: float = 0.0  # the engine's own clock inside those steps
+    decode_steps: int = 0  # per-request decode steps, summed
+    decode_tokens: int = 0  # tokens those steps committed
+
+
+def matrix_row(model: str, mode: str, batch: int, engine: Sequence[Wave], hf: Sequence[Wave], commit: str) -> dict:
+    """One JSON row of docs/data/perf/bench_vs_hf.json from the waves of one cell (pooled)."""
+    def rate(waves):
+        return sum(w.tokens for w in waves) / sum(w.wall_s for w in waves) if waves else None
+
+    steps = sum(w.steps for w in engine)
+    return {
+        "model": model, "mode": mode, "batch": batch,
+        "engine_tok_s": rate(engine), "hf_tok_s": rate(hf),
+        "tokens_per_step": sum(w.decode_tokens for w in engine) / max(1, sum(w.decode_steps for w in engine)),
+        "step_ms": 1e3 * sum(w.step_s for w in engine) / steps if steps else None,
+        "waves": len(engine), "commit": commit,
+    }
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _engine_wave(eng, prompts, max_new_tokens: int) -> Wave:
+    params = [{"max_new_tokens": max_new_tokens, "ignore_eos": True}] * len(prompts)
+    eng.router.take_timing()
+    t0 = time.perf_counter()
+    res = eng.generate(prompts, params)
+    _sync()
+    wall = time.perf_counter() - t0
+    timing = eng.router.take_timing()
+    return Wave(sum(len(r.token_ids) for r in res), wall, timing.steps, timing.seconds,
+                sum(len(r.accept_lens) for r in res), sum(sum(r.accept_lens) for r in res))
+
+
+def _hf_wave(model, prompts, max_new_tokens: int, pad_id: int) -> Wave:
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    _sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+    _sync()
+    return Wave(int(out.shape[0]) * (int(out.shape[1]) - width), time.perf_counter() - t0)
+
+
+def _free_cuda(*objs) -> None:
+    import gc
+
+    import torch
+
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_matrix(args) -> List[dict]:
+    """Per model: transformers and the engine's modes, waves alternating within each batch."""
+    import subprocess
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lightllm.server.core.objs.start_args_type import StartArgs
+    from lightllm.server.offline_engine import OfflineEngine
+    from lightllm.tools.train_mtp_draft import build_prompt_ids
+    from lightllm.utils.embedded_model import get_default_model_dir
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO_ROOT).stdout.strip()
+    embedded = get_default_model_dir()
+    tok = AutoTokenizer.from_pretrained(embedded)
+    questions = load_gsm8k_questions(args.gsm8k, max(max(b) for m in MATRIX_BATCHES.values() for b in m.values()))
+    all_prompts = build_prompt_ids(tok, questions)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    rows = []
+    for model in args.matrix_models:
+        model_dir, load_format = embedded, "auto"
+        if model == "llama3_8b_dummy":
+            model_dir = write_dummy_model_dir(os.path.join(tempfile.mkdtemp(), model), LLAMA3_8B_SHAPE, embedded)
+            load_format = "dummy"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the engine's default
+        if args.skip_hf:
+            hf = None
+        elif load_format == "dummy":  # random weights too, initialised on the device
+            with torch.device(device):
+                hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        for mode, batches in MATRIX_BATCHES[model].items():
+            eng = OfflineEngine(StartArgs(model_dir=model_dir, load_format=load_format, **MATRIX_MODES[mode],
+                                          running_max_req_size=max(batches), max_req_total_len=1024,
+                                          disable_cudagraph=args.disable_cudagraph))
+            for batch in batches:
+                prompts = all_prompts[:batch]
+                _engine_wave(eng, prompts, args.warmup_tokens)
+                with_hf = hf is not None and mode == "plain"
+                if with_hf:
+                    _hf_wave(hf, prompts, args.warmup_tokens, pad_id)
+                eng_waves, hf_waves = [], []
+                for _ in range(args.waves):
+                    eng_waves.append(_engine_wave(eng, prompts, args.max_new_tokens))
+                    if with_hf:
+                        hf_waves.append(_hf_wave(hf, prompts, args.max_new_tokens, pad_id))
+                rows.append(matrix_row(model, mode, batch, eng_waves, hf_waves, commit))
+                print(render_table([rows[-1]], MATRIX_TABLE), flush=True)
+                _write_json(args.out, rows)
+            _free_cuda(eng)
+            eng = None
+        _free_cuda(hf)
+        hf = None
+    return rows
+
+
+def add_matrix_ratios(rows: List[dict]) -> List[dict]:
+    """``vs_hf``: engine tok/s over transformers' at the same model and batch (its plain cell);
+    ``vs_plain``: over the engine's plain decoding at the same model and batch."""
+    plain = {(r["model"], r["batch"]): r for r in rows if r["mode"] == "plain"}
+    for r in rows:
+        base = plain.get((r["model"], r["batch"]), {})
+        hf, eng = base.get("hf_tok_s"), base.get("engine_tok_s")
+        r["vs_hf"] = r["engine_tok_s"] / hf if hf else None
+        r["vs_plain"] = r["engine_tok_s"] / eng if eng else None
+    return rows
+
+
+MATRIX_TABLE = (
+    Column("model", "model", ""), Column("mode", "mode", ""), Column("batch", "batch", "d"),
+    Column("engine_tok_s", "engine tok/s", ".1f"), Column("hf_tok_s", "hf tok/s", ".1f"),
+    Column("vs_hf", "x hf", ".2f"), Column("vs_plain", "x plain", ".2f"),
+    Column("tokens_per_step", "tok/step", ".3f"), Column("step_ms", "step ms", ".2f"),
+)
+
+
+def _write_json(path: str, rows: List[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=2)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -486,6 +680,12 @@ def parse_args(argv=None):
     p.add_argument("--prompt_file", default=None, help="prompts, one per line, used as is (instead of GSM8K)")
     p.add_argument("--log_dir", default=None, help="server logs (default: a temp dir)")
     p.add_argument("--out", default="bench_e2e_throughput.json", help="JSON results path")
+    p.add_argument("--matrix", action="store_true",
+                   help="in-process engine vs transformers over models x modes x batches (CUDA; "
+                        "writes the rows of docs/data/perf/bench_vs_hf.json to --out)")
+    p.add_argument("--matrix_models", nargs="+", default=list(MATRIX_MODELS), choices=MATRIX_MODELS)
+    p.add_argument("--waves", type=int, default=2, help="--matrix: timed waves per cell (pooled)")
+    p.add_argument("--disable_cudagraph", action="store_true", help="--matrix: eager engine decode")
     args = p.parse_args(argv)
     for name in ("num_prompts", "max_new_tokens", "concurrency", "hf_batch_size"):
         if getattr(args, name) < 1:
@@ -506,6 +706,11 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
+    if args.matrix:
+        rows = add_matrix_ratios(run_matrix(args))
+        print(render_table(rows, MATRIX_TABLE), flush=True)
+        _write_json(args.out, rows)
+        return 0
     configs = parse_configs(args.configs, args.server_args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir, dtype = resolve_model_and_dtype(configs, device)

@@ -1,7 +1,7 @@
 """Every server flag, with help text (LightLLM names)."""
 import argparse
 
-from lightllm.server.core.objs.start_args_type import DATA_TYPES, MTP_MODES, StartArgs
+from lightllm.server.core.objs.start_args_type import DATA_TYPES, LOAD_FORMATS, MTP_MODES, StartArgs
 
 
 def make_argument_parser() -> argparse.ArgumentParser:
@@ -41,6 +41,19 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    default=d.enable_decode_microbatch_overlap,
                    help="Split each decode batch in two micro-batches whose forwards interleave, so one's "
                         "communication overlaps the other's compute (uses the DP backend, also with --dp 1).")
+    p.add_argument("--graph_max_batch_size", type=int, default=d.graph_max_batch_size,
+                   help="CUDA graph decode: largest captured batch, in requests (capped at --running_max_req_size); "
+                        "larger batches decode eagerly.")
+    p.add_argument("--graph_split_batch_size", type=int, default=d.graph_split_batch_size,
+                   help="CUDA graph ladder: powers of two below this size, then this size and every "
+                        "--graph_grow_step_size after it up to --graph_max_batch_size.")
+    p.add_argument("--graph_grow_step_size", type=int, default=d.graph_grow_step_size,
+                   help="CUDA graph ladder step above --graph_split_batch_size.")
+    p.add_argument("--disable_cudagraph", action="store_true", default=d.disable_cudagraph,
+                   help="Decode eagerly (same padding to the ladder, so outputs are identical to graph decoding).")
+    p.add_argument("--load_format", type=str, default=d.load_format, choices=LOAD_FORMATS,
+                   help="auto: the model dir's safetensors; dummy: random weights for its config.json "
+                        "(benchmark a model shape without its weights; the dir needs config.json and a tokenizer).")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="Hosts the --tp ranks are spread over.")
     p.add_argument("--node_rank", type=int, default=d.node_rank,
                    help="This host's index (0..nnodes-1); node 0 serves HTTP, the others only run ranks.")

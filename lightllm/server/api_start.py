@@ -7,7 +7,7 @@ import os
 import sys
 from typing import List, Optional
 
-from lightllm.server.core.objs.start_args_type import StartArgs
+from lightllm.server.core.objs.start_args_type import LOAD_FORMATS, StartArgs
 
 MAX_MTP_STEP = 7  # K + 1 must fit the per-request table (req_manager.MTP_TABLE_WIDTH)
 WORKER_START_TIMEOUT_S = 900
@@ -31,6 +31,12 @@ def validate_start_args(args: StartArgs) -> StartArgs:
         _need(args.max_total_token_num >= 1, "--max_total_token_num", f"must be >= 1, got {args.max_total_token_num}")
     if args.batch_max_tokens is not None:
         _need(args.batch_max_tokens >= 1, "--batch_max_tokens", f"must be >= 1, got {args.batch_max_tokens}")
+    for flag in ("graph_max_batch_size", "graph_split_batch_size", "graph_grow_step_size"):
+        _need(getattr(args, flag) >= 1, f"--{flag}", f"must be >= 1, got {getattr(args, flag)}")
+    _need(args.load_format in LOAD_FORMATS, "--load_format",
+          f"must be one of {', '.join(LOAD_FORMATS)}, got {args.load_format!r}")
+    _need(args.load_format != "dummy" or args.model_dir is not None, "--load_format",
+          "dummy needs --model_dir (a dir with the config.json and tokenizer of the shape to build)")
     _validate_mtp(args)
     _validate_asd(args)
     _validate_parallel(args)
@@ -208,6 +214,10 @@ def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[
     ctx = mp.get_context("spawn")
     is_driver_node = ranks[0] == 0
     in_q, out_q = (ctx.Queue(), ctx.Queue()) if is_driver_node else (None, None)
+    if in_q is not None:
+        # Our exit never waits to flush requests into the pipe of a worker that is gone
+        # (a full pipe would block it for ever); the workers' own side: router_worker_main.
+        in_q.cancel_join_thread()
     procs = []
     for rank in ranks:
         queues = (in_q, out_q) if rank == 0 else (None, None)

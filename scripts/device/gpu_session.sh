@@ -19,6 +19,10 @@
 #   gpu_session.sh budgets OUT K        one server, budgets 0 / usage / 8 in 3 interleaved rounds of all
 #                                       1319 questions: ASD's tok/s ratio to B = 0 (OUT/budgets_kK.json)
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
+#   gpu_session.sh graphs OUT          CUDA graph vs eager: the graph tests, then ms per decode step at
+#                                       batch 1 / 64 / 256, K = 0 and 3, and the 8B-shaped dummy model
+#   gpu_session.sh perf OUT [MODELS]   one decode step profiled (batch 1), then benchmarks/bench_e2e_throughput.py
+#                                       --matrix: engine vs transformers (OUT/bench_vs_hf.json)
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
 set -uo pipefail
@@ -30,10 +34,33 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu|arms|budgets|profile|pack ...}
+job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
 shift
 
 case "$job" in
+graphs)
+    out=${1:?OUT}; mkdir -p "$out"
+    python -m pytest -q -p no:cacheprovider unit_tests/server/router/model_infer/test_cuda_graph_decode.py \
+        unit_tests/server/router/model_infer/test_decode_step.py > "$out/graph_tests.log" 2>&1
+    tail -3 "$out/graph_tests.log"
+    for b in 1 64 256; do for k in 0 3; do for g in "" --disable_cudagraph; do
+        python benchmarks/profile_decode_step.py --batch $b --mtp_step $k --rows 0 --steps 50 $g 2>>"$out/steps.err" | tail -1
+    done; done; done | tee "$out/steps.txt"
+    python -c "from benchmarks.bench_e2e_throughput import write_dummy_model_dir, LLAMA3_8B_SHAPE as S
+from lightllm.utils.embedded_model import get_default_model_dir as d; write_dummy_model_dir('/root/d8b', S, d())"
+    for b in 1 64; do for g in "" --disable_cudagraph; do
+        python benchmarks/profile_decode_step.py --model_dir /root/d8b --load_format dummy --batch $b --rows 0 --steps 30 $g \
+            2>>"$out/steps.err" | tail -1
+    done; done | tee -a "$out/steps.txt"
+    ;;
+perf)
+    out=${1:?OUT}; models=${2:-embedded llama3_8b_dummy}; mkdir -p "$out"
+    python benchmarks/profile_decode_step.py --batch 1 --rows 30 --steps 50 > "$out/profile_b1.txt" 2>>"$out/perf.err"
+    head -3 "$out/profile_b1.txt"
+    python benchmarks/bench_e2e_throughput.py --matrix --matrix_models $models --max_new_tokens 128 \
+        --gsm8k .data/test.jsonl --out "$out/bench_vs_hf.json" > "$out/bench.log" 2>>"$out/perf.err"
+    tail -14 "$out/bench.log"
+    ;;
 data)
     mkdir -p .data
     for f in .dz/*.jsonl.gz; do gunzip -c "$f" > ".data/$(basename "$f" .gz)"; done

@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm
+from lightllm.common.basemodel.layer_weights.dummy_weights import dummy_weights
 from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict
 from lightllm.common.basemodel.layer_weights.pre_and_post_layer_weight import PreAndPostLayerWeight
 from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TpShard, TransformerLayerWeight
@@ -24,6 +25,7 @@ from lightllm.utils.dist_utils import ParallelContext, TpComm, single_rank_conte
 
 DATA_TYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICE_TYPES = ("cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 SUPPORTED_HIDDEN_ACT = "silu"
 
 
@@ -36,10 +38,13 @@ class ModelKvArgs:
     data_type: str = "float32"  # one of DATA_TYPES
     device: str = "cpu"  # "cpu" or "cuda" ("cuda:N" too)
     decode_attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
+    load_format: str = "auto"  # "auto": the dir's safetensors; "dummy": random weights for its config
 
     def __post_init__(self):
         if self.data_type not in DATA_TYPES:
             raise ValueError(f"unknown data_type {self.data_type!r}; valid names: {', '.join(DATA_TYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {self.load_format!r}; valid names: {', '.join(LOAD_FORMATS)}")
         if torch.device(self.device).type not in DEVICE_TYPES:
             raise ValueError(f"unknown device {self.device!r}; valid types: {', '.join(DEVICE_TYPES)}")
         for name in ("max_total_token_num", "max_req_num", "max_seq_length"):
@@ -134,17 +139,23 @@ class TpPartBaseModel:
     def _init_weights(self) -> None:
         # Split weights are read on the host and only this rank's part goes to the device.
         split = self.parallel.world_size > 1
-        state = load_hf_state_dict(self.kvargs.model_dir, self.dtype, torch.device("cpu") if split else self.device)
-        pre_post = PreAndPostLayerWeight.from_state_dict(state, self.arch.tie_word_embeddings)
+        host_or_device = torch.device("cpu") if split else self.device
+        if self.kvargs.load_format == "dummy":
+            pre_post, layers = dummy_weights(
+                self.arch, self.config.intermediate_size, self.has_qk_norm, self.dtype, host_or_device
+            )
+        else:
+            state = load_hf_state_dict(self.kvargs.model_dir, self.dtype, host_or_device)
+            pre_post = PreAndPostLayerWeight.from_state_dict(state, self.arch.tie_word_embeddings)
+            layers = [
+                TransformerLayerWeight.from_state_dict(state, i, with_qk_norm=self.has_qk_norm)
+                for i in range(self.arch.num_layers)
+            ]
         self.pre_post_weight = to_device(
             pre_post.vocab_shard(self.parallel.attn_tp_size, self.parallel.attn_tp_rank), self.device
         )
         self.trans_layers_weight: List[TransformerLayerWeight] = [
-            to_device(
-                TransformerLayerWeight.from_state_dict(state, i, with_qk_norm=self.has_qk_norm).tp_shard(self.tp_shard),
-                self.device,
-            )
-            for i in range(self.arch.num_layers)
+            to_device(layer.tp_shard(self.tp_shard), self.device) for layer in layers
         ]
 
     def _init_infer_layers(self) -> None:

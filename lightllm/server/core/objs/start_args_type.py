@@ -4,6 +4,7 @@ from typing import List, Optional
 
 MTP_MODES = ("vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att")
 DATA_TYPES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights for the model dir's config.json (vLLM's name)
 
 
 @dataclass
@@ -32,6 +33,12 @@ class StartArgs:
     node_rank: int = 0  # this host's index; node 0 serves HTTP and hosts rank 0
     nccl_host: str = "127.0.0.1"  # address of node 0, where the ranks meet
     nccl_port: int = 28765  # port on nccl_host for the process-group rendezvous
+    # CUDA graph decode (LightLLM's flags): the ladder of captured batch sizes, in requests
+    graph_max_batch_size: int = 256  # largest captured batch (capped at running_max_req_size)
+    graph_split_batch_size: int = 32  # powers of two below it, then steps of graph_grow_step_size
+    graph_grow_step_size: int = 16
+    disable_cudagraph: bool = False  # eager decode (same padding, the bit-exact reference)
+    load_format: str = "auto"  # one of LOAD_FORMATS
     # Resolved during validation (never set by users)
     resolved_model_dir: Optional[str] = field(default=None, repr=False)
 

@@ -12,19 +12,22 @@ import torch
 
 from lightllm.common.basemodel.basemodel import ModelKvArgs
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
+from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID
 from lightllm.common.req_manager import MTP_TABLE_WIDTH, ReqSamplingParamsManager
 from lightllm.models.registry import load_model
 from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.core.objs.start_args_type import StartArgs
+from lightllm.server.router.model_infer.decode_step import PAD_TOKEN_ID, DecodeRows, DecodeStep, commit_step
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, sample, token_logprobs
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 
 logger = logging.getLogger(__name__)
 
-# Input token of a padding row (any valid id: its outputs are never read).
-PAD_TOKEN_ID = 0
+# torch.Generator.manual_seed takes [-2**63, 2**64): a request's per-position seed is taken
+# modulo 2**64, which keeps every seed that fits unchanged (negative ones draw the same).
+SEED_MODULUS = 2**64
 
 
 @dataclass
@@ -40,43 +43,15 @@ class ReqStepUpdate:
     asd_relaxed_token_num: int
     asd_regret_spent: float
     accept_len: int = 0  # 0 for prefill steps
+    error: Optional[str] = None  # set with finish_reason "error": why the worker failed the request
 
     def copy_totals_to(self, target) -> None:
-        """The request's state after this step (finish reason, running totals) onto ``target``."""
+        """The request's state after this step (finish reason, error, running totals) onto ``target``."""
         target.finish_reason = self.finish_reason
+        target.error = self.error
         target.mtp_accepted_token_num = self.mtp_accepted_token_num
         target.asd_relaxed_token_num = self.asd_relaxed_token_num
         target.asd_regret_spent = self.asd_regret_spent
-
-
-@dataclass
-class DecodeRows:
-    """Row layout of one decode forward: K+1 consecutive rows per request, then padding.
-
-    Padding (HOLD rows, DP ranks with fewer requests): ``b_req_idx`` = the HOLD row,
-    ``mem_indexes`` = HOLD_SLOT. They run through the forwards (every rank runs the same
-    rows) but are never sampled, verified, committed or written into a table.
-    """
-
-    reqs: List[InferReq]  # [num_reqs]
-    mtp_step: int  # K
-    b_req_idx: torch.Tensor  # [rows] int32
-    b_mtp_index: torch.Tensor  # [rows] int32
-    b_seq_len: torch.Tensor  # [rows] int32
-    b_seq_len_cpu: torch.Tensor  # [rows] int32
-    mem_indexes: torch.Tensor  # [rows] int64
-    mem_indexes_cpu: torch.Tensor  # [rows] int64
-    b_req_mtp_start_loc: torch.Tensor  # [num_reqs] int32
-    model_input: Optional[ModelInput] = None  # set by decode_forward; the draft reuses it
-
-    @property
-    def rows_per_req(self) -> int:
-        return self.mtp_step + 1
-
-    @property
-    def num_real_rows(self) -> int:
-        """Rows of real requests; rows past them are padding."""
-        return len(self.reqs) * self.rows_per_req
 
 
 CPU_DEFAULT_KV_TOKENS = 16384  # CPU default KV pool when --max_total_token_num is unset
@@ -123,6 +98,7 @@ class ModeBackend:
             max_seq_length=args.max_req_total_len + self.mtp_step + 1,
             data_type=dtype,
             device=device,
+            load_format=args.load_format,
         )
         self.model = load_model(kvargs, self.parallel)
         self.req_manager = self.model.req_manager
@@ -143,8 +119,9 @@ class ModeBackend:
             self.draft = DraftProposer(
                 LlamaMTPDraftModel(args.mtp_draft_model_dir, args.mtp_mode, self.mtp_step, self.model)
             )
+        # padding rows gather their input token from the HOLD row
+        self.req_to_next_token_ids[self.req_manager.HOLD_REQUEST_ID] = PAD_TOKEN_ID
         self.asd_config = None
-        self.verify_observer = None  # optional callable(VerifyStepRecord) after each verify step
         if args.asd_enabled:
             from lightllm.server.router.model_infer.mtp_speculative.utils import AsdConfig
 
@@ -154,6 +131,23 @@ class ModeBackend:
                 local_regret_ratio=math.inf if g is None else g,
                 block_max_mismatch=self.mtp_step if m is None else m,
             )
+        ladder, use_graphs = decode_graph_plan(args, torch.device(device), self.parallel)
+        self.decode_step = DecodeStep(
+            self.model, self.req_to_next_token_ids, self.params_manager, self.draft, self.mtp_step,
+            self.asd_config,
+            # DP micro-batches may pad one request more than the running maximum
+            max_reqs=max(args.running_max_req_size + 1, ladder.max_size if ladder else 0),
+            ladder=ladder, use_graphs=use_graphs,
+        )
+
+    @property
+    def verify_observer(self):
+        """Optional callable(VerifyStepRecord) after each verify step (calibration, analysis)."""
+        return self.decode_step.verify_observer
+
+    @verify_observer.setter
+    def verify_observer(self, fn) -> None:
+        self.decode_step.verify_observer = fn
 
     # ---- request lifecycle ----
     def add_req(self, req: InferReq) -> None:
@@ -236,7 +230,10 @@ class ModeBackend:
         done = [i for i, r in enumerate(reqs) if not r.in_prefill]
         updates, first_tokens = self._first_tokens([reqs[i] for i in done], out, done) if done else ([], {})
         if self.draft is not None:
-            self.draft.propose_after_prefill(self, reqs, model_input, out, b_ready, first_tokens)
+            proposed = self.draft.propose_after_prefill(reqs, model_input, out, b_ready, first_tokens)
+            if proposed is not None:
+                req_idx, drafts = proposed
+                self.req_to_next_token_ids[req_idx, 1:self.mtp_step + 1] = drafts
         return updates
 
     def _first_tokens(self, reqs: List[InferReq], out: ModelOutput, item_ids: List[int]):
@@ -258,7 +255,7 @@ class ModeBackend:
     def _seed(req: InferReq, mtp_index: int) -> Optional[int]:
         if req.params.seed is None:
             return None
-        return req.params.seed + len(req.output_ids) + mtp_index
+        return (req.params.seed + len(req.output_ids) + mtp_index) % SEED_MODULUS
 
     def _update(self, req: InferReq, toks, lps, accept_len: int) -> ReqStepUpdate:
         return ReqStepUpdate(
@@ -271,6 +268,7 @@ class ModeBackend:
             asd_relaxed_token_num=req.asd_relaxed_token_num,
             asd_regret_spent=req.asd_regret_spent,
             accept_len=accept_len,
+            error=req.error,
         )
 
     def _update_penalties(self, reqs: List[InferReq], committed: List[List[int]]) -> None:
@@ -284,66 +282,19 @@ class ModeBackend:
                 self._to_dev(idx, torch.int32), self._to_dev(toks, torch.int64)
             )
 
-    # ---- decode ----
+    # ---- decode: one owner (DecodeStep), three call sites (here and the DP backend) ----
     def prepare_decode_rows(self, reqs: List[InferReq], num_rows: Optional[int] = None) -> DecodeRows:
-        """Allocate K+1 KV slots per request and point its next positions at them;
-        then pad with HOLD rows up to ``num_rows`` rows (DP: the same rows on every rank)."""
-        k1 = self.mtp_step + 1
-        n = len(reqs)
-        slots = self.mem_manager.alloc(n * k1)  # [rows] host
-        req_idx_cpu = torch.tensor([r.req_idx for r in reqs], dtype=torch.int32).repeat_interleave(k1)
-        mtp_index_cpu = torch.arange(k1, dtype=torch.int32).repeat(n)
-        kv_cpu = torch.tensor([r.kv_len for r in reqs], dtype=torch.int32).repeat_interleave(k1)
-        pos_cpu = kv_cpu + mtp_index_cpu  # position of each row's input token
-        seq_cpu = pos_cpu + 1
-        real = n * k1
-        pad = (real if num_rows is None else num_rows) - real
-        if pad < 0:
-            raise ValueError(f"{n} requests need {n * k1} rows, more than num_rows={num_rows}")
-        if pad:  # HOLD rows: one-token sequences on the HOLD row, writing HOLD_SLOT
-            req_idx_cpu = torch.cat([req_idx_cpu, torch.full((pad,), self.req_manager.HOLD_REQUEST_ID, dtype=torch.int32)])
-            mtp_index_cpu = torch.cat([mtp_index_cpu, torch.zeros(pad, dtype=torch.int32)])
-            seq_cpu = torch.cat([seq_cpu, torch.ones(pad, dtype=torch.int32)])
-            slots = torch.cat([slots, torch.full((pad,), self.mem_manager.HOLD_SLOT, dtype=torch.int64)])
-        b_req_idx = req_idx_cpu.to(self.device)
-        mem_indexes = slots.to(self.device)
-        self.req_manager.req_to_token_indexs[b_req_idx[:real].long(), pos_cpu.to(self.device).long()] = mem_indexes[:real]
-        return DecodeRows(
-            reqs=reqs,
-            mtp_step=self.mtp_step,
-            b_req_idx=b_req_idx,
-            b_mtp_index=mtp_index_cpu.to(self.device),
-            b_seq_len=seq_cpu.to(self.device),
-            b_seq_len_cpu=seq_cpu,
-            mem_indexes=mem_indexes,
-            mem_indexes_cpu=slots,
-            b_req_mtp_start_loc=torch.arange(0, n * k1, k1, dtype=torch.int32).to(self.device),
-        )
+        """K+1 KV slots and rows per request, padded with HOLD rows to ``num_rows`` (DP) or
+        to the CUDA graph ladder's size."""
+        return self.decode_step.prepare(reqs, num_rows)
 
     def decode_model_input(self, rows: DecodeRows) -> ModelInput:
-        """The forward's input for ``rows``; also kept in ``rows.model_input`` for the draft."""
-        real = rows.num_real_rows
-        input_ids = self.req_to_next_token_ids[rows.b_req_idx[:real].long(), rows.b_mtp_index[:real].long()]
-        num_pad = int(rows.b_req_idx.shape[0]) - real
-        if num_pad:
-            input_ids = torch.cat([input_ids, input_ids.new_full((num_pad,), PAD_TOKEN_ID)])
-        model_input = ModelInput(
-            batch_size=int(rows.b_req_idx.shape[0]),
-            total_token_num=int(rows.b_seq_len_cpu.sum()),
-            max_len_in_batch=int(rows.b_seq_len_cpu.max()),
-            input_ids=input_ids,
-            mem_indexes=rows.mem_indexes,
-            b_req_idx=rows.b_req_idx,
-            b_seq_len=rows.b_seq_len,
-            is_prefill=False,
-            b_mtp_index=rows.b_mtp_index,
-            b_seq_len_cpu=rows.b_seq_len_cpu,
-        )
-        rows.model_input = model_input
-        return model_input
+        """The eager forward's input for ``rows``; also kept in ``rows.model_input`` for the draft."""
+        rows.model_input = self.decode_step.model_input(rows)
+        return rows.model_input
 
     def decode_forward(self, rows: DecodeRows) -> ModelOutput:
-        return self.model.forward(self.decode_model_input(rows))
+        return self.decode_step.forward(rows)
 
     def decode(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:
         rows = self.prepare_decode_rows(reqs)
@@ -351,7 +302,23 @@ class ModeBackend:
         return self.verify_draft_commit(rows, out)
 
     def verify_draft_commit(self, rows: DecodeRows, out: ModelOutput) -> List[ReqStepUpdate]:
-        """The one decode flow: sample -> verify -> (host copy) -> draft -> scatter -> commit."""
-        from lightllm.server.router.model_infer.mtp_speculative.utils import verify_draft_commit
+        """The one decode flow: sample -> verify -> draft -> scatter (device), then the host commit."""
+        host = self.decode_step.finish(rows, out, self.sample_rows, self._seed)
+        commits, free_slots = commit_step(rows.reqs, host, rows.mem_indexes_cpu.tolist(), rows.rows_per_req)
+        if free_slots:
+            self.mem_manager.free(free_slots)
+        self._update_penalties(rows.reqs, [c.tokens for c in commits])
+        return [self._update(req, c.tokens, c.logprobs, accept_len=len(c.tokens)) for req, c in zip(rows.reqs, commits)]
 
-        return verify_draft_commit(self, rows, out)
+
+def decode_graph_plan(args: StartArgs, device: torch.device, parallel: ParallelContext):
+    """(padding ladder, capture graphs?) for this backend. CUDA pads decode batches to the
+    ladder with or without graphs; graphs need one rank (no collectives are captured)."""
+    if device.type != "cuda":
+        return None, False
+    max_bs = min(args.graph_max_batch_size, args.running_max_req_size)
+    ladder = GraphLadder.from_flags(max_bs, min(args.graph_split_batch_size, max_bs), args.graph_grow_step_size)
+    single = parallel.world_size == 1 and not args.enable_decode_microbatch_overlap
+    if not args.disable_cudagraph and not single:
+        logger.info("CUDA graphs need --tp 1 without micro-batch overlap: decoding eagerly")
+    return ladder, single and not args.disable_cudagraph

@@ -1,11 +1,11 @@
-"""Draft proposals: run the K draft depths after prefill and after each verify step."""
-from typing import Dict, List
+"""Draft proposals: the K draft depths after prefill and after each verify step.
+
+The proposer returns proposals; the decode step (``DecodeStep``) owns the tables they go to."""
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
-from lightllm.common.basemodel.mtp_verify_torch import mtp_scatter_next_token_ids_torch
-from lightllm.common.basemodel.triton_kernel.mtp_utils import mtp_scatter_next_token_ids
 from lightllm.models.llama_mtp.model import LlamaMTPDraftModel
 
 UNKNOWN_TOKEN = -1  # prefill: the next token of this position is not known yet
@@ -20,32 +20,30 @@ class DraftProposer:
         return torch.argmax(self.model.target.compute_logits(hidden), dim=-1)
 
     @torch.no_grad()
-    def propose_after_verify(self, backend, rows, out: ModelOutput, next_ids: torch.Tensor, accept_len: torch.Tensor):
-        """Every depth runs over all K+1 rows (no host sync); the scatter keeps, per request,
-        the proposals of its last committed row as the next step's drafts.
-        ``next_ids`` covers the real rows; padding rows (DP) run with token 0 and are not scattered."""
+    def propose(self, model_input: ModelInput, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+        """The K draft depths over every decode row (no host sync, CUDA-graph safe).
+
+        hidden: [rows, hidden] the target's last layer; first_tokens: [rows] int64, each row's
+        verified token (padding rows: any valid id). Returns [rows, K+1]: the verified token,
+        then the K greedy proposals after it; the caller keeps each request's last committed row."""
         k = self.mtp_step
-        real = next_ids.shape[0]
-        # [rows, K+1], rows = real + padding
-        all_next = torch.zeros((out.hidden_states.shape[0], k + 1), dtype=torch.int64, device=next_ids.device)
-        all_next[:real, 0] = next_ids
-        hidden, tok = out.hidden_states, all_next[:, 0]
+        all_next = torch.empty((hidden.shape[0], k + 1), dtype=torch.int64, device=hidden.device)
+        all_next[:, 0] = first_tokens
+        tok = first_tokens
         for depth in range(k):
-            hidden = self.model.forward_depth(depth, rows.model_input, hidden, tok)
+            hidden = self.model.forward_depth(depth, model_input, hidden, tok)
             tok = self._greedy(hidden)
             all_next[:, depth + 1] = tok
-        scatter = mtp_scatter_next_token_ids if next_ids.is_cuda else mtp_scatter_next_token_ids_torch
-        scatter(
-            backend.req_to_next_token_ids, rows.b_req_mtp_start_loc, all_next[:real], rows.b_req_idx[:real], accept_len
-        )
+        return all_next
 
     @torch.no_grad()
     def propose_after_prefill(
-        self, backend, reqs, model_input: ModelInput, out: ModelOutput, chunk_starts: List[int],
+        self, reqs, model_input: ModelInput, out: ModelOutput, chunk_starts: List[int],
         first_tokens: Dict[int, int],
-    ) -> None:
-        """Write draft KV for every prefilled position; for requests whose prompt is done,
-        store the K proposals after the first generated token (``first_tokens``: item -> token)."""
+    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """Write draft KV for every prefilled position. For requests whose prompt is done
+        (``first_tokens``: item -> token) returns their req_idx [done] and K proposals
+        after the first generated token [done, K]; None when no prompt is done."""
         k = self.mtp_step
         dev = out.hidden_states.device
         # Position s of depth d takes token x_{s+d+1}: known inside the prompt (and the first
@@ -78,8 +76,8 @@ class DraftProposer:
             guess[sel] = self._greedy(hidden[sel])
             proposals.append(guess)
         done = sorted(first_tokens)
-        if done:
-            last_rows = torch.tensor([item_rows[i][0] + item_rows[i][1] - 1 for i in done], device=dev)
-            req_idx = torch.tensor([reqs[i].req_idx for i in done], device=dev)
-            drafts = torch.stack([p[last_rows] for p in proposals], dim=1)  # [done, K]
-            backend.req_to_next_token_ids[req_idx, 1:k + 1] = drafts
+        if not done:
+            return None
+        last_rows = torch.tensor([item_rows[i][0] + item_rows[i][1] - 1 for i in done], device=dev)
+        req_idx = torch.tensor([reqs[i].req_idx for i in done], device=dev)
+        return req_idx, torch.stack([p[last_rows] for p in proposals], dim=1)  # [done, K]
