@@ -31,6 +31,7 @@ equals the first config's (strict MTP must reproduce plain decoding) and transfo
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import platform
@@ -587,6 +588,7 @@ def run_matrix(args) -> List[dict]:
     from lightllm.tools.train_mtp_draft import build_prompt_ids
     from lightllm.utils.embedded_model import get_default_model_dir
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO_ROOT).stdout.strip()
     embedded = get_default_model_dir()
@@ -625,6 +627,9 @@ def run_matrix(args) -> List[dict]:
                     if with_hf:
                         hf_waves.append(_hf_wave(hf, prompts, args.max_new_tokens, pad_id))
                 rows.append(matrix_row(model, mode, batch, eng_waves, hf_waves, commit))
+                graphs = eng.backend.decode_step.graphs
+                rows[-1]["graph_capture_s"] = graphs.capture_seconds if graphs else None
+                rows[-1]["graph_capture_mib"] = graphs.capture_mib if graphs else None
                 print(render_table([rows[-1]], MATRIX_TABLE), flush=True)
                 _write_json(args.out, rows)
             _free_cuda(eng)

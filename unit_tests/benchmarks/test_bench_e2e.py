@@ -125,3 +125,19 @@ def test_cli_defaults():
     args = bench.parse_args([])
     assert (args.num_prompts, args.max_new_tokens, args.concurrency, args.hf_batch_size) == (64, 128, 64, 64)
     assert args.warmup_requests == 64 and not args.ignore_eos
+
+
+def test_matrix_rows_pool_waves_and_ratios_by_hand():
+    from benchmarks.bench_e2e_throughput import Wave, add_matrix_ratios, matrix_row
+
+    # two engine waves: 256 tokens in 1 s + 256 in 3 s -> 128 tok/s; 40 steps in 0.2 s -> 5 ms
+    eng = [Wave(256, 1.0, 20, 0.1, 100, 240), Wave(256, 3.0, 20, 0.1, 100, 260)]
+    hf = [Wave(256, 4.0), Wave(256, 4.0)]  # 64 tok/s
+    plain = matrix_row("m", "plain", 2, eng, hf, "abc")
+    assert plain["engine_tok_s"] == 128.0 and plain["hf_tok_s"] == 64.0
+    assert plain["step_ms"] == 5.0 and plain["tokens_per_step"] == 2.5
+    mtp = matrix_row("m", "mtp3", 2, [Wave(512, 2.0, 10, 0.05, 50, 150)], [], "abc")  # 256 tok/s
+    assert mtp["hf_tok_s"] is None
+    add_matrix_ratios([plain, mtp])
+    assert (plain["vs_hf"], plain["vs_plain"]) == (2.0, 1.0)
+    assert (mtp["vs_hf"], mtp["vs_plain"]) == (4.0, 2.0)

@@ -67,6 +67,7 @@ class CudaGraphSet:
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: Dict[Hashable, Tuple[torch.cuda.CUDAGraph, object]] = {}
         self.capture_seconds = 0.0
+        self.capture_mib = 0.0  # device memory the captures took (pool and outputs)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._graphs
@@ -99,7 +100,8 @@ def capture_ladder(graphs: CudaGraphSet, sizes: Sequence[int], capture_one: Call
     for size in sorted(sizes, reverse=True):
         capture_one(size)
     free_after, _ = torch.cuda.mem_get_info(graphs.device)
+    graphs.capture_mib = (free_before - free_after) / 2**20
     logger.info(
         "captured CUDA graphs for %d batch sizes (%d..%d) in %.1f s, holding %.1f MiB",
-        len(sizes), min(sizes), max(sizes), graphs.capture_seconds, (free_before - free_after) / 2**20,
+        len(sizes), min(sizes), max(sizes), graphs.capture_seconds, graphs.capture_mib,
     )
