@@ -1,9 +1,36 @@
-"""Small tensor ops shared by the decoder layers, written to match Hugging Face numerics."""
+"""Small tensor ops shared by the decoder layers, written to match Hugging Face numerics.
+
+rms_norm and apply_rotary run a fused Triton kernel on CUDA tensors (same rounding
+steps, see triton_kernel/fused_norm_rotary.py) and the PyTorch reference otherwise.
+"""
 import torch
+
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_GRID_Y = 65535  # CUDA limit of the second grid axis (the rms_norm kernel's inner rows)
+
+
+def _triton_ok(*tensors: torch.Tensor) -> bool:
+    """All tensors on CUDA, one supported dtype, no autograd to record, last dim contiguous."""
+    x = tensors[0]
+    if not x.is_cuda or x.dtype not in _TRITON_DTYPES or x.numel() == 0:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return all(t.is_cuda and t.dtype == x.dtype and t.stride(-1) == 1 for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., dim], weight: [dim]; statistics in fp32, result in x's dtype."""
+    rows_ok = x.dim() == 2 or (x.dim() == 3 and x.shape[1] <= _MAX_GRID_Y)
+    if rows_ok and weight.shape == x.shape[-1:] and _triton_ok(x, weight):
+        from lightllm.common.basemodel.triton_kernel.fused_norm_rotary import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference: statistics in fp32, normalized value rounded to x's dtype, then times weight."""
     x_fp32 = x.float()
     variance = x_fp32.pow(2).mean(-1, keepdim=True)
     return weight * (x_fp32 * torch.rsqrt(variance + eps)).to(x.dtype)
@@ -16,6 +43,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim]; cos, sin: [tokens, head_dim] (halves duplicated, x's dtype)."""
+    if (x.dim() == 3 and x.shape[-1] % 2 == 0 and cos.shape == (x.shape[0], x.shape[2]) == sin.shape
+            and cos.stride() == sin.stride() and _triton_ok(x, cos, sin)):
+        from lightllm.common.basemodel.triton_kernel.fused_norm_rotary import apply_rotary_triton
+
+        return apply_rotary_triton(x, cos, sin)
+    return apply_rotary_torch(x, cos, sin)
+
+
+def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Reference: x * cos + rotate_half(x) * sin, each op rounded to x's dtype."""
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 

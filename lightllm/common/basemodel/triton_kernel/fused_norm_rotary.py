@@ -1,0 +1,105 @@
+"""Fused RMSNorm and rotary embedding kernels for the decode step.
+
+Both kernels reproduce the rounding steps of the PyTorch code in basic_ops.py:
+every intermediate that torch stores in the tensor dtype is cast to that dtype here
+as well. Launches pass enable_fp_fusion=False so that a multiply and an add are not
+contracted into one fma, which would round once instead of twice.
+"""
+import torch
+import triton
+import triton.language as tl
+
+NUM_WARPS_SMALL = 4
+NUM_WARPS_LARGE = 8
+LARGE_BLOCK = 2048  # rows at least this wide use NUM_WARPS_LARGE
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr,
+    stride_x_outer, stride_x_inner, stride_out_outer, stride_out_inner,
+    dim, inv_dim, eps,
+    BLOCK: tl.constexpr,
+):
+    # One program per row; a row is (outer, inner) of a [outer, inner, dim] view.
+    outer = tl.program_id(0).to(tl.int64)
+    inner = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    x_row = x_ptr + outer * stride_x_outer + inner * stride_x_inner
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch: mean = sum(x^2) * (1 / dim), then rsqrt(mean + eps), all fp32
+    variance = tl.sum(x * x, axis=0) * inv_dim
+    normed = (x * tl.math.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
+    # torch: weight * normed computes in fp32 and rounds once to the tensor dtype
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out_row = out_ptr + outer * stride_out_outer + inner * stride_out_inner
+    tl.store(out_row + cols, out, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    stride_x_token, stride_x_head, stride_cs_token, stride_out_token, stride_out_head,
+    num_heads, half,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per token, over all its heads: a [BLOCK_H, BLOCK_HALF] tile per half.
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (cols < half)
+    x_lo_ptr = x_ptr + token * stride_x_token + heads * stride_x_head + cols
+    x_lo = tl.load(x_lo_ptr, mask=mask, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_lo_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    cs_ptr = token * stride_cs_token + cols
+    cos_lo = tl.load(cos_ptr + cs_ptr, mask=cols < half, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + cs_ptr + half, mask=cols < half, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + cs_ptr, mask=cols < half, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + cs_ptr + half, mask=cols < half, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # torch: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x_hi, x_lo]; each op rounds
+    out_lo = ((x_lo * cos_lo).to(dtype).to(tl.float32) + (-x_hi * sin_lo).to(dtype).to(tl.float32)).to(dtype)
+    out_hi = ((x_hi * cos_hi).to(dtype).to(tl.float32) + (x_lo * sin_hi).to(dtype).to(tl.float32)).to(dtype)
+    out_lo_ptr = out_ptr + token * stride_out_token + heads * stride_out_head + cols
+    tl.store(out_lo_ptr, out_lo, mask=mask)
+    tl.store(out_lo_ptr + half, out_hi, mask=mask)
+
+
+def _num_warps(block: int) -> int:
+    return NUM_WARPS_LARGE if block >= LARGE_BLOCK else NUM_WARPS_SMALL
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [rows, dim] or [outer, inner, dim] with x.stride(-1) == 1; weight: [dim] contiguous."""
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    x3, out3 = (x.unsqueeze(1), out.unsqueeze(1)) if x.dim() == 2 else (x, out)
+    block = triton.next_power_of_2(dim)
+    grid = (x3.shape[0], x3.shape[1])
+    _rms_norm_kernel[grid](
+        x3, weight, out3,
+        x3.stride(0), x3.stride(1), out3.stride(0), out3.stride(1),
+        dim, 1.0 / dim, eps,
+        BLOCK=block, num_warps=_num_warps(block), enable_fp_fusion=False,
+    )
+    return out
+
+
+def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim] with x.stride(-1) == 1; cos, sin: [tokens, head_dim],
+    same strides, last dim contiguous."""
+    num_tokens, num_heads, head_dim = x.shape
+    half = head_dim // 2
+    out = torch.empty_like(x)
+    block_h = triton.next_power_of_2(num_heads)
+    block_half = triton.next_power_of_2(half)
+    _rotary_kernel[(num_tokens,)](
+        x, cos, sin, out,
+        x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+        num_heads, half,
+        BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=_num_warps(block_h * block_half), enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,309 @@
+"""Fused RMSNorm / rotary Triton kernels vs readable PyTorch references written here.
+
+CUDA: rotary is bit-exact in bf16/fp16/fp32; rmsnorm is bit-exact in fp32 and within one
+ulp of the output dtype in bf16/fp16 (the fp32 sum of squares is reduced in another
+order than torch's mean). CPU: the Triton interpreter (conftest.py) in fp32 only, since
+it mis-rounds bf16. A child process compiles every kernel for sm_90 without a GPU.
+"""
+import json
+
+import pytest
+import torch
+
+from unit_tests.devices import needs_cuda, needs_triton_cpu
+from unit_tests.triton_compile_util import run_compile_child
+
+from lightllm.common.basemodel.layer_infer import basic_ops
+from lightllm.common.basemodel.triton_kernel.fused_norm_rotary import apply_rotary_triton, rms_norm_triton
+
+EPS = 1e-6
+LOW_PRECISION = [torch.bfloat16, torch.float16]
+ALL_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+MAX_DIFF_FRACTION = 0.01  # elements allowed to differ by one ulp in bf16/fp16 rmsnorm
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+
+
+# ---------------------------------------------------------------- references
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 statistics, normalize in fp32, round to x's dtype, multiply by weight in fp32, round."""
+    x32 = x.float()
+    mean_square = (x32 * x32).sum(dim=-1, keepdim=True) / x.shape[-1]
+    normed = (x32 / torch.sqrt(mean_square + eps)).to(x.dtype)
+    return (weight.float() * normed.float()).to(x.dtype)
+
+
+def ref_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per half: lo' = lo*cos_lo - hi*sin_lo, hi' = hi*cos_hi + lo*sin_hi; every product
+    and the sum rounded to x's dtype, like the separate torch ops."""
+    dtype, half = x.dtype, x.shape[-1] // 2
+
+    def rnd(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).float()
+
+    lo, hi = x[..., :half].float(), x[..., half:].float()
+    c, s = cos.float()[:, None, :], sin.float()[:, None, :]
+    new_lo = rnd(lo * c[..., :half]) + rnd(-hi * s[..., :half])
+    new_hi = rnd(hi * c[..., half:]) + rnd(lo * s[..., half:])
+    return torch.cat([new_lo, new_hi], dim=-1).to(dtype)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def make_qkv_views(tokens, q_heads, kv_heads, head_dim, dtype, device, seed=0):
+    """q, k: non-contiguous [tokens, heads, head_dim] views of one fused qkv tensor."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(device)
+    q, k, _ = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim)
+
+
+def make_cos_sin(tokens, head_dim, dtype, device, seed=1):
+    """Rotary tables as the engine builds them: random positions, halves duplicated."""
+    g = torch.Generator().manual_seed(seed)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    positions = torch.randint(0, 4096, (tokens,), generator=g).float()
+    angles = positions[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+
+
+def make_norm_inputs(shape, dtype, device, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).to(device)
+    return x, weight
+
+
+def ulp(t: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each value of a bf16/fp16 tensor, as fp32."""
+    _, exponent = torch.frexp(t.float())  # |t| in [2^(e-1), 2^e)
+    return torch.ldexp(torch.ones_like(t, dtype=torch.float32), exponent - 1 - MANTISSA_BITS[t.dtype])
+
+
+def assert_within_one_ulp(out: torch.Tensor, ref: torch.Tensor):
+    diff = (out.float() - ref.float()).abs()
+    fraction = (diff > 0).float().mean().item()
+    print(f"{out.dtype} {tuple(out.shape)}: {fraction:.4%} of elements differ")
+    assert fraction < MAX_DIFF_FRACTION
+    bound = torch.maximum(ulp(out), ulp(ref))
+    assert bool((diff <= bound).all()), (diff - bound).max().item()
+
+
+# ---------------------------------------------------------------- CUDA
+
+ROTARY_SHAPES = [  # (tokens, q_heads, kv_heads, head_dim)
+    (1, 9, 3, 64),  # SmolLM2-135M decode
+    (37, 9, 3, 64),
+    (5, 16, 8, 128),  # Qwen3-0.6B
+    (6, 5, 1, 80),  # head_dim / 2 not a power of two
+]
+NORM_SHAPES = [(1, 576), (13, 576), (4, 4096), (3, 64), (7, 1000)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", ROTARY_SHAPES)
+def test_rotary_bit_exact_cuda(shape, dtype):
+    tokens, q_heads, kv_heads, head_dim = shape
+    q, k = make_qkv_views(tokens, q_heads, kv_heads, head_dim, dtype, "cuda")
+    cos, sin = make_cos_sin(tokens, head_dim, dtype, "cuda")
+    for x in (q, k):
+        assert x.is_contiguous() == (tokens == 1)  # one token's split view is contiguous
+        before = x.clone()
+        out = apply_rotary_triton(x, cos, sin)
+        assert torch.equal(out, ref_rotary(x, cos, sin))
+        assert torch.equal(x, before)  # x is not modified
+        # The dispatcher takes the Triton path on CUDA and equals the torch code bit for bit.
+        assert torch.equal(basic_ops.apply_rotary(x, cos, sin), basic_ops.apply_rotary_torch(x, cos, sin))
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm_fp32_cuda(shape):
+    x, weight = make_norm_inputs(shape, torch.float32, "cuda")
+    out = rms_norm_triton(x, weight, EPS)
+    # torch's own mean/rsqrt round differently from the sqrt/div reference: a few fp32 ulps.
+    torch.testing.assert_close(out, ref_rms_norm(x, weight, EPS), rtol=4e-7, atol=0)
+    torch.testing.assert_close(out, basic_ops.rms_norm_torch(x, weight, EPS), rtol=4e-7, atol=0)
+    exact = torch.equal(out, basic_ops.rms_norm_torch(x, weight, EPS))
+    print(f"fp32 {shape}: bit-exact vs rms_norm_torch: {exact}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm_low_precision_cuda(shape, dtype):
+    x, weight = make_norm_inputs(shape, dtype, "cuda")
+    out = rms_norm_triton(x, weight, EPS)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_within_one_ulp(out, ref_rms_norm(x, weight, EPS))
+    assert_within_one_ulp(out, basic_ops.rms_norm_torch(x, weight, EPS))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_rms_norm_3d_qk_views_cuda(dtype):
+    """Qwen3 q/k norms: [tokens, heads, head_dim] views of a split qkv tensor."""
+    q, k = make_qkv_views(11, 16, 8, 128, dtype, "cuda")
+    weight = make_norm_inputs((128,), dtype, "cuda")[1]
+    for x in (q, k):
+        before = x.clone()
+        out = basic_ops.rms_norm(x, weight, EPS)
+        assert out.shape == x.shape and torch.equal(x, before)
+        ref = ref_rms_norm(x, weight, EPS)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, rtol=4e-7, atol=0)
+        else:
+            assert_within_one_ulp(out, ref)
+
+
+@needs_cuda
+def test_fallbacks_keep_torch_semantics_cuda():
+    """Mixed dtypes take the torch path (type promotion), so results equal the torch code."""
+    x, weight = make_norm_inputs((4, 576), torch.bfloat16, "cuda")
+    assert torch.equal(basic_ops.rms_norm(x, weight.float(), EPS), basic_ops.rms_norm_torch(x, weight.float(), EPS))
+    q, _ = make_qkv_views(3, 9, 3, 64, torch.bfloat16, "cuda")
+    cos, sin = make_cos_sin(3, 64, torch.float32, "cuda")
+    assert torch.equal(basic_ops.apply_rotary(q, cos, sin), basic_ops.apply_rotary_torch(q, cos, sin))
+
+
+@needs_cuda
+def test_cuda_graph_capture():
+    """Both ops capture into a CUDA graph and replay on new inputs written in place."""
+    dtype, tokens = torch.bfloat16, 4
+    q, _ = make_qkv_views(tokens, 9, 3, 64, dtype, "cuda")
+    cos, sin = make_cos_sin(tokens, 64, dtype, "cuda")
+    x, weight = make_norm_inputs((tokens, 576), dtype, "cuda")
+    basic_ops.rms_norm(x, weight, EPS), basic_ops.apply_rotary(q, cos, sin)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed = basic_ops.rms_norm(x, weight, EPS)
+        rotated = basic_ops.apply_rotary(q, cos, sin)
+    new_q, _ = make_qkv_views(tokens, 9, 3, 64, dtype, "cuda", seed=5)
+    new_x, _ = make_norm_inputs((tokens, 576), dtype, "cuda", seed=6)
+    q.copy_(new_q)
+    x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(rotated, ref_rotary(q, cos, sin))
+    assert_within_one_ulp(normed, ref_rms_norm(x, weight, EPS))
+
+
+# ---------------------------------------------------------------- CPU interpreter (fp32)
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("shape", ROTARY_SHAPES)
+def test_rotary_interpreter_fp32(shape):
+    tokens, q_heads, kv_heads, head_dim = shape
+    q, k = make_qkv_views(tokens, q_heads, kv_heads, head_dim, torch.float32, "cpu")
+    cos, sin = make_cos_sin(tokens, head_dim, torch.float32, "cpu")
+    for x in (q, k):
+        assert torch.equal(apply_rotary_triton(x, cos, sin), ref_rotary(x, cos, sin))
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_rms_norm_interpreter_fp32(shape):
+    x, weight = make_norm_inputs(shape, torch.float32, "cpu")
+    torch.testing.assert_close(rms_norm_triton(x, weight, EPS), ref_rms_norm(x, weight, EPS), rtol=4e-7, atol=0)
+
+
+@needs_triton_cpu
+def test_rms_norm_interpreter_3d_view_fp32():
+    q, _ = make_qkv_views(5, 16, 8, 128, torch.float32, "cpu")
+    weight = make_norm_inputs((128,), torch.float32, "cpu")[1]
+    torch.testing.assert_close(rms_norm_triton(q, weight, EPS), ref_rms_norm(q, weight, EPS), rtol=4e-7, atol=0)
+
+
+def test_cpu_dispatch_uses_torch_code():
+    """CPU tensors never take the Triton path: results equal the torch code exactly."""
+    q, _ = make_qkv_views(3, 9, 3, 64, torch.bfloat16, "cpu")
+    cos, sin = make_cos_sin(3, 64, torch.bfloat16, "cpu")
+    assert torch.equal(basic_ops.apply_rotary(q, cos, sin), basic_ops.apply_rotary_torch(q, cos, sin))
+    x, weight = make_norm_inputs((4, 576), torch.bfloat16, "cpu")
+    assert torch.equal(basic_ops.rms_norm(x, weight, EPS), basic_ops.rms_norm_torch(x, weight, EPS))
+
+
+# ---------------------------------------------------------------- sm_90 compile
+
+TRITON_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+NORM_DIMS = [64, 128, 576, 4096]
+ROTARY_CASES = [(9, 64), (3, 64), (16, 128), (8, 128)]  # (heads, head_dim)
+
+
+def compile_cases() -> dict:
+    cases = {}
+    for name, ptr in TRITON_TYPES.items():
+        for dim in NORM_DIMS:
+            cases[f"rms_norm-{name}-{dim}"] = ("rms_norm", ptr, dim, None)
+        for heads, head_dim in ROTARY_CASES:
+            cases[f"rotary-{name}-{heads}x{head_dim}"] = ("rotary", ptr, head_dim, heads)
+    return cases
+
+
+def _compile(kernel, signature: dict, constexprs: dict) -> str:
+    """Like triton_compile_util.compile_for_sm90, with the launch option the wrappers use."""
+    import triton
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from unit_tests.triton_compile_util import SM90_TARGET
+
+    raw = kernel
+    while hasattr(raw, "fn"):
+        raw = raw.fn
+    jit_fn = JITFunction(raw)
+    src = ASTSource(fn=jit_fn, signature=signature,
+                    constexprs={(jit_fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=SM90_TARGET, options={"enable_fp_fusion": False}).asm["ptx"]
+
+
+def _compile_all() -> dict:
+    """Runs in the child: name -> {"status": "ok" or the error, "fma": PTX has an fp32 fma}."""
+    import triton
+
+    from lightllm.common.basemodel.triton_kernel import fused_norm_rotary as k
+
+    results = {}
+    for name, (kind, ptr, dim, heads) in compile_cases().items():
+        if kind == "rms_norm":
+            kernel = k._rms_norm_kernel
+            signature = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "stride_x_outer": "i64", "stride_x_inner": "i64",
+                         "stride_out_outer": "i64", "stride_out_inner": "i64", "dim": "i32", "inv_dim": "fp32",
+                         "eps": "fp32", "BLOCK": "constexpr"}
+            constexprs = {"BLOCK": triton.next_power_of_2(dim)}
+        else:
+            kernel = k._rotary_kernel
+            signature = {"x_ptr": ptr, "cos_ptr": ptr, "sin_ptr": ptr, "out_ptr": ptr, "stride_x_token": "i32",
+                         "stride_x_head": "i32", "stride_cs_token": "i32", "stride_out_token": "i32",
+                         "stride_out_head": "i32", "num_heads": "i32", "half": "i32",
+                         "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr"}
+            constexprs = {"BLOCK_H": triton.next_power_of_2(heads), "BLOCK_HALF": triton.next_power_of_2(dim // 2)}
+        try:
+            ptx = _compile(kernel, signature, constexprs)
+            results[name] = {"status": "ok", "fma": "fma.rn.f32" in ptx}
+        except Exception as e:  # reported by the test of this case
+            results[name] = {"status": f"{type(e).__name__}: {e}"}
+    return results
+
+
+@pytest.fixture(scope="module")
+def compile_results() -> dict:
+    out = run_compile_child(["-m", "unit_tests.common.basemodel.triton_kernel.test_fused_norm_rotary"])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(compile_cases()))
+def test_kernel_compiles_for_sm90(compile_results, name):
+    assert compile_results[name]["status"] == "ok"
+    # Bit-exactness needs every product rounded before the add: no contraction into fma.
+    assert not compile_results[name]["fma"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
