@@ -44,6 +44,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
+from lightllm.utils.server_launcher import launch_server, sse_data, strict_json  # noqa: E402
+
 REQUEST_TIMEOUT_S = 300.0
 HANG_UP_AFTER_S = 2.0  # how long an abandoning client waits (decoding by then) before it hangs up
 ABANDONING_CLIENTS = 8
@@ -76,16 +78,6 @@ class NormalLoad:
     failed: List[str] = field(default_factory=list)
 
 
-def _strict_json(text: str):
-    def bad(c):
-        raise ValueError(f"non-JSON constant {c}")
-    return json.loads(text, parse_constant=bad)
-
-
-def _sse(lines) -> List[str]:
-    return [l[len("data: "):] for l in lines if l.startswith("data: ")]
-
-
 class Client:
     """The few calls the probes make."""
 
@@ -100,7 +92,7 @@ class Client:
 
     def stream(self, path: str, body) -> Tuple[int, List[str]]:
         with self.http.stream("POST", path, json=body) as r:
-            return r.status_code, _sse(r.iter_lines())
+            return r.status_code, sse_data(r.iter_lines())
 
     def metric(self, name: str) -> float:
         for line in self.http.get("/metrics").text.splitlines():
@@ -165,9 +157,9 @@ def _edge_values_finite(c: Client) -> Tuple[bool, str]:
     r = c.post("/generate", {"inputs": "Hello Hello Hello", "parameters": params})
     if r.status_code != 200:
         return False, f"{r.status_code}"
-    lps = [t["logprob"] for t in _strict_json(r.text)["tokens"]]
+    lps = [t["logprob"] for t in strict_json(r.text)["tokens"]]
     status, events = c.stream("/generate_stream", {"inputs": "Hello Hello Hello", "parameters": params})
-    stream_lps = [_strict_json(e)["token"]["logprob"] for e in events]
+    stream_lps = [strict_json(e)["token"]["logprob"] for e in events]
     finite = all(isinstance(x, float) and math.isfinite(x) for x in lps + stream_lps)
     return finite and status == 200, f"200, {len(lps) + len(stream_lps)} log-probs finite={finite}"
 
@@ -251,12 +243,12 @@ def _stream_holds_back(c: Client) -> Tuple[bool, str]:
     body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "stop": stop}
     final = c.post("/v1/completions", body).json()["choices"][0]["text"]
     _, events = c.stream("/v1/completions", {**body, "stream": True})
-    streamed = "".join(_strict_json(e)["choices"][0]["text"] for e in events if e != "[DONE]")
+    streamed = "".join(strict_json(e)["choices"][0]["text"] for e in events if e != "[DONE]")
     params = {"max_new_tokens": 48, "stop_sequences": [stop]}
     ids = [t["id"] for t in c.post("/generate", {"inputs": prompt, "parameters": {**params, "return_details": True}}
                                    ).json()["tokens"]]
     _, events = c.stream("/generate_stream", {"inputs": prompt, "parameters": params})
-    stream_ids = [_strict_json(e)["token"]["id"] for e in events if _strict_json(e)["token"] is not None]
+    stream_ids = [strict_json(e)["token"]["id"] for e in events if strict_json(e)["token"] is not None]
     ok = streamed == final == kept and stream_ids == ids
     return ok, f"stop {stop!r}: stream==final {streamed == final}, final==kept {final == kept}, events==tokens {stream_ids == ids}"
 
@@ -279,10 +271,10 @@ def _include_usage(c: Client) -> Tuple[bool, str]:
     body = {"prompt": "1, 2, 3,", "max_tokens": 5, "ignore_eos": True, "temperature": 0, "stream": True}
     _, with_usage = c.stream("/v1/completions", {**body, "stream_options": {"include_usage": True}})
     _, without = c.stream("/v1/completions", body)
-    chunks = [_strict_json(e) for e in with_usage[:-1]]
+    chunks = [strict_json(e) for e in with_usage[:-1]]
     last_ok = chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
     others_ok = all(ch.get("usage") is None for ch in chunks[:-1])
-    plain_ok = all("usage" not in _strict_json(e) for e in without[:-1])
+    plain_ok = all("usage" not in strict_json(e) for e in without[:-1])
     return last_ok and others_ok and plain_ok, f"final usage chunk {last_ok}, none elsewhere {others_ok and plain_ok}"
 
 
@@ -430,8 +422,6 @@ def main(argv=None) -> int:
     server = None
     url = args.url
     if url is None:
-        from lightllm.utils.server_launcher import launch_server
-
         log = os.path.join(tempfile.mkdtemp(prefix="hostile_"), "server.log")
         server = launch_server(shlex.split(args.server_args), log)
         url = server.url

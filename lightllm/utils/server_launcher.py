@@ -1,4 +1,5 @@
 """Start the real server (python -m lightllm.server.api_server) as a child process: tests, benchmarks, eval."""
+import json
 import os
 import signal
 import socket
@@ -12,6 +13,21 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 600
+
+
+SSE_DATA_PREFIX = "data: "
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN / Infinity, as a strict client does."""
+    def bad(constant):
+        raise ValueError(f"non-JSON constant {constant}")
+    return json.loads(text, parse_constant=bad)
+
+
+def sse_data(lines) -> List[str]:
+    """The payloads of a server-sent event stream's ``data:`` lines."""
+    return [line[len(SSE_DATA_PREFIX):] for line in lines if line.startswith(SSE_DATA_PREFIX)]
 
 
 def free_port() -> int:

@@ -132,6 +132,9 @@ class HttpServerManager:
     def worker_exit_code(self) -> Optional[int]:
         return None if self.worker is None else self.worker.exitcode
 
+    def _worker_died(self) -> "WorkerDied":
+        return WorkerDied(f"the model worker exited (code {self.worker_exit_code()})")
+
     def fail_pending(self) -> int:
         """Wake every waiting request with WorkerDied; returns how many there were."""
         for q in self._streams.values():
@@ -196,7 +199,7 @@ class HttpServerManager:
         tokens flow: when it says so the request is aborted and ClientDisconnected raised.
         Streams pass None: Starlette cancels their generator when the client goes."""
         if not self.worker_alive():
-            raise WorkerDied(f"the model worker exited (code {self.worker_exit_code()})")
+            raise self._worker_died()
         req_id = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = q
@@ -213,14 +216,14 @@ class HttpServerManager:
                 except asyncio.TimeoutError:
                     u = None
                 if u is WORKER_DIED:
-                    raise WorkerDied(f"the model worker exited (code {self.worker_exit_code()})")
+                    raise self._worker_died()
                 now = time.monotonic()
                 if u is None or now >= next_check:
                     next_check = now + DISCONNECT_POLL_S
                     if is_disconnected is not None and await is_disconnected():
                         raise ClientDisconnected()
                     if not self.worker_alive():
-                        raise WorkerDied(f"the model worker exited (code {self.worker_exit_code()})")
+                        raise self._worker_died()
                     if u is None:
                         continue
                 if first and u.token_ids:

@@ -35,21 +35,10 @@ from lightllm.server.httpserver.manager import HttpServerManager, stop_prefix_le
 from lightllm.server.router.manager import AbortReq, AddReq, StepTiming, WorkerReady, WorkerStats
 from lightllm.server.router.model_infer.mode_backend.base_backend import ReqStepUpdate
 from lightllm.utils.embedded_model import get_default_model_dir
-from lightllm.utils.server_launcher import free_port, launch_server
+from lightllm.utils.server_launcher import free_port, launch_server, sse_data, strict_json
 
 MAX_REQ_TOTAL_LEN = 512
 TEXT = "To find 7 * 6, we multiply 7 by 6."
-
-
-def _strict_json(s: str):
-    """json.loads that refuses NaN / Infinity (what a strict client does)."""
-    def bad(c):
-        raise ValueError(f"non-JSON constant {c}")
-    return json.loads(s, parse_constant=bad)
-
-
-def _sse_events(lines) -> List[str]:
-    return [l[len("data: "):] for l in lines if l.startswith("data: ")]
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +101,16 @@ def test_extreme_valid_values_keep_logprobs_finite(server):
         for extra in (bias, {**bias, **sampled}):
             r = c.post("/generate", json={"inputs": "Hello", "parameters": {**base, **extra}})
             assert r.status_code == 200, r.text
-            toks = _strict_json(r.text)["tokens"]
+            toks = strict_json(r.text)["tokens"]
             assert [t["id"] for t in toks] == [forced] * 4
             assert all(-1e-3 <= t["logprob"] <= 0 for t in toks)
         for extra in ({"repetition_penalty": 0.01}, {"repetition_penalty": 100.0},
                       {**sampled, "repetition_penalty": 0.01, "logit_bias": {str(forced): -100}}):
             r = c.post("/generate", json={"inputs": "Hello Hello", "parameters": {**base, **extra}})
             assert r.status_code == 200, r.text
-            assert all(-math.inf < t["logprob"] <= 0 for t in _strict_json(r.text)["tokens"])
+            assert all(-math.inf < t["logprob"] <= 0 for t in strict_json(r.text)["tokens"])
         with c.stream("POST", "/generate_stream", json={"inputs": "Hello", "parameters": {**base, **bias, **sampled}}) as r:
-            events = [_strict_json(e) for e in _sse_events(r.iter_lines())]
+            events = [strict_json(e) for e in sse_data(r.iter_lines())]
         assert [e["token"]["id"] for e in events] == [forced] * 4
 
 
@@ -160,7 +149,7 @@ def test_undecodable_text_and_deep_json_are_400(server, raw, field):
     with server.client() as c:
         r = c.post("/generate", content=raw.encode("utf-8"), headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
-        assert _strict_json(r.text)["field"] == field
+        assert strict_json(r.text)["field"] == field
         for path, body, f in [
             ("/v1/completions", '{"prompt": "a \\ud800"}', "prompt"),
             ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a \\udc00"}]}', "messages"),
@@ -232,9 +221,9 @@ def test_openai_max_completion_tokens_usage_chunk_and_unsupported_fields(server)
         for include_usage in (True, False, None):
             extra = {} if include_usage is None else {"stream_options": {"include_usage": include_usage}}
             with c.stream("POST", "/v1/completions", json={**body, **extra}) as r:
-                events = _sse_events(r.iter_lines())
+                events = sse_data(r.iter_lines())
             assert events[-1] == "[DONE]"
-            chunks = [_strict_json(e) for e in events[:-1]]
+            chunks = [strict_json(e) for e in events[:-1]]
             if include_usage:
                 *content, last = chunks
                 assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
@@ -390,13 +379,13 @@ def scripted(script: Script):
 def _generate(app: ScriptedApp, params: dict) -> dict:
     r = httpx.post(app.url + "/generate", timeout=30, json={"inputs": "Q", "parameters": params})
     assert r.status_code == 200, r.text
-    return _strict_json(r.text)
+    return strict_json(r.text)
 
 
 def _stream(app: ScriptedApp, path: str, body: dict) -> List[dict]:
     with httpx.stream("POST", app.url + path, json=body, timeout=30) as r:
         assert r.status_code == 200
-        return [_strict_json(e) for e in _sse_events(r.iter_lines()) if e != "[DONE]"]
+        return [strict_json(e) for e in sse_data(r.iter_lines()) if e != "[DONE]"]
 
 
 @pytest.mark.parametrize("group", [1, 4])

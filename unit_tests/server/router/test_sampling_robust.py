@@ -10,13 +10,12 @@ import random
 import pytest
 import torch
 
-from lightllm.common.req_manager import ReqSamplingParamsManager
 from lightllm.server.core.objs.sampling_params import SamplingParams
-from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend import generic_post_process
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import sample, token_logprobs
 from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
+from unit_tests.server.router.sampling_util import sampling_setup
 
 VOCAB = 64
 LOGIT_SCALE = 4.0  # spread of the random logits: several units, like a real model's
@@ -25,20 +24,7 @@ TINY = 1e-50  # passes validation (> 0), fp32 stores it as 0
 
 
 def _setup(raw_params, prompts, outputs, bypass=None):
-    """Tables and requests for rows i = 0..n-1 (req_idx i); ``bypass[i]`` sets raw fields."""
-    pm = ReqSamplingParamsManager(len(raw_params), VOCAB, "cpu", asd_enabled=False)
-    reqs = []
-    for i, (raw, prompt, out) in enumerate(zip(raw_params, prompts, outputs)):
-        sp = SamplingParams.from_request(dict(raw))
-        for name, value in ((bypass or {}).get(i) or {}).items():
-            setattr(sp, name, value)
-        req = InferReq(i, prompt, sp, [])
-        req.req_idx = i
-        pm.init_req_sampling_params(req)
-        if out:
-            pm.update_penalty_state(torch.full((len(out),), i, dtype=torch.int32), torch.tensor(out))
-        reqs.append(req)
-    return pm, reqs
+    return sampling_setup(VOCAB, raw_params, prompts, outputs, bypass)
 
 
 def _sample(logits, pm, reqs, seeds=None):

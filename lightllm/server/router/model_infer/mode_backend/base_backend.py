@@ -6,7 +6,7 @@ the modes only differ in how rows are laid out and run.
 import logging
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -134,10 +134,8 @@ class ModeBackend:
         ladder, use_graphs = decode_graph_plan(args, torch.device(device), self.parallel)
         self.decode_step = DecodeStep(
             self.model, self.req_to_next_token_ids, self.params_manager, self.draft, self.mtp_step,
-            self.asd_config,
-            # DP micro-batches may pad one request more than the running maximum
-            max_reqs=max(args.running_max_req_size + 1, ladder.max_size if ladder else 0),
-            ladder=ladder, use_graphs=use_graphs,
+            # DP micro-batches may pad one request more than the running maximum (the ladder never does)
+            self.asd_config, max_reqs=args.running_max_req_size + 1, ladder=ladder, use_graphs=use_graphs,
         )
 
     @property

@@ -1,26 +1,15 @@
 """sample() against a readable per-row reference (penalties -> bias -> temperature -> choice)."""
 import torch
 
-from lightllm.common.req_manager import ReqSamplingParamsManager
 from lightllm.server.core.objs.sampling_params import SamplingParams
-from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import sample, token_logprobs
+from unit_tests.server.router.sampling_util import sampling_setup
 
 VOCAB = 50
 
 
 def _setup(param_list, prompts, outputs):
-    pm = ReqSamplingParamsManager(len(param_list), VOCAB, "cpu", asd_enabled=False)
-    reqs = []
-    for i, (p, prompt, out) in enumerate(zip(param_list, prompts, outputs)):
-        sp = SamplingParams.from_request(p)
-        r = InferReq(i, prompt, sp, [0])
-        r.req_idx = i
-        pm.init_req_sampling_params(r)
-        if out:
-            pm.update_penalty_state(torch.full((len(out),), i, dtype=torch.int32), torch.tensor(out))
-        reqs.append(r)
-    return pm, reqs
+    return sampling_setup(VOCAB, param_list, prompts, outputs)
 
 
 def _ref_processed(logits_row, sp: SamplingParams, prompt, out):
