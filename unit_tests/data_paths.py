@@ -1,29 +1,34 @@
-"""Where tests find GSM8K: $LIGHTLLM_GSM8K_DIR, else ../shared/data/gsm8k beside the checkout,
-else this workplace's shared data folder. Tests that need it skip when none has it."""
+"""Paths the tests share: the repository root, and where GSM8K is.
+
+GSM8K is read from ``$LIGHTLLM_GSM8K_DIR`` when set, else from ``../shared/data/gsm8k``
+beside the checkout (resolved from the repository root). Tests that need it skip when
+neither has it.
+"""
 import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKPLACE_GSM8K_DIR = "/work/shared/data/gsm8k"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_DIR_ENV = "LIGHTLLM_GSM8K_DIR"
+BESIDE_CHECKOUT_GSM8K_DIR = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k"))
 
 
-def _gsm8k_dirs():
-    env = os.environ.get("LIGHTLLM_GSM8K_DIR")
-    return ([env] if env else []) + [os.path.join(REPO, "..", "shared", "data", "gsm8k"), WORKPLACE_GSM8K_DIR]
+def gsm8k_dir() -> str:
+    """``$LIGHTLLM_GSM8K_DIR`` when set (even to a folder that does not exist: a wrong
+    setting is not silently replaced), else the folder beside the checkout."""
+    return os.environ.get(GSM8K_DIR_ENV) or BESIDE_CHECKOUT_GSM8K_DIR
 
 
 def gsm8k_path(split: str) -> str:
-    """The first existing ``{split}.jsonl`` of the candidate dirs (else the first candidate's path)."""
-    paths = [os.path.join(d, f"{split}.jsonl") for d in _gsm8k_dirs()]
-    return next((p for p in paths if os.path.exists(p)), paths[0])
+    """``{split}.jsonl`` in gsm8k_dir() (it may not exist)."""
+    return os.path.join(gsm8k_dir(), f"{split}.jsonl")
 
 
 def require_gsm8k(split: str) -> str:
-    """gsm8k_path, or skip the calling test when no candidate dir has the file."""
+    """gsm8k_path, or skip the calling test when the file is not there."""
     import pytest
 
     path = gsm8k_path(split)
     if not os.path.exists(path):
-        pytest.skip(f"GSM8K {split} set not found (set LIGHTLLM_GSM8K_DIR)")
+        pytest.skip(f"GSM8K {split} set not found at {path} (set {GSM8K_DIR_ENV})")
     return path
 
 

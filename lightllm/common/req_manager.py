@@ -12,6 +12,7 @@ from typing import List
 import torch
 
 from lightllm.common.kv_cache_mem_manager import MemoryManager
+from lightllm.utils.numbers import is_number
 
 
 class ReqManager:
@@ -49,11 +50,6 @@ class ReqManager:
         self._free_req_idx = list(range(self.max_request_num))
 
 
-# Width of the per-request next-token table: column 0 holds the pending token,
-# columns 1..K the draft tokens of the next verify step (K = mtp_step <= 7).
-MTP_TABLE_WIDTH = 8
-
-
 # Ranges of the tables' element types: a value outside them cannot be stored.
 INT32_MIN, INT32_MAX = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
 FP32_MAX = torch.finfo(torch.float32).max
@@ -63,12 +59,8 @@ class ReqParamsError(ValueError):
     """A request's parameters cannot be held by the worker's tables; the message names the field."""
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _check_fp32(name: str, v) -> None:
-    if not _is_number(v) or abs(v) > FP32_MAX or not math.isfinite(v):  # abs first: huge ints
+    if not is_number(v) or abs(v) > FP32_MAX or not math.isfinite(v):  # abs first: huge ints
         raise ReqParamsError(f"{name}: {v!r} is not a finite number within the worker's float32 range "
                              f"(|x| <= {FP32_MAX:.6g})")
 
@@ -124,7 +116,7 @@ class ReqSamplingParamsManager:
             raise ReqParamsError(f"seed: must be an integer, got {p.seed!r}")
         _check_token_ids("inputs", req.prompt_ids, self.vocab_size)
         _check_token_ids("logit_bias", list(p.logit_bias), self.vocab_size)
-        bad_bias = next((v for v in p.logit_bias.values() if not _is_number(v) or math.isnan(v)), None)
+        bad_bias = next((v for v in p.logit_bias.values() if not is_number(v) or math.isnan(v)), None)
         if bad_bias is not None:
             raise ReqParamsError(f"logit_bias: {bad_bias!r} is not a number")
 

@@ -1,7 +1,8 @@
 """Every server flag, with help text (LightLLM names)."""
 import argparse
 
-from lightllm.server.core.objs.start_args_type import DATA_TYPES, LOAD_FORMATS, MTP_MODES, StartArgs
+from lightllm.common.constants import DATA_TYPES, LOAD_FORMATS
+from lightllm.server.core.objs.start_args_type import MTP_MODES, StartArgs
 
 
 def make_argument_parser() -> argparse.ArgumentParser:
@@ -51,6 +52,9 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    help="CUDA graph ladder step above --graph_split_batch_size.")
     p.add_argument("--disable_cudagraph", action="store_true", default=d.disable_cudagraph,
                    help="Decode eagerly (same padding to the ladder, so outputs are identical to graph decoding).")
+    p.add_argument("--enable_deterministic_inference", action="store_true", default=d.enable_deterministic_inference,
+                   help="CUDA: batch-invariant kernels (SGLang's flag), so a request's tokens do not depend on the "
+                        "rest of its batch and strict MTP is token-identical to plain decoding in bf16; slower.")
     p.add_argument("--load_format", type=str, default=d.load_format, choices=LOAD_FORMATS,
                    help="auto: the model dir's safetensors; dummy: random weights for its config.json "
                         "(benchmark a model shape without its weights; the dir needs config.json and a tokenizer).")

@@ -1,6 +1,6 @@
 """FastAPI app: LightLLM's /generate, /generate_stream, OpenAI-compatible endpoints, /health, /metrics.
 
-What a client may send is bounded here (body size) and in SamplingParams.verify() (parameter
+What a client may send is bounded here (body size) and when SamplingParams is built (parameter
 ranges); docs/limits.md lists both. Every refusal is a 4xx naming the client's own field.
 """
 import json

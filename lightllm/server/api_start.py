@@ -7,9 +7,9 @@ import os
 import sys
 from typing import List, Optional
 
-from lightllm.server.core.objs.start_args_type import LOAD_FORMATS, StartArgs
+from lightllm.common.constants import LOAD_FORMATS, MAX_MTP_STEP
+from lightllm.server.core.objs.start_args_type import StartArgs
 
-MAX_MTP_STEP = 7  # K + 1 must fit the per-request table (req_manager.MTP_TABLE_WIDTH)
 WORKER_START_TIMEOUT_S = 900
 
 
@@ -211,6 +211,9 @@ def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[
         if found < len(ranks):
             raise RuntimeError(f"--tp {args.tp} over --nnodes {args.nnodes} needs {len(ranks)} GPUs on this node, "
                                f"found {found}")
+    elif args.enable_deterministic_inference:
+        raise RuntimeError("--enable_deterministic_inference needs a CUDA device (its kernels are Triton); "
+                           "CPU decoding is fp32 torch")
     ctx = mp.get_context("spawn")
     is_driver_node = ranks[0] == 0
     in_q, out_q = (ctx.Queue(), ctx.Queue()) if is_driver_node else (None, None)

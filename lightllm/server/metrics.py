@@ -1,8 +1,10 @@
 """Prometheus metrics of the HTTP server (one registry per server)."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-# accept_len of one request in one verify step is 1..MTP_TABLE_WIDTH
-ACCEPT_LEN_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8)
+from lightllm.common.constants import MTP_TABLE_WIDTH
+
+# accept_len of one request in one verify step is 1..MTP_TABLE_WIDTH (drafts + 1)
+ACCEPT_LEN_BUCKETS = tuple(range(1, MTP_TABLE_WIDTH + 1))
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 

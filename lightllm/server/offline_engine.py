@@ -83,20 +83,15 @@ class OfflineEngine:
     ) -> List[GenResult]:
         """Submit every prompt at once and step until all finish (results in prompt order).
 
-        ``asd_budgets``: per-request ASD budget (default: the server flag for greedy
-        requests, 0 for sampled ones, as the HTTP server does)."""
+        ``asd_budgets``: per-request ASD budget (default: ``SamplingParams.asd_budget``, the
+        HTTP server's rule)."""
         if self.router is None and on_step is not None:
             raise ValueError("on_step needs the in-process router (--tp 1)")
         ids = {}
         msgs = []
         for i, (p, raw) in enumerate(zip(prompts, params)):
             sp = raw if isinstance(raw, SamplingParams) else SamplingParams.from_request(dict(raw))
-            if asd_budgets is not None:
-                budget = asd_budgets[i]
-            elif self.args.asd_enabled and sp.is_greedy:
-                budget = sp.asd_regret_budget if sp.asd_regret_budget is not None else self.args.mtp_asd_regret_budget
-            else:
-                budget = 0.0
+            budget = asd_budgets[i] if asd_budgets is not None else sp.asd_budget(self.args.mtp_asd_regret_budget)
             rid = self._next_id
             self._next_id += 1
             ids[rid] = i

@@ -138,7 +138,7 @@ def _exclusive_lock(lock_path: str) -> Iterator[None]:
 
 def _default_converter(gguf_path: str, out_dir: str) -> None:
     # Imported late: it pulls in gguf and transformers, needed only on a first run
-    from lightllm.tools.convert_gguf import convert_gguf_to_hf
+    from lightllm.utils.gguf_convert import convert_gguf_to_hf
 
     convert_gguf_to_hf(gguf_path, out_dir)
 

@@ -11,7 +11,7 @@ from unit_tests.devices import needs_triton_cpu
 from lightllm.common.basemodel.basemodel import ModelKvArgs
 from lightllm.models.registry import load_model
 from unit_tests.models.model_driver import PAD_ROW, ModelDriver
-from unit_tests.models.tiny_checkpoints import MODEL_KINDS, build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import MODEL_KINDS, tiny_model
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -27,9 +27,8 @@ GENERATE_TOKENS = 20
 @pytest.fixture(scope="module", params=MODEL_KINDS)
 def hf_and_dir(request, tmp_path_factory):
     kind = request.param
-    hf_model = build_hf_model(kind)
-    model_dir = save_checkpoint(hf_model, str(tmp_path_factory.mktemp(kind)), sharded=(kind == "llama"))
-    return hf_model, model_dir
+    m = tiny_model(kind, root=tmp_path_factory.mktemp(kind), sharded=(kind == "llama"))
+    return m.hf, m.model_dir
 
 
 def _engine(model_dir: str, decode_attention_backend: str = "auto", data_type: str = "float32", device: str = "cpu"):

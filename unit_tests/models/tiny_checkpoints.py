@@ -1,8 +1,19 @@
-"""Tiny random Llama / Qwen3 checkpoints written with transformers, for parity tests."""
+"""Tiny random Llama / Qwen3 targets and MTP drafts: the one fixture module for tests that
+need a model on disk.
+
+``tiny_model(kind, root, seed)`` writes a random transformers model (the reference) to
+``root/target`` and returns a ``TinyModel``; ``TinyModel.draft(name, ...)`` writes a random
+MTP draft for it to ``root/name``. ``random_prompts`` draws token-id prompts for them.
+"""
 import os
+import random
+from dataclasses import dataclass
+from typing import List
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from lightllm.models.llama_mtp.train_module import random_draft
 
 WEIGHT_STD = 0.15  # large enough that logits spread over several units
 NORM_WEIGHT_STD = 0.2  # norm weights are 1 + noise
@@ -97,3 +108,36 @@ def save_checkpoint(model: torch.nn.Module, model_dir: str, sharded: bool) -> st
     else:
         model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A random fp32 transformers model and its checkpoint; its drafts are written beside it."""
+
+    hf: torch.nn.Module  # the reference: transformers' own forward and generate
+    model_dir: str  # root/target
+    root: str
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.config.vocab_size
+
+    def draft(self, name: str, with_attention: bool = True, num_modules: int = 1, seed: int = 0,
+              std: float = WEIGHT_STD) -> str:
+        """A random MTP draft for this target, written to ``root/name``; returns its dir.
+        A small ``std`` (0.02) gives a weak draft: mismatches, so ASD relaxations, are common."""
+        return random_draft(self.hf.config, os.path.join(self.root, name), with_attention, num_modules,
+                            seed=seed, std=std)
+
+
+def tiny_model(kind: str, root, seed: int = 0, sharded: bool = False) -> TinyModel:
+    """build_hf_model(kind, seed) saved to ``root/target`` (``root``: a str or a pathlib path)."""
+    hf = build_hf_model(kind, seed=seed)
+    root = str(root)
+    return TinyModel(hf, save_checkpoint(hf, os.path.join(root, "target"), sharded), root)
+
+
+def random_prompts(vocab_size: int, n: int, lengths: range, seed: int = 0) -> List[List[int]]:
+    """``n`` prompts of uniform random token ids, each of a length drawn from ``lengths``."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randrange(lengths.start, lengths.stop))] for _ in range(n)]

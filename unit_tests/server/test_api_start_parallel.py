@@ -2,19 +2,18 @@
 processes the server starts (rank 0 broadcasts the router's messages), and two "nodes" on one
 machine over loopback (gloo)."""
 import os
-import random
 import subprocess
 import sys
 
 import pytest
 
-from lightllm.models.llama_mtp.train_module import random_draft
 from lightllm.server.api_cli import make_argument_parser
 from lightllm.server.api_start import StartArgsError, validate_start_args
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.offline_engine import OfflineEngine
-from lightllm.utils.server_launcher import REPO, free_port
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from lightllm.utils.server_launcher import free_port
+from unit_tests.data_paths import REPO_ROOT
+from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import make_engine
 from unit_tests.server.start_args_util import fake_model_dir
 
@@ -44,10 +43,8 @@ def test_bad_parallel_flag_is_a_clear_error(tmp_path, kwargs, flag):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    root = tmp_path_factory.mktemp("launch")
-    hf = build_hf_model("llama", seed=2)  # 4 q heads, 2 kv heads
-    return dict(target=save_checkpoint(hf, str(root / "t"), sharded=False), vocab=hf.config.vocab_size,
-                draft=random_draft(hf.config, str(root / "d"), True, 1, seed=4))
+    m = tiny_model("llama", seed=2, root=tmp_path_factory.mktemp("launch"))  # 4 q heads, 2 kv heads
+    return dict(target=m.model_dir, vocab=m.vocab_size, draft=m.draft("draft", True, 1, seed=4))
 
 
 def test_kv_heads_must_split_over_the_attention_ranks(llama, tmp_path):
@@ -69,8 +66,7 @@ def test_flags_parse_with_lightllm_names():
 
 
 def _workload(vocab):
-    rng = random.Random(11)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 25))] for _ in range(3)]
+    prompts = random_prompts(vocab, 3, range(3, 25), seed=11)
     return prompts, [{"max_new_tokens": n, "ignore_eos": True} for n in (8, 2, 10)]
 
 
@@ -102,7 +98,7 @@ def test_two_nodes_over_loopback(llama, tmp_path):
              "--max_total_token_num", "300", "--data_type", "float32"]
     log = open(tmp_path / "node1.log", "w")
     node1 = subprocess.Popen([sys.executable, "-m", "lightllm.server.api_server", *flags, "--node_rank", "1"],
-                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                              env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))  # gloo on CPU, as node 0 here
     try:
         args = StartArgs(model_dir=llama["target"], tp=2, nnodes=2, node_rank=0, nccl_port=port, **COMMON)

@@ -19,12 +19,11 @@ from typing import List, Sequence
 import pytest
 import torch
 
-from lightllm.models.llama_mtp.train_module import random_draft
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.offline_engine import GenResult, OfflineEngine
 from lightllm.utils.server_launcher import free_port
 from unit_tests.data_paths import embedded_gsm8k_prompts
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import tiny_model
 
 pytestmark = [
     pytest.mark.cuda,
@@ -81,16 +80,14 @@ def _assert_equal_or_near_tie(model_dir: str, prompts, ref: List[GenResult], got
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multi_gpu")
-    hf = build_hf_model("llama", seed=2)  # 4 q heads, 2 kv heads: splits over 2 ranks
-    vocab = hf.config.vocab_size
+    # 4 q heads, 2 kv heads: splits over 2 ranks
+    m = tiny_model("llama", seed=2, root=tmp_path_factory.mktemp("multi_gpu"))
+    vocab = m.vocab_size
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(vocab, (int(n),), generator=g).tolist() for n in (5, 17, 9, 26, 3)]
     # different lengths: one DP group runs out of requests first and pads with HOLD rows
     params = [{"max_new_tokens": n, "ignore_eos": True} for n in (12, 3, 20, 7, 1)]
-    return dict(target=save_checkpoint(hf, str(root / "t"), sharded=False),
-                draft=random_draft(hf.config, str(root / "d"), True, 1, seed=4),
-                prompts=prompts, params=params)
+    return dict(target=m.model_dir, draft=m.draft("draft", True, 1, seed=4), prompts=prompts, params=params)
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import time
 from typing import Optional
 
 from lightllm.server.router.manager import PARENT_CHECK_INTERVAL_S, start_parent_watchdog
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.data_paths import REPO_ROOT
+from unit_tests.models.tiny_checkpoints import tiny_model
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD_EXIT_TIMEOUT_S = 5.0
 PARENT_READY_TIMEOUT_S = 120.0  # the parent imports torch and starts its child
 
@@ -125,13 +125,13 @@ def _run_and_kill(argv) -> Optional[float]:
 
 
 def test_worker_exits_when_the_api_server_is_killed_under_load(tmp_path):
-    model_dir = save_checkpoint(build_hf_model("llama", seed=1), str(tmp_path / "tiny"), sharded=False)
+    model_dir = tiny_model("llama", root=tmp_path, seed=1).model_dir
     waited = _run_and_kill([SERVER_UNDER_LOAD, model_dir])
     assert waited is not None, f"the worker outlived its server by more than {CHILD_EXIT_TIMEOUT_S} s"
 
 
 def test_server_exit_does_not_hang_on_a_dead_worker_pipe(tmp_path):
-    model_dir = save_checkpoint(build_hf_model("llama", seed=1), str(tmp_path / "tiny"), sharded=False)
+    model_dir = tiny_model("llama", root=tmp_path, seed=1).model_dir
     proc = subprocess.Popen([sys.executable, "-c", SERVER_EXIT_AFTER_WORKER_DIED, model_dir], cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, text=True)
     try:

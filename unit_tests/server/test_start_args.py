@@ -1,4 +1,3 @@
-import os
 import subprocess
 import sys
 
@@ -6,9 +5,8 @@ import pytest
 
 from lightllm.server.api_start import StartArgsError, validate_start_args
 from lightllm.server.core.objs.start_args_type import StartArgs
+from unit_tests.data_paths import REPO_ROOT
 from unit_tests.server.start_args_util import fake_model_dir
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize(
@@ -47,7 +45,7 @@ def test_good_flags_resolve_defaults(tmp_path):
 )
 def test_cli_bad_flag_exits_without_traceback(tmp_path, argv, needle):
     cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", fake_model_dir(tmp_path), *argv]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert p.returncode != 0
     assert needle in p.stderr
     assert "Traceback" not in p.stderr

@@ -15,7 +15,6 @@ import regex
 import torch
 
 from lightllm.tools import convert_gguf
-from lightllm.tools.convert_gguf import SAFETENSORS_NAME, convert_gguf_to_hf
 from lightllm.utils import embedded_model
 from lightllm.utils.embedded_model import (
     CACHE_DIR_ENV,
@@ -27,6 +26,7 @@ from lightllm.utils.embedded_model import (
     find_embedded_gguf,
     get_default_model_dir,
 )
+from lightllm.utils.gguf_convert import SAFETENSORS_NAME, convert_gguf_to_hf
 
 # SmolLM2 special tokens, as the GGUF metadata gives them
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 2

@@ -19,13 +19,14 @@ from lightllm.common.basemodel.layer_weights.dummy_weights import dummy_weights
 from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict
 from lightllm.common.basemodel.layer_weights.pre_and_post_layer_weight import PreAndPostLayerWeight
 from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TpShard, TransformerLayerWeight
+from lightllm.common.constants import DATA_TYPES, LOAD_FORMATS
 from lightllm.common.kv_cache_mem_manager import MemoryManager
 from lightllm.common.req_manager import ReqManager
 from lightllm.utils.dist_utils import ParallelContext, TpComm, single_rank_context
 
-DATA_TYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --data_type name -> torch dtype
+TORCH_DTYPES: Dict[str, torch.dtype] = {name: getattr(torch, name) for name in DATA_TYPES}
 DEVICE_TYPES = ("cpu", "cuda")
-LOAD_FORMATS = ("auto", "dummy")
 SUPPORTED_HIDDEN_ACT = "silu"
 
 
@@ -39,6 +40,7 @@ class ModelKvArgs:
     device: str = "cpu"  # "cpu" or "cuda" ("cuda:N" too)
     decode_attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
     load_format: str = "auto"  # "auto": the dir's safetensors; "dummy": random weights for its config
+    deterministic_inference: bool = False  # batch-invariant kernels (CUDA), see attention_backends.py
 
     def __post_init__(self):
         if self.data_type not in DATA_TYPES:
@@ -104,7 +106,7 @@ class TpPartBaseModel:
         self.kvargs = kvargs
         self.parallel = parallel if parallel is not None else single_rank_context(kvargs.device)
         self.device = torch.device(kvargs.device)
-        self.dtype = DATA_TYPES[kvargs.data_type]
+        self.dtype = TORCH_DTYPES[kvargs.data_type]
         self.config = AutoConfig.from_pretrained(kvargs.model_dir)
         self.arch = TransformerArch.from_hf_config(self.config)
         self.tp_shard = self.layer_shard(self.arch.q_heads, self.arch.kv_heads, self.arch.head_dim)
@@ -159,7 +161,8 @@ class TpPartBaseModel:
         ]
 
     def _init_infer_layers(self) -> None:
-        """Sets ``self.layers_infer``: one decoder layer object per layer."""
+        """Sets ``self.layers_infer`` (one decoder layer object per layer) and ``self.ops``
+        (the kernels they and ``compute_logits`` use)."""
         raise NotImplementedError
 
     def _init_position_embedding(self) -> None:
@@ -249,7 +252,7 @@ class TpPartBaseModel:
         vocabulary split, identical on every rank of the DP group)."""
         w = self.pre_post_weight
         normed = rms_norm(hidden_states, w.final_norm, self.arch.rms_norm_eps)
-        logits = F.linear(normed, w.lm_head)  # [n, vocab_part]
+        logits = self.ops.linear(normed, w.lm_head, None)  # [n, vocab_part]
         if w.vocab_len >= 0:
             logits = (comm or self.parallel.comm(0)).attn_all_gather_cols(logits)[:, :self.vocab_size].contiguous()
         return logits.float()

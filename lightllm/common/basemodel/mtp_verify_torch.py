@@ -1,6 +1,6 @@
 """Vectorized PyTorch implementations of the MTP verify / scatter kernels, for host (CPU) serving.
 
-Same signatures and semantics as ``triton_kernel/mtp_utils.py`` (see ASD.md), for
+Same signatures and semantics as ``triton_kernel/mtp_utils.py`` (the rule: docs/asd.md), for
 batches where every request has the same K (what the engine builds). CUDA tensors
 use the Triton kernels; this path keeps a CPU server fast without the Triton
 interpreter. Tests compare both against the readable reference beside the tests.

@@ -1,7 +1,7 @@
 """Llama-2/3 style models (SmolLM2 is one): rope (default, linear, llama3), GQA, SwiGLU."""
 from lightllm.common.basemodel.basemodel import TpPartBaseModel
 from lightllm.common.basemodel.infer_struct import InferStateInfo
-from lightllm.models.llama.layer_infer.attention_backends import get_decode_attention
+from lightllm.models.llama.layer_infer.attention_backends import get_layer_ops
 from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape, LlamaTransformerLayerInfer
 from lightllm.models.llama.rope import build_rotary_embedding
 
@@ -16,10 +16,8 @@ class LlamaTpPartModel(TpPartBaseModel):
             head_dim=self.arch.head_dim,
             rms_norm_eps=self.arch.rms_norm_eps,
         )
-        decode_attention = get_decode_attention(self.kvargs.decode_attention_backend, self.device)
-        self.layers_infer = [
-            self.layer_infer_class(layer_num, shape, decode_attention) for layer_num in range(self.arch.num_layers)
-        ]
+        self.ops = get_layer_ops(self.kvargs.decode_attention_backend, self.device, self.kvargs.deterministic_inference)
+        self.layers_infer = [self.layer_infer_class(layer_num, shape, self.ops) for layer_num in range(self.arch.num_layers)]
 
     def _init_position_embedding(self) -> None:
         self.rotary = build_rotary_embedding(self.config, self.arch.head_dim, self.device)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 
 from lightllm.common.basemodel.basemodel import TransformerArch, to_device
 from lightllm.common.basemodel.batch_objs import ModelInput
@@ -28,7 +27,6 @@ from lightllm.common.basemodel.layer_weights.transformer_layer_weight import (
     shard_mlp,
 )
 from lightllm.common.kv_cache_mem_manager import MemoryManager
-from lightllm.models.llama.layer_infer.attention_backends import get_decode_attention
 from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape, ffn_forward
 
 DRAFT_MODEL_TYPE = "llama_mtp"
@@ -130,9 +128,8 @@ class LlamaMTPDraftModel:
             # one KV "layer" per depth, slots shared with the target's pool
             self.mem_manager = MemoryManager(target.mem_manager.size, dtype, arch.kv_heads, arch.head_dim, mtp_step, device)
             shape = AttentionShape(arch.q_heads, arch.kv_heads, arch.head_dim, arch.rms_norm_eps)
-            attn = get_decode_attention(target.kvargs.decode_attention_backend, target.device)
             layer_cls = target.layer_infer_class
-            self.layers_infer = [layer_cls(depth, shape, attn) for depth in range(mtp_step)]
+            self.layers_infer = [layer_cls(depth, shape, target.ops) for depth in range(mtp_step)]
 
     def module_for_depth(self, depth: int) -> MTPModuleWeight:
         return self.modules[0 if self.eagle else depth]
@@ -143,7 +140,7 @@ class LlamaMTPDraftModel:
         w = self.module_for_depth(depth)
         e = rms_norm(self.target.embed(token_in), w.enorm, self.eps)
         h = rms_norm(hidden_in, w.hnorm, self.eps)
-        x = F.linear(torch.cat([e, h], dim=-1), w.eh_proj)
+        x = self.target.ops.linear(torch.cat([e, h], dim=-1), w.eh_proj, None)
         comm = self.target.parallel.comm(0)
         if self.with_att:
             state = InferStateInfo.from_model_input(
@@ -151,4 +148,4 @@ class LlamaMTPDraftModel:
             )
             self.target._fill_position_embeddings(state)
             return self.layers_infer[depth].forward(x, w.layer, state)
-        return x + ffn_forward(rms_norm(x, w.mlp_norm, self.eps), w.gate_up_proj, w.down_proj, comm)
+        return x + ffn_forward(rms_norm(x, w.mlp_norm, self.eps), w.gate_up_proj, w.down_proj, comm, self.target.ops.linear)

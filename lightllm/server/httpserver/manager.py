@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Dict, List, Optional, Sequence
 
 from jinja2 import TemplateError
@@ -183,14 +183,11 @@ class HttpServerManager:
                 "this server runs without ASD; start it with --mtp_mode ... --mtp_asd_regret_budget B to enable "
                 "per-request budgets",
             )
-        params.stop_token_ids = [self.tokenizer.encode(s, add_special_tokens=False) for s in params.stop_sequences]
 
-    def _asd_budget(self, params: SamplingParams) -> float:
-        if not self.args.asd_enabled or not params.is_greedy:
-            return 0.0  # sampled requests are verified strictly
-        if params.asd_regret_budget is not None:
-            return params.asd_regret_budget
-        return self.args.mtp_asd_regret_budget
+    def _worker_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the token ids of its stop sequences, which the worker matches."""
+        stops = [self.tokenizer.encode(s, add_special_tokens=False) for s in params.stop_sequences]
+        return replace(params, stop_token_ids=stops)
 
     async def generate(self, prompt_ids: List[int], params: SamplingParams, is_disconnected=None) -> AsyncIterator[ReqResult]:
         """Yield the growing result after each worker update; the last one has finish_reason set.
@@ -207,7 +204,8 @@ class HttpServerManager:
         start = time.time()
         first = True
         finished = False
-        self.in_q.put(AddReq(req_id, prompt_ids, params, self.eos_token_ids, self._asd_budget(params)))
+        budget = params.asd_budget(self.args.mtp_asd_regret_budget)
+        self.in_q.put(AddReq(req_id, prompt_ids, self._worker_params(params), self.eos_token_ids, budget))
         try:
             next_check = time.monotonic() + DISCONNECT_POLL_S
             while True:

@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from lightllm.common.basemodel.basemodel import ModelKvArgs
 from lightllm.common.basemodel.layer_weights.hf_load_utils import SHARD_INDEX_NAME
 from lightllm.models.registry import load_model
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint, tiny_model
 
 KV_SLOTS = 32
 MAX_REQS = 4
@@ -34,7 +34,7 @@ def test_kvargs_are_validated(field, value, message):
 
 
 def test_unknown_decode_attention_backend_lists_valid_names(tmp_path):
-    model_dir = save_checkpoint(build_hf_model("llama"), str(tmp_path), sharded=False)
+    model_dir = tiny_model("llama", root=tmp_path).model_dir
     with pytest.raises(ValueError, match="valid names: auto, torch, triton"):
         load_model(_kvargs(model_dir, decode_attention_backend="flash"))
 
@@ -51,14 +51,14 @@ def test_sharded_and_single_file_checkpoints_load_the_same(tmp_path):
 
 
 def test_tied_and_untied_lm_head(tmp_path):
-    tied = load_model(_kvargs(save_checkpoint(build_hf_model("llama"), str(tmp_path / "tied"), sharded=False)))
+    tied = load_model(_kvargs(tiny_model("llama", root=tmp_path / "tied").model_dir))
     assert tied.pre_post_weight.lm_head is tied.pre_post_weight.embed_tokens
-    untied = load_model(_kvargs(save_checkpoint(build_hf_model("qwen3"), str(tmp_path / "untied"), sharded=False)))
+    untied = load_model(_kvargs(tiny_model("qwen3", root=tmp_path / "untied").model_dir))
     assert not torch.equal(untied.pre_post_weight.lm_head, untied.pre_post_weight.embed_tokens)
 
 
 def test_model_exposes_sizes_and_managers(tmp_path):
-    model = load_model(_kvargs(save_checkpoint(build_hf_model("qwen3"), str(tmp_path), sharded=False)))
+    model = load_model(_kvargs(tiny_model("qwen3", root=tmp_path).model_dir))
     assert (model.vocab_size, model.hidden_size) == (model.config.vocab_size, model.config.hidden_size)
     assert model.dtype == torch.float32 and model.device == torch.device("cpu")
     kv_shape = (KV_SLOTS + 1, model.config.num_key_value_heads, model.config.head_dim)
@@ -71,7 +71,7 @@ def test_model_exposes_sizes_and_managers(tmp_path):
 
 
 def test_missing_weight_is_named(tmp_path):
-    model_dir = save_checkpoint(build_hf_model("qwen3"), str(tmp_path), sharded=False)
+    model_dir = tiny_model("qwen3", root=tmp_path).model_dir
     path = os.path.join(model_dir, "model.safetensors")
     state = load_file(path)
     del state["model.layers.1.self_attn.k_norm.weight"]

@@ -7,8 +7,13 @@ from lightllm.common.basemodel.mtp_verify_torch import (
     mtp_scatter_next_token_ids_torch,
     mtp_verify_torch,
 )
-from unit_tests.common.basemodel.triton_kernel.mtp_reference import ref_mtp_asd_verify, ref_mtp_scatter, ref_mtp_verify
-from unit_tests.common.basemodel.triton_kernel.test_mtp_utils import ASD_CASES, make_asd_inputs, make_verify_batch
+from unit_tests.common.basemodel.triton_kernel.mtp_cases import (
+    ASD_CASES,
+    make_asd_inputs,
+    make_verify_batch,
+    ref_asd_verify,
+)
+from unit_tests.common.basemodel.triton_kernel.mtp_reference import ref_mtp_scatter, ref_mtp_verify
 
 
 @pytest.mark.parametrize("mode", ["random", "all_match", "first_mismatch", "no_draft"])
@@ -23,8 +28,7 @@ def test_verify_matches_reference(mode, num_drafts):
 @pytest.mark.parametrize("case", ASD_CASES, ids=str)
 def test_asd_matches_reference(case):
     b, logits, spent, budget = make_asd_inputs(case)
-    ref = ref_mtp_asd_verify(b.req_to_next_token_ids, b.b_req_mtp_start_loc, b.new_next_token_ids, b.b_req_idx,
-                             logits, spent, budget, case.local_regret_ratio, case.block_max_mismatch)
+    ref = ref_asd_verify(b, logits, spent, budget, case)
     next_ids, ledger = b.new_next_token_ids.clone(), spent.clone()
     accept_len, accepted_index = mtp_asd_verify_torch(
         b.req_to_next_token_ids, b.b_req_mtp_start_loc, next_ids, b.b_req_idx, logits, ledger, budget,

@@ -15,7 +15,7 @@ def sampling_setup(vocab: int, raw_params, prompts, outputs, bypass=None):
     for i, (raw, prompt, out) in enumerate(zip(raw_params, prompts, outputs)):
         sp = SamplingParams.from_request(dict(raw))
         for name, value in ((bypass or {}).get(i) or {}).items():
-            setattr(sp, name, value)
+            object.__setattr__(sp, name, value)  # SamplingParams is frozen
         req = InferReq(i, prompt, sp, [])
         req.req_idx = i
         pm.init_req_sampling_params(req)

@@ -1,27 +1,20 @@
 """Continuous batching on tiny random models: every request gets exactly transformers' answer."""
-import random
-
 import pytest
 
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
+
+PROMPT_LENGTHS = range(1, 40)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def tiny(request, tmp_path_factory):
-    hf = build_hf_model(request.param, seed=1)
-    d = save_checkpoint(hf, str(tmp_path_factory.mktemp(request.param)), sharded=False)
-    return hf, d
-
-
-def _prompts(n, vocab, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+    return tiny_model(request.param, seed=1, root=tmp_path_factory.mktemp(request.param))
 
 
 def test_many_concurrent_requests_match_transformers(tiny):
-    hf, d = tiny
-    prompts = _prompts(12, hf.config.vocab_size)
+    hf, d = tiny.hf, tiny.model_dir
+    prompts = random_prompts(hf.config.vocab_size, 12, PROMPT_LENGTHS)
     lens = [3 + (i * 5) % 17 for i in range(len(prompts))]
     eng = make_engine(d, max_req_total_len=96, running_max_req_size=5, batch_max_tokens=64,
                       max_total_token_num=400)
@@ -33,8 +26,8 @@ def test_many_concurrent_requests_match_transformers(tiny):
 
 
 def test_chunked_prefill_of_a_long_prompt(tiny):
-    hf, d = tiny
-    prompt = _prompts(1, hf.config.vocab_size, seed=3)[0] * 4  # ~ up to 160 tokens
+    hf, d = tiny.hf, tiny.model_dir
+    prompt = random_prompts(hf.config.vocab_size, 1, PROMPT_LENGTHS, seed=3)[0] * 4  # ~ up to 160 tokens
     eng = make_engine(d, max_req_total_len=220, batch_max_tokens=16, max_total_token_num=400)
     steps = []
     res = eng.generate([prompt], [{"max_new_tokens": 8, "ignore_eos": True}], on_step=lambda r: steps.append(1))
@@ -43,8 +36,8 @@ def test_chunked_prefill_of_a_long_prompt(tiny):
 
 
 def test_eos_stop_sequence_and_length(tiny):
-    hf, d = tiny
-    prompt = _prompts(1, hf.config.vocab_size, seed=5)[0]
+    hf, d = tiny.hf, tiny.model_dir
+    prompt = random_prompts(hf.config.vocab_size, 1, PROMPT_LENGTHS, seed=5)[0]
     ref = hf_greedy(hf, prompt, 12)
     eng = make_engine(d, max_req_total_len=96, max_total_token_num=400)
     # eos = the 4th reference token: the request ends right there, eos included
@@ -56,15 +49,14 @@ def test_eos_stop_sequence_and_length(tiny):
     # a stop sequence given as token ids ends the request after it
     from lightllm.server.core.objs.sampling_params import SamplingParams
 
-    sp = SamplingParams.from_request({"max_new_tokens": 12, "ignore_eos": True})
-    sp.stop_token_ids = [ref[5:7]]
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=[ref[5:7]])
     res = eng.generate([prompt], [sp])
     end = next(i for i in range(2, 13) if ref[i - 2:i] == ref[5:7])
     assert res[0].token_ids == ref[:end] and res[0].finish_reason == "stop"
 
 
 def test_abort_frees_kv_at_once(tiny):
-    hf, d = tiny
+    d = tiny.model_dir
     router = make_engine(d, max_req_total_len=96, max_total_token_num=400).router
     from lightllm.server.core.objs.sampling_params import SamplingParams
     from lightllm.server.router.manager import AddReq
@@ -82,8 +74,8 @@ def test_abort_frees_kv_at_once(tiny):
 
 
 def test_kv_pool_exhaustion_requests_wait(tiny):
-    hf, d = tiny
-    prompts = _prompts(6, hf.config.vocab_size, seed=7)
+    hf, d = tiny.hf, tiny.model_dir
+    prompts = random_prompts(hf.config.vocab_size, 6, PROMPT_LENGTHS, seed=7)
     # each request reserves prompt + 20 tokens; the pool fits about two at once
     eng = make_engine(d, max_req_total_len=64, max_total_token_num=64 + 30)
     max_running = []

@@ -13,7 +13,7 @@ import torch
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.model_infer.mode_backend import generic_post_process
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import sample, token_logprobs
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
 from unit_tests.server.router.sampling_util import sampling_setup
 
@@ -143,15 +143,14 @@ def test_penalties_run_only_over_the_rows_that_use_them(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    hf = build_hf_model("qwen3", seed=12)
-    return hf, save_checkpoint(hf, str(tmp_path_factory.mktemp("robust")), sharded=False)
+    return tiny_model("qwen3", seed=12, root=tmp_path_factory.mktemp("robust"))
 
 
 def test_engine_log_probs_stay_finite_and_tiny_temperature_is_greedy(tiny):
     """Through the engine (prefill + decode): the issue's temperature 1e-50, repetition penalty
     1e-50 and logit bias 1e308 give finite log-probs; temperature 1e-50 gives transformers'
     greedy tokens."""
-    hf, d = tiny
+    hf, d = tiny.hf, tiny.model_dir
     rng = random.Random(0)
     prompt = [rng.randrange(hf.config.vocab_size) for _ in range(12)]
     base = {"max_new_tokens": 8, "ignore_eos": True}
@@ -165,7 +164,7 @@ def test_engine_log_probs_stay_finite_and_tiny_temperature_is_greedy(tiny):
     for raw, bypass in extremes:
         sp = SamplingParams.from_request({**base, **raw})
         for name, value in bypass.items():
-            setattr(sp, name, value)
+            object.__setattr__(sp, name, value)  # SamplingParams is frozen
         params.append(sp)
     eng = make_engine(d, max_req_total_len=64, max_total_token_num=300)
     res = eng.generate([prompt] * len(params), params)

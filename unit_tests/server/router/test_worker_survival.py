@@ -7,7 +7,6 @@ step, gives back every KV slot and req_idx row, and the router keeps serving. Se
 size are served (seed + position overflowed torch.Generator.manual_seed).
 """
 import queue
-import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,7 +14,6 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from lightllm.models.llama_mtp.train_module import random_draft
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.manager import (
     MAX_CONSECUTIVE_STEP_FAILURES,
@@ -26,7 +24,7 @@ from lightllm.server.router.manager import (
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
 from lightllm.server.router.model_infer.mode_backend.base_backend import ModeBackend
 from lightllm.utils.dist_utils import single_rank_context
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import make_engine
 
 ENGINE = dict(max_req_total_len=96, running_max_req_size=4, batch_max_tokens=48, max_total_token_num=500)
@@ -49,24 +47,22 @@ class Result:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    hf = build_hf_model("llama", seed=11)
-    return hf, save_checkpoint(hf, str(tmp_path_factory.mktemp("survival")), sharded=False)
+    return tiny_model("llama", seed=11, root=tmp_path_factory.mktemp("survival"))
 
 
 def _router(tiny, **kw) -> RouterManager:
-    return make_engine(tiny[1], **{**ENGINE, **kw}).router
+    return make_engine(tiny.model_dir, **{**ENGINE, **kw}).router
 
 
 def _prompts(vocab: int, n: int, seed: int = 0) -> List[List[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randrange(2, 25))] for _ in range(n)]
+    return random_prompts(vocab, n, range(2, 25), seed)
 
 
 def _params(raw: dict, **bypass) -> SamplingParams:
     """Validated parameters, then raw fields set past validation (what a hole in it lets through)."""
     sp = SamplingParams.from_request(dict(raw))
     for name, value in bypass.items():
-        setattr(sp, name, value)
+        object.__setattr__(sp, name, value)  # SamplingParams is frozen
     return sp
 
 
@@ -114,7 +110,7 @@ POISONS = {
 
 @pytest.mark.parametrize("poison", sorted(POISONS))
 def test_a_poisoned_request_fails_alone_and_the_others_are_unchanged(tiny, poison):
-    vocab = tiny[0].config.vocab_size
+    vocab = tiny.vocab_size
     prompts = _prompts(vocab, len(ORDINARY) + 1)
     reference = _run(_router(tiny), _msgs(prompts[:-1], ORDINARY))
     raw, bypass = POISONS[poison]
@@ -135,7 +131,7 @@ def test_a_poisoned_request_fails_alone_and_the_others_are_unchanged(tiny, poiso
 
 
 def test_prompt_token_outside_the_vocabulary_fails_alone(tiny):
-    vocab = tiny[0].config.vocab_size
+    vocab = tiny.vocab_size
     prompts = _prompts(vocab, 2)
     router = _router(tiny)
     res = _run(router, _msgs([prompts[0], [1, vocab + 3, 2], prompts[1]], [ORDINARY[0]] * 3))
@@ -145,11 +141,10 @@ def test_prompt_token_outside_the_vocabulary_fails_alone(tiny):
     _assert_pools_whole(router)
 
 
-def test_huge_asd_budget_fails_alone(tiny, tmp_path):
-    hf, target = tiny
-    draft = random_draft(hf.config, str(tmp_path / "draft"), True, 1, seed=5, std=0.02)
+def test_huge_asd_budget_fails_alone(tiny):
+    draft = tiny.draft("weak_draft", True, 1, seed=5, std=0.02)
     asd = dict(mtp_mode="eagle_with_att", mtp_step=2, mtp_draft_model_dir=[draft], mtp_asd_regret_budget=2.0)
-    prompts = _prompts(hf.config.vocab_size, 3, seed=4)
+    prompts = _prompts(tiny.vocab_size, 3, seed=4)
     greedy = [ORDINARY[0]] * 3
     reference = _run(_router(tiny, **asd), _msgs([prompts[0], prompts[2]], greedy[:2], asd_budgets=[2.0, 2.0]))
     router = _router(tiny, **asd)
@@ -161,7 +156,7 @@ def test_huge_asd_budget_fails_alone(tiny, tmp_path):
 
 def test_backend_that_cannot_store_a_request_fails_it_and_frees_its_row(tiny, monkeypatch):
     """Anything add_req raises (beyond the known checks) fails that request, not the worker."""
-    prompts = _prompts(tiny[0].config.vocab_size, 3, seed=2)
+    prompts = _prompts(tiny.vocab_size, 3, seed=2)
     router = _router(tiny)
     pm = router.backend.params_manager
     store = pm.init_req_sampling_params
@@ -199,7 +194,7 @@ def _fail_forward_at(router: RouterManager, monkeypatch, calls: set) -> List[Lis
 
 
 def test_a_failed_batch_step_fails_its_requests_frees_everything_and_serving_goes_on(tiny, monkeypatch):
-    vocab = tiny[0].config.vocab_size
+    vocab = tiny.vocab_size
     prompts = _prompts(vocab, 5, seed=3)
     params = [ORDINARY[0], ORDINARY[1], ORDINARY[0], ORDINARY[2], ORDINARY[3]]
     reference = _run(_router(tiny), _msgs(prompts, params))
@@ -226,7 +221,7 @@ def test_a_step_that_keeps_failing_raises(tiny, monkeypatch):
     the router raises, so the worker process exits and the server notices."""
     router = _router(tiny, running_max_req_size=1)
     _fail_forward_at(router, monkeypatch, calls=set(range(1000)))
-    prompts = _prompts(tiny[0].config.vocab_size, MAX_CONSECUTIVE_STEP_FAILURES + 1)
+    prompts = _prompts(tiny.vocab_size, MAX_CONSECUTIVE_STEP_FAILURES + 1)
     for m in _msgs(prompts, [ORDINARY[0]] * len(prompts)):
         router.add_req(m)
     for _ in range(MAX_CONSECUTIVE_STEP_FAILURES - 1):
@@ -237,7 +232,7 @@ def test_a_step_that_keeps_failing_raises(tiny, monkeypatch):
 
 def test_serve_loop_survives_poisoned_requests_and_failed_steps(tiny, monkeypatch):
     """The worker's own loop (serve_steps): errors come back as updates, the loop goes on."""
-    vocab = tiny[0].config.vocab_size
+    vocab = tiny.vocab_size
     router = _router(tiny)
     running_at_failures = _fail_forward_at(router, monkeypatch, calls={0})
     in_q, out_q = queue.Queue(), queue.Queue()
@@ -289,7 +284,7 @@ def test_seed_plus_position_never_overflows_and_ordinary_seeds_are_unchanged():
 def test_huge_seeds_are_served(tiny):
     """seed 2**64 crashed at the first token, 2**64 - 1 at the second; seed 2**64 + s now
     draws exactly like seed s."""
-    prompts = _prompts(tiny[0].config.vocab_size, 1, seed=9) * 3
+    prompts = _prompts(tiny.vocab_size, 1, seed=9) * 3
     sampled = {"max_new_tokens": 6, "ignore_eos": True, "do_sample": True, "temperature": 1.2}
     params = [_params(sampled, seed=s) for s in (2**64 - 1, 2**64 + 5, 5)]
     router = _router(tiny)
@@ -307,10 +302,10 @@ def test_worker_process_survives_the_issue_requests(tiny):
     from lightllm.server.api_start import start_worker, validate_start_args
     from lightllm.server.core.objs.start_args_type import StartArgs
 
-    args = validate_start_args(StartArgs(model_dir=tiny[1], **ENGINE))
+    args = validate_start_args(StartArgs(model_dir=tiny.model_dir, **ENGINE))
     workers, in_q, out_q, _ready = start_worker(args, "cpu", "float32")
     try:
-        prompts = _prompts(tiny[0].config.vocab_size, 6, seed=8)
+        prompts = _prompts(tiny.vocab_size, 6, seed=8)
         sampled = {"max_new_tokens": 2, "do_sample": True}
         bad = [_params(sampled, top_k=2**31), _params(sampled, temperature=1e39),
                _params({"max_new_tokens": 2}, repetition_penalty=1e39)]

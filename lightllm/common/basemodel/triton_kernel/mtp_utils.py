@@ -1,6 +1,6 @@
 """Greedy MTP verification kernels: strict and ASD (approximate, budgeted).
 
-Vocabulary (docs: shared/spec/ASD.md):
+Vocabulary (the rule: docs/asd.md):
 
 - row: one target-model position of a verify step. A request with ``K`` drafts
   owns ``K + 1`` contiguous rows, starting at ``b_req_mtp_start_loc[r]``.
@@ -28,12 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
+from lightllm.common.constants import MTP_TABLE_WIDTH
+
 # Draft column that holds no proposal for this step: it never matches a target
 # token and is never relaxed.
 NO_DRAFT_TOKEN_ID = -1
 _NO_DRAFT_TOKEN_ID_CONST = tl.constexpr(NO_DRAFT_TOKEN_ID)  # the same, usable inside kernels
-# Widest next-token table supported (W = K + 1 columns at least).
+# Widest next-token table the kernels support (W = K + 1 columns at least); the
+# engine's table (MTP_TABLE_WIDTH) is narrower, kernel tests go up to this bound.
 MAX_MTP_BLOCK = 16
+assert MTP_TABLE_WIDTH <= MAX_MTP_BLOCK, "the engine's next-token table must fit the kernels"
 # Verification is a few dozen scalars per request: one warp, no pipelining.
 VERIFY_NUM_WARPS = 1
 VERIFY_NUM_STAGES = 1

@@ -1,17 +1,28 @@
-"""Decode attention backends: swappable behind one signature, picked by name.
+"""The kernels a decoder layer calls, chosen once per model (``LayerOps``).
 
-Every backend maps (q [rows, q_heads, head_dim], k_cache, v_cache, infer_state,
-sm_scale) to [rows, q_heads, head_dim]. Prefill always uses the torch path.
+Attention backends map (q [rows, q_heads, head_dim], k_cache, v_cache, infer_state,
+sm_scale) to [rows, q_heads, head_dim]. Decode attention is picked by name; prefill uses
+the torch path, except with deterministic inference (below).
+
+Deterministic inference (``--enable_deterministic_inference``, CUDA): every linear layer is
+the batch-invariant Triton GEMM and prefill attention runs the decode kernel once per new
+token, so a token's result does not depend on the rest of its batch, on prefill chunking,
+or on whether it was computed as a plain decode row or an MTP verify row.
 """
-from typing import Callable, Dict
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
 
 import torch
+import torch.nn.functional as F
 
 from lightllm.common.basemodel.infer_struct import InferStateInfo
+from lightllm.common.basemodel.triton_kernel.batch_invariant_matmul import batch_invariant_linear
 from lightllm.common.basemodel.layer_infer.torch_attention import paged_attention_torch
 from lightllm.models.llama.triton_kernel.token_attention import token_decode_attention
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, InferStateInfo, float], torch.Tensor]
+# (x [..., in], weight [out, in], bias [out] or None) -> [..., out]
+LinearFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 AUTO_BACKEND = "auto"
 
 
@@ -33,6 +44,26 @@ def _triton_decode_attention(
     )
 
 
+def _triton_per_token_attention(
+    q: torch.Tensor,  # [num_new_tokens, q_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    infer_state: InferStateInfo,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Prefill as decode rows: new token t of item i attends to positions 0..positions[t], read
+    through the slot table (its K/V and earlier new tokens' are already in the cache)."""
+    return token_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        infer_state.req_manager.req_to_token_indexs,
+        infer_state.b_req_idx[infer_state.token_item],
+        infer_state.positions + 1,
+        sm_scale,
+    )
+
+
 DECODE_ATTENTION_BACKENDS: Dict[str, AttentionFn] = {
     "torch": paged_attention_torch,
     "triton": _triton_decode_attention,
@@ -47,3 +78,20 @@ def get_decode_attention(name: str, device: torch.device) -> AttentionFn:
         valid = ", ".join([AUTO_BACKEND] + sorted(DECODE_ATTENTION_BACKENDS))
         raise ValueError(f"unknown decode attention backend {name!r}; valid names: {valid}")
     return DECODE_ATTENTION_BACKENDS[name]
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """What a decoder layer (and the logits head) computes with; one choice per model."""
+
+    linear: LinearFn
+    prefill_attention: AttentionFn
+    decode_attention: AttentionFn
+
+
+def get_layer_ops(decode_attention_backend: str, device: torch.device, deterministic: bool = False) -> LayerOps:
+    if not deterministic:
+        return LayerOps(F.linear, paged_attention_torch, get_decode_attention(decode_attention_backend, device))
+    if device.type != "cuda":
+        raise ValueError("deterministic inference needs a CUDA device (its kernels are Triton)")
+    return LayerOps(batch_invariant_linear, _triton_per_token_attention, _triton_decode_attention)

@@ -13,17 +13,18 @@ import torch.nn.functional as F
 
 from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.layer_infer.basic_ops import apply_rotary, rms_norm, silu_and_mul
-from lightllm.common.basemodel.layer_infer.torch_attention import paged_attention_torch
 from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
-from lightllm.models.llama.layer_infer.attention_backends import AttentionFn
+from lightllm.models.llama.layer_infer.attention_backends import LayerOps, LinearFn
 from lightllm.utils.dist_utils import TpComm
 
 
-def ffn_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, comm: TpComm) -> torch.Tensor:
+def ffn_forward(
+    x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, comm: TpComm, linear: LinearFn = F.linear
+) -> torch.Tensor:
     """SwiGLU MLP, tensor parallel over all ranks. x: [rows, hidden] of my DP group ->
     [rows, hidden]: gather every group's rows, my intermediate part, sum over ranks, my rows."""
     rows = comm.mlp_gather_rows(x)  # [dp * rows, hidden]
-    partial = F.linear(silu_and_mul(F.linear(rows, gate_up_proj)), down_proj)
+    partial = linear(silu_and_mul(linear(rows, gate_up_proj, None)), down_proj, None)
     return comm.mlp_reduce_rows(partial)
 
 
@@ -36,10 +37,10 @@ class AttentionShape:
 
 
 class LlamaTransformerLayerInfer:
-    def __init__(self, layer_num: int, shape: AttentionShape, decode_attention: AttentionFn):
+    def __init__(self, layer_num: int, shape: AttentionShape, ops: LayerOps):
         self.layer_num = layer_num  # index into the mem_manager's per-layer buffers
         self.shape = shape
-        self.decode_attention = decode_attention
+        self.ops = ops
         self.sm_scale = shape.head_dim**-0.5
 
     def forward(
@@ -59,7 +60,8 @@ class LlamaTransformerLayerInfer:
     def _attention(self, x: torch.Tensor, weight: TransformerLayerWeight, infer_state: InferStateInfo) -> torch.Tensor:
         s = self.shape
         num_tokens = x.shape[0]
-        qkv = F.linear(x, weight.qkv_proj, weight.qkv_bias)  # [tokens, (q_heads + 2 * kv_heads) * head_dim]
+        linear = self.ops.linear
+        qkv = linear(x, weight.qkv_proj, weight.qkv_bias)  # [tokens, (q_heads + 2 * kv_heads) * head_dim]
         q, k, v = qkv.split([s.q_heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
         q = q.view(num_tokens, s.q_heads, s.head_dim)
         k = k.view(num_tokens, s.kv_heads, s.head_dim)
@@ -74,12 +76,12 @@ class LlamaTransformerLayerInfer:
         # New tokens' K/V go in first, so each token (and each later MTP row) sees them.
         k_cache[infer_state.mem_indexes] = k
         v_cache[infer_state.mem_indexes] = v
-        attention = paged_attention_torch if infer_state.is_prefill else self.decode_attention
+        attention = self.ops.prefill_attention if infer_state.is_prefill else self.ops.decode_attention
         o = attention(q, k_cache, v_cache, infer_state, self.sm_scale)  # [tokens, q_heads, head_dim]
         if infer_state.comm.attn_size == 1:
-            return F.linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj, weight.o_bias)
-        out = infer_state.comm.attn_all_reduce(F.linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj))
+            return linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj, weight.o_bias)
+        out = infer_state.comm.attn_all_reduce(linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj, None))
         return out if weight.o_bias is None else out + weight.o_bias
 
     def _ffn(self, x: torch.Tensor, weight: TransformerLayerWeight, comm: TpComm) -> torch.Tensor:
-        return ffn_forward(x, weight.gate_up_proj, weight.down_proj, comm)
+        return ffn_forward(x, weight.gate_up_proj, weight.down_proj, comm, self.ops.linear)

@@ -9,6 +9,8 @@ import reprlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from lightllm.utils.numbers import is_number
+
 # top_k value that means "consider the whole vocabulary"
 TOP_K_ALL = -1
 # top_k value that means greedy decoding; sample() uses exactly this rule
@@ -49,13 +51,9 @@ class SamplingParamsError(ValueError):
         self.field_name = field_name
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _is_finite_number(v: Any) -> bool:
     """A JSON number that is finite as a float (a 400-digit integer is not)."""
-    if not _is_number(v):
+    if not is_number(v):
         return False
     try:
         return math.isfinite(v)
@@ -77,8 +75,15 @@ def is_utf8_text(s: str) -> bool:
     return True
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """A request's parameters, validated and normalised once, at construction; frozen after.
+
+    Normalised: numbers become floats, a single stop string a list, logit_bias keys ints,
+    and greedy requests (do_sample=False or temperature 0) get top_k == 1, temperature
+    and top_p 1 (LightLLM's rule). Build a changed copy with ``dataclasses.replace``.
+    """
+
     max_new_tokens: int = 16
     do_sample: bool = False
     temperature: float = 1.0
@@ -93,34 +98,43 @@ class SamplingParams:
     logit_bias: Dict[int, float] = field(default_factory=dict)
     asd_regret_budget: Optional[float] = None  # ASD: this request's budget (None: the server's)
     return_details: bool = False
-    # Filled by the HTTP server from stop_sequences (token ids of each stop sequence)
+    # Token ids of each stop sequence, set by the HTTP server (clients cannot send them)
     stop_token_ids: List[List[int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._validate()
+
+    def _set(self, name: str, value: Any) -> None:
+        """Normalise a field during construction (the only writes a frozen instance gets)."""
+        object.__setattr__(self, name, value)
 
     @property
     def is_greedy(self) -> bool:
         return self.top_k == TOP_K_GREEDY
+
+    def asd_budget(self, server_budget: Optional[float]) -> float:
+        """The ASD budget this request runs with: its own, else the server's (``server_budget``,
+        None without ASD). Sampled requests and servers without ASD verify strictly (0)."""
+        if server_budget is None or not self.is_greedy:
+            return 0.0
+        return self.asd_regret_budget if self.asd_regret_budget is not None else server_budget
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_request(cls, params: Dict[str, Any]) -> "SamplingParams":
-        """Build and validate from a request's ``parameters`` JSON object."""
+        """Build and validate from a request's ``parameters`` JSON object (null means the default)."""
         if not isinstance(params, dict):
             raise SamplingParamsError("parameters", "must be a JSON object")
         known = {f for f in cls.__dataclass_fields__ if f != "stop_token_ids"}
         unknown = sorted(set(params) - known)
         if unknown:
             raise SamplingParamsError(unknown[0], f"unknown parameter (valid: {', '.join(sorted(known))})")
-        sp = cls()
-        for k, v in params.items():
-            if v is not None:
-                setattr(sp, k, v)
-        sp.verify()
-        return sp
+        return cls(**{k: v for k, v in params.items() if v is not None})
 
-    def verify(self) -> None:
-        """Check types and ranges (the module constants); greedy (do_sample=False) becomes top_k == 1."""
+    def _validate(self) -> None:
+        """Check types and ranges (the module constants), then normalise (see the class docstring)."""
         def need_int(name, lo=None, hi=None):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -138,7 +152,7 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"must be {'>' if lo_open else '>='} {lo}, got {quote(v)}")
             if hi is not None and v > hi:
                 raise SamplingParamsError(name, f"must be <= {hi}, got {quote(v)}")
-            setattr(self, name, float(v))
+            self._set(name, float(v))
 
         def need_bool(name):
             if not isinstance(getattr(self, name), bool):
@@ -168,13 +182,13 @@ class SamplingParams:
             need_float("asd_regret_budget", lo=0.0, hi=MAX_ASD_REGRET_BUDGET)
         # greedy: LightLLM's rule, do_sample=False or temperature 0 means top_k == 1
         if not self.do_sample or self.temperature == 0.0:
-            self.top_k = TOP_K_GREEDY
-            self.temperature = 1.0
-            self.top_p = 1.0
+            self._set("top_k", TOP_K_GREEDY)
+            self._set("temperature", 1.0)
+            self._set("top_p", 1.0)
 
     def _verify_stop_sequences(self) -> None:
         if isinstance(self.stop_sequences, str):
-            self.stop_sequences = [self.stop_sequences]
+            self._set("stop_sequences", [self.stop_sequences])
         if not isinstance(self.stop_sequences, list) or not all(
             isinstance(s, str) and s for s in self.stop_sequences
         ):
@@ -205,7 +219,7 @@ class SamplingParams:
                     "logit_bias", f"bias for {quote(k)} must be a number in [-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}]"
                 )
             bias[tok] = float(v)
-        self.logit_bias = bias
+        self._set("logit_bias", bias)
 
     def verify_vocab(self, vocab_size: int) -> None:
         for tok in self.logit_bias:

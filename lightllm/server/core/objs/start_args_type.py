@@ -3,8 +3,6 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 MTP_MODES = ("vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att")
-DATA_TYPES = ("float32", "bfloat16", "float16")
-LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights for the model dir's config.json (vLLM's name)
 
 
 @dataclass
@@ -38,7 +36,8 @@ class StartArgs:
     graph_split_batch_size: int = 32  # powers of two below it, then steps of graph_grow_step_size
     graph_grow_step_size: int = 16
     disable_cudagraph: bool = False  # eager decode (same padding, the bit-exact reference)
-    load_format: str = "auto"  # one of LOAD_FORMATS
+    enable_deterministic_inference: bool = False  # batch-invariant kernels (CUDA): same tokens in any batch
+    load_format: str = "auto"  # one of lightllm.common.constants.LOAD_FORMATS
     # Resolved during validation (never set by users)
     resolved_model_dir: Optional[str] = field(default=None, repr=False)
 

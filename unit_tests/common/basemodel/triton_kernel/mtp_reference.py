@@ -1,8 +1,8 @@
-"""Slow, readable PyTorch references for the MTP verify kernels, written from
-shared/spec/ASD.md (§1 strict rule, §2 ASD rule). Inputs are never mutated.
+"""Slow, readable PyTorch references for the MTP verify kernels, written from the strict
+rule and the ASD rule of docs/asd.md ("The rule"). Inputs are never mutated.
 
 All fp32 arithmetic is done on 0-d float32 tensors so the rounding is the one the
-kernel sees (the spec's quantities are fp32).
+kernel sees (the rule's quantities are fp32).
 """
 from typing import List, Tuple
 
@@ -55,7 +55,7 @@ def ref_mtp_asd_verify(
     local_regret_ratio: float,  # g, math.inf = unset
     block_max_mismatch: int,  # m, >= K = unset
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ASD rule of ASD.md §2.
+    """The ASD rule of docs/asd.md.
 
     Returns (mtp_accept_len [num_reqs], accepted_index [batch],
     new_next_token_ids [batch] with relaxed rows committed, updated ledger [max_req + 1]).

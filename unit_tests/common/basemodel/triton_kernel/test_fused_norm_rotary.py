@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from unit_tests.devices import needs_cuda, needs_triton_cpu
-from unit_tests.triton_compile_util import run_compile_child
+from unit_tests.triton_compile_util import compile_in_child
 
 from lightllm.common.basemodel.layer_infer import basic_ops
 from lightllm.common.basemodel.triton_kernel.fused_norm_rotary import apply_rotary_triton, rms_norm_triton
@@ -246,28 +246,12 @@ def compile_cases() -> dict:
     return cases
 
 
-def _compile(kernel, signature: dict, constexprs: dict) -> str:
-    """Like triton_compile_util.compile_for_sm90, with the launch option the wrappers use."""
-    import triton
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    from unit_tests.triton_compile_util import SM90_TARGET
-
-    raw = kernel
-    while hasattr(raw, "fn"):
-        raw = raw.fn
-    jit_fn = JITFunction(raw)
-    src = ASTSource(fn=jit_fn, signature=signature,
-                    constexprs={(jit_fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=SM90_TARGET, options={"enable_fp_fusion": False}).asm["ptx"]
-
-
 def _compile_all() -> dict:
     """Runs in the child: name -> {"status": "ok" or the error, "fma": PTX has an fp32 fma}."""
     import triton
 
     from lightllm.common.basemodel.triton_kernel import fused_norm_rotary as k
+    from unit_tests.triton_compile_util import compile_for_sm90
 
     results = {}
     for name, (kind, ptr, dim, heads) in compile_cases().items():
@@ -285,7 +269,8 @@ def _compile_all() -> dict:
                          "BLOCK_H": "constexpr", "BLOCK_HALF": "constexpr"}
             constexprs = {"BLOCK_H": triton.next_power_of_2(heads), "BLOCK_HALF": triton.next_power_of_2(dim // 2)}
         try:
-            ptx = _compile(kernel, signature, constexprs)
+            # with the launch option the wrappers use
+            ptx = compile_for_sm90(kernel, signature, constexprs, {"enable_fp_fusion": False}).asm["ptx"]
             results[name] = {"status": "ok", "fma": "fma.rn.f32" in ptx}
         except Exception as e:  # reported by the test of this case
             results[name] = {"status": f"{type(e).__name__}: {e}"}
@@ -294,8 +279,7 @@ def _compile_all() -> dict:
 
 @pytest.fixture(scope="module")
 def compile_results() -> dict:
-    out = run_compile_child(["-m", "unit_tests.common.basemodel.triton_kernel.test_fused_norm_rotary"])
-    return json.loads(out.strip().splitlines()[-1])
+    return compile_in_child("unit_tests.common.basemodel.triton_kernel.test_fused_norm_rotary")
 
 
 @pytest.mark.parametrize("name", list(compile_cases()))

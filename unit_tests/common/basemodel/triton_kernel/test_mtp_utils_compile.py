@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from unit_tests.triton_compile_util import run_compile_child
+from unit_tests.triton_compile_util import compile_in_child
 
 # Next-token table widths: the engine's (K <= 7), a plain-decode table and the widest one.
 TABLE_WIDTHS = [1, 8, 16]
@@ -100,8 +100,7 @@ def _compile_all() -> dict:
 
 @pytest.fixture(scope="module")
 def compile_results() -> dict:
-    out = run_compile_child(["-m", "unit_tests.common.basemodel.triton_kernel.test_mtp_utils_compile"])
-    return json.loads(out.strip().splitlines()[-1])
+    return compile_in_child("unit_tests.common.basemodel.triton_kernel.test_mtp_utils_compile")
 
 
 @pytest.mark.parametrize("name", list(compile_cases()))

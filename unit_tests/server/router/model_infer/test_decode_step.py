@@ -1,6 +1,5 @@
 """DecodeStep's host side on CPU: the graph ladder, the packed host result, the commit
 (hand-computed cases), and --load_format dummy against transformers' own shapes."""
-import json
 import os
 
 import pytest
@@ -11,7 +10,7 @@ from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.model_infer.decode_step import HostStepResult, commit_step
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import tiny_model
 from unit_tests.server.router.engine_util import make_engine
 
 
@@ -55,8 +54,7 @@ def test_packed_result_round_trips(asd):
 
 
 def _req(max_new_tokens=100, eos=(), stop=()):
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    params.stop_token_ids = [list(s) for s in stop]
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=[list(s) for s in stop])
     return InferReq(req_id=1, prompt_ids=[1, 2, 3], params=params, eos_token_ids=list(eos), kv_len=3)
 
 
@@ -98,7 +96,7 @@ def test_commit_stops_at_length_and_stop_ids():
 def config_only_dir(tmp_path_factory):
     """A model dir with config.json only (no weights)."""
     d = tmp_path_factory.mktemp("dummy")
-    full = save_checkpoint(build_hf_model("llama", seed=1), str(d / "full"), sharded=False)
+    full = tiny_model("llama", root=d, seed=1).model_dir
     only = d / "config_only"
     only.mkdir()
     with open(os.path.join(full, "config.json")) as f:

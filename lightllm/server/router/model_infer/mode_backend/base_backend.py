@@ -14,7 +14,8 @@ from lightllm.common.basemodel.basemodel import ModelKvArgs
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID
-from lightllm.common.req_manager import MTP_TABLE_WIDTH, ReqSamplingParamsManager
+from lightllm.common.constants import MTP_TABLE_WIDTH
+from lightllm.common.req_manager import ReqSamplingParamsManager
 from lightllm.models.registry import load_model
 from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.core.objs.start_args_type import StartArgs
@@ -68,10 +69,10 @@ def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_st
     if torch.device(device).type == "cuda":  # "cuda" or a rank's "cuda:<i>"
         from transformers import AutoConfig
 
-        from lightllm.common.basemodel.basemodel import DATA_TYPES, TransformerArch
+        from lightllm.common.basemodel.basemodel import TORCH_DTYPES, TransformerArch
 
         arch = TransformerArch.from_hf_config(AutoConfig.from_pretrained(args.resolved_model_dir))
-        elem = torch.empty((), dtype=DATA_TYPES[dtype]).element_size()
+        elem = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
         # target layers plus one draft KV buffer per MTP depth
         per_token = (arch.num_layers + mtp_step) * 2 * (arch.kv_heads // attn_tp_size) * arch.head_dim * elem
         free, _ = torch.cuda.mem_get_info(torch.device(device))
@@ -99,6 +100,7 @@ class ModeBackend:
             data_type=dtype,
             device=device,
             load_format=args.load_format,
+            deterministic_inference=args.enable_deterministic_inference,
         )
         self.model = load_model(kvargs, self.parallel)
         self.req_manager = self.model.req_manager

@@ -5,13 +5,11 @@ and with ASD at B = 0; HOLD (padding) rows never reach a response nor change a t
 All the two-rank runs share one spawn (``runs`` fixture): the ranks build one engine per case
 in turn, with new process groups for each, and step their routers in lockstep.
 """
-import random
 from typing import Dict, List
 
 import pytest
 import torch
 
-from lightllm.models.llama_mtp.train_module import random_draft
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.router.manager import AddReq, RouterManager
@@ -21,7 +19,7 @@ from lightllm.server.router.model_infer.mode_backend.dp_backend.impl import (
     microbatch_row_index,
 )
 from unit_tests.dist_util import run_ranks
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import changed_hold_rows, hold_rows, make_engine
 
 K = 2
@@ -46,8 +44,7 @@ PARAMS = GREEDY + [SAMPLED]
 
 
 def _prompts(vocab: int, seed: int = 0) -> List[List[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randrange(3, 30))] for _ in PARAMS]
+    return random_prompts(vocab, len(PARAMS), range(3, 30), seed)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +52,13 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
     out = {}
     for kind, seed in (("llama", 2), ("qwen3_kv2", 3)):
-        hf = build_hf_model(kind, seed=seed)
-        target = save_checkpoint(hf, str(root / kind), sharded=False)
+        m = tiny_model(kind, seed=seed, root=root / kind)
         out[kind] = dict(
-            target=target,
-            vocab=hf.config.vocab_size,
-            eagle=random_draft(hf.config, str(root / f"{kind}_eagle"), True, 1, seed=4),
-            vanilla_no_att=random_draft(hf.config, str(root / f"{kind}_no_att"), False, K, seed=5),
+            tiny=m,
+            target=m.model_dir,
+            vocab=m.vocab_size,
+            eagle=m.draft("eagle", True, 1, seed=4),
+            vanilla_no_att=m.draft("no_att", False, K, seed=5),
         )
     return out
 
@@ -227,13 +224,12 @@ def test_hold_rows_through_the_shared_flow_change_nothing(models):
     assert mem.can_use_mem_size == mem.size
 
 
-def test_overlap_streams_the_committed_token_not_the_stale_target(models, tmp_path):
+def test_overlap_streams_the_committed_token_not_the_stale_target(models):
     """Micro-batch overlap with ASD relaxing tokens: every streamed token is the token the
     verification committed (relaxed rows: the draft), never the target's pre-verification
     choice; the host copy happens after verification."""
     m = models["llama"]
-    hf = build_hf_model("llama", seed=2)
-    weak = random_draft(hf.config, str(tmp_path / "weak"), True, 1, seed=6, std=0.02)  # many mismatches
+    weak = m["tiny"].draft("weak", True, 1, seed=6, std=0.02)  # many mismatches
     eng = make_engine(m["target"], **COMMON, mtp_mode="eagle_with_att", mtp_step=K, mtp_draft_model_dir=[weak],
                       mtp_asd_regret_budget=50.0, enable_decode_microbatch_overlap=True)
     backend = eng.backend

@@ -1,11 +1,8 @@
 """ASD through the engine (router + backend + kernels) on tiny random models, CPU fp32."""
-import random
-
 import pytest
 import torch
 
-from lightllm.models.llama_mtp.train_module import random_draft
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import make_engine
 
 K = 3
@@ -14,12 +11,9 @@ COMMON = dict(max_req_total_len=96, running_max_req_size=6, batch_max_tokens=64,
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    hf = build_hf_model("llama", seed=4)
-    root = tmp_path_factory.mktemp("asd")
-    target = save_checkpoint(hf, str(root / "target"), sharded=False)
+    m = tiny_model("llama", seed=4, root=tmp_path_factory.mktemp("asd"))
     # a weak draft (small random weights) so that mismatches, and so relaxations, are common
-    draft = random_draft(hf.config, str(root / "draft"), True, 1, seed=5, std=0.02)
-    return hf, target, draft
+    return m.hf, m.model_dir, m.draft("draft", seed=5, std=0.02)
 
 
 def _engine(tiny, **asd):
@@ -28,8 +22,7 @@ def _engine(tiny, **asd):
 
 
 def _prompts(vocab, n=6, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randrange(2, 20))] for _ in range(n)]
+    return random_prompts(vocab, n, range(2, 20), seed)
 
 
 def _greedy(n):

@@ -1,12 +1,10 @@
 """Strict MTP is lossless: greedy MTP output equals the engine without MTP, in all four modes."""
-import random
-
 import pytest
 import torch
 
-from lightllm.models.llama_mtp.train_module import MTPDraftTrainModule, random_draft
+from lightllm.models.llama_mtp.train_module import MTPDraftTrainModule
 from lightllm.server.core.objs.sampling_params import SamplingParams
-from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
 
 MODES = ["vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att"]
@@ -14,14 +12,9 @@ MODES = ["vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att"]
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def tiny(request, tmp_path_factory):
-    hf = build_hf_model(request.param, seed=2)
-    root = tmp_path_factory.mktemp("mtp_" + request.param)
-    d = save_checkpoint(hf, str(root / "target"), sharded=False)
-    drafts = {
-        (att, n): random_draft(hf.config, str(root / f"draft_{att}_{n}"), att, n, seed=3)
-        for att in (True, False) for n in (1, 3)
-    }
-    return hf, d, drafts
+    m = tiny_model(request.param, seed=2, root=tmp_path_factory.mktemp("mtp_" + request.param))
+    drafts = {(att, n): m.draft(f"draft_{att}_{n}", att, n, seed=3) for att in (True, False) for n in (1, 3)}
+    return m.hf, m.model_dir, drafts
 
 
 def _draft_dirs(drafts, mode, k):
@@ -30,8 +23,7 @@ def _draft_dirs(drafts, mode, k):
 
 
 def _workload(vocab, seed=0):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(7)]
+    prompts = random_prompts(vocab, 7, range(1, 30), seed)
     params = [{"max_new_tokens": 4 + 3 * i, "ignore_eos": True} for i in range(len(prompts))]
     return prompts, params
 
@@ -70,8 +62,7 @@ def test_eos_and_stop_inside_an_accepted_block(tiny):
     eos = ref[6]
     res = eng.generate([prompt], [{"max_new_tokens": 20}], eos_token_ids=[eos])[0]
     assert res.token_ids == ref[: ref.index(eos) + 1] and res.finish_reason == "eos"
-    sp = SamplingParams.from_request({"max_new_tokens": 20, "ignore_eos": True})
-    sp.stop_token_ids = [ref[8:10]]
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True, stop_token_ids=[ref[8:10]])
     res = eng.generate([prompt], [sp])[0]
     end = next(i for i in range(2, 21) if ref[i - 2:i] == ref[8:10])
     assert res.token_ids == ref[:end] and res.finish_reason == "stop"

@@ -1,4 +1,4 @@
-"""The ASD properties of shared/spec/ASD.md §2, one test each, on hand-made logits.
+"""The properties of the ASD rule (docs/asd.md, "The rule"), one test each, on hand-made logits.
 
 Vocabulary of 4 tokens. Every regret is computed by hand in a comment:
 r_j = max(0, z_j[t_j] - z_j[d_j]), suffix value v_j = K - j. All values are exact
@@ -19,11 +19,11 @@ from lightllm.common.basemodel.triton_kernel.mtp_utils import (
     mtp_scatter_next_token_ids,
     mtp_verify,
 )
+from unit_tests.common.basemodel.triton_kernel.mtp_cases import TABLE_WIDTH, VerifyBatch
 
 DEVICES = KERNEL_DEVICES
 
 VOCAB = 4
-TABLE_WIDTH = 8
 MAX_REQ = 4
 HOLD_REQ_IDX = MAX_REQ  # the padding req_idx: budget 0
 LAST_TOKEN = 0  # column 0 of the table: the last committed token (not read by verify)
@@ -44,11 +44,9 @@ class Req:
 
 
 @dataclass
-class Step:
-    req_to_next_token_ids: torch.Tensor  # [MAX_REQ + 1, TABLE_WIDTH] int64
-    b_req_mtp_start_loc: torch.Tensor  # [num_reqs] int32
-    new_next_token_ids: torch.Tensor  # [batch] int64
-    b_req_idx: torch.Tensor  # [batch] int32
+class Step(VerifyBatch):
+    """A verify batch (table [MAX_REQ + 1, TABLE_WIDTH]) with its processed logits."""
+
     logits: torch.Tensor  # [batch, VOCAB] fp32
 
 

@@ -1,0 +1,14 @@
+"""Names and limits shared by the CLI, start-up validation, the model, the kernels and /metrics.
+
+Torch-free, so `--help` and the HTTP process import it cheaply.
+"""
+
+# Most draft tokens one MTP verify step checks (--mtp_step K)
+MAX_MTP_STEP = 7
+# Columns of the per-request next-token table: the pending token, then K drafts
+MTP_TABLE_WIDTH = MAX_MTP_STEP + 1
+
+# --data_type names (torch dtypes of the same names)
+DATA_TYPES = ("float32", "bfloat16", "float16")
+# --load_format; dummy: random weights for the model dir's config.json (vLLM's name)
+LOAD_FORMATS = ("auto", "dummy")
