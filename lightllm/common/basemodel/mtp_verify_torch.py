@@ -41,6 +41,7 @@ def mtp_verify_torch(req_to_next_token_ids, b_req_mtp_start_loc, new_next_token_
 def mtp_asd_verify_torch(
     req_to_next_token_ids, b_req_mtp_start_loc, new_next_token_ids, b_req_idx, logits,
     req_to_asd_cum_regret, req_to_asd_budget, local_regret_ratio: Optional[float], block_max_mismatch: Optional[int],
+    relaxed_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     num_reqs, k1 = _layout(b_req_mtp_start_loc, new_next_token_ids)
     k, vocab = k1 - 1, logits.shape[1]
@@ -55,6 +56,7 @@ def mtp_asd_verify_torch(
     alive = torch.ones(num_reqs, dtype=torch.bool, device=logits.device)
     accepted = torch.zeros(num_reqs, dtype=torch.int64, device=logits.device)
     strict_only = m == 0 or g == 0.0
+    relaxed_rows = torch.zeros((num_reqs, k1), dtype=torch.int32, device=logits.device)
     for j in range(k):
         d, t = drafts[:, j], rows[:, j]
         exact = d == t
@@ -70,6 +72,7 @@ def mtp_asd_verify_torch(
         relaxed_now = acc & ~exact
         risk = torch.where(relaxed_now, new_risk, risk)
         relaxed += relaxed_now.to(torch.int64)
+        relaxed_rows[:, j] = relaxed_now.to(torch.int32)
         rows[:, j] = torch.where(relaxed_now, d, t)
         accepted += acc.to(torch.int64)
         alive = acc
@@ -78,6 +81,8 @@ def mtp_asd_verify_torch(
         idx = req_idx[charged]
         budget = req_to_asd_budget[idx]
         req_to_asd_cum_regret[idx] = torch.minimum(req_to_asd_cum_regret[idx] + risk[charged], budget)
+    if relaxed_mask is not None:
+        relaxed_mask.copy_(relaxed_rows.view(-1))
     accept_len = (accepted + 1).to(torch.int32)
     return accept_len, _accepted_index(accept_len, k1)
 

@@ -30,10 +30,12 @@ def test_asd_matches_reference(case):
     b, logits, spent, budget = make_asd_inputs(case)
     ref = ref_asd_verify(b, logits, spent, budget, case)
     next_ids, ledger = b.new_next_token_ids.clone(), spent.clone()
+    relaxed_mask = torch.full_like(b.b_req_idx, -1)
     accept_len, accepted_index = mtp_asd_verify_torch(
         b.req_to_next_token_ids, b.b_req_mtp_start_loc, next_ids, b.b_req_idx, logits, ledger, budget,
-        case.local_regret_ratio, case.block_max_mismatch)
+        case.local_regret_ratio, case.block_max_mismatch, relaxed_mask)
     assert torch.equal(accept_len, ref[0]) and torch.equal(accepted_index, ref[1])
+    assert torch.equal(relaxed_mask, (ref[2] != b.new_next_token_ids).to(torch.int32))
     assert torch.equal(next_ids, ref[2]) and torch.equal(ledger, ref[3])
 
 

@@ -102,11 +102,13 @@ def _fwd_kernel_mtp_asd_verify(
     req_to_asd_budget,  # [max_req + 1] fp32
     mtp_accept_len,  # [num_reqs] int32, out
     accepted_index,  # [batch] int32, out
+    relaxed_mask,  # [batch] int32, out (1 on relaxed rows) when HAS_RELAXED_MASK
     batch_size,
     vocab_size,
     local_regret_ratio,  # fp32 g, inf = unset
     block_max_mismatch,  # int32 m, >= K = unset
     BLOCK_SIZE: tl.constexpr,
+    HAS_RELAXED_MASK: tl.constexpr,
 ):
     cur_req = tl.program_id(0)
     num_reqs = tl.num_programs(0)
@@ -175,7 +177,10 @@ def _fwd_kernel_mtp_asd_verify(
     tl.store(mtp_accept_len + cur_req, accept_len)
     tl.store(accepted_index + start + offs, (offs < accept_len).to(tl.int32), mask=offs < num_rows)
     # Relaxed rows commit the draft token.
-    tl.store(new_next_token_ids + start + offs, draft, mask=mismatch & (offs < accepted))
+    is_relaxed_row = mismatch & (offs < accepted)
+    tl.store(new_next_token_ids + start + offs, draft, mask=is_relaxed_row)
+    if HAS_RELAXED_MASK:
+        tl.store(relaxed_mask + start + offs, is_relaxed_row.to(tl.int32), mask=offs < num_rows)
     # Charge only the accepted prefix; keep spent <= B against fp32 rounding.
     # No store at zero risk: HOLD/padding rows (budget 0) never touch the ledger.
     tl.store(req_to_asd_cum_regret + req_idx, tl.minimum(spent + risk, budget), mask=risk > 0.0)
@@ -323,11 +328,12 @@ def mtp_asd_verify(
     req_to_asd_budget: torch.Tensor,  # [max_req + 1] fp32
     local_regret_ratio: float,  # g, math.inf (or None) = unset
     block_max_mismatch: int,  # m, >= K (or None) = unset
+    relaxed_mask: Optional[torch.Tensor] = None,  # [batch] int32, out: 1 on relaxed rows, else 0
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """ASD verification (ASD.md §2): strict, plus budgeted acceptance of mismatched drafts.
+    """ASD verification (docs/asd.md): strict, plus budgeted acceptance of mismatched drafts.
 
-    Relaxed rows get ``d_j`` written into ``new_next_token_ids``; the ledger grows by the
-    regret of the accepted prefix. Budget 0, ``g == 0`` or ``m == 0`` give exactly
+    Relaxed rows get ``d_j`` written into ``new_next_token_ids`` (and 1 in ``relaxed_mask``
+    when given); the ledger grows by the regret of the accepted prefix. Budget 0, ``g == 0`` or ``m == 0`` give exactly
     ``mtp_verify``. No host synchronisation.
 
     Returns ``mtp_accept_len`` int32 [num_reqs] and ``accepted_index`` int32 [batch].
@@ -345,6 +351,10 @@ def mtp_asd_verify(
             raise ValueError(f"{name} has {ledger.shape[0]} entries, expected {num_table_rows} (one per req_idx)")
     g = _kernel_local_regret_ratio(local_regret_ratio)
     m = _kernel_block_max_mismatch(block_max_mismatch)
+    if relaxed_mask is not None:
+        _check_tensor("relaxed_mask", relaxed_mask, (torch.int32,), 1, device)
+        if relaxed_mask.shape[0] != batch_size:
+            raise ValueError(f"relaxed_mask has {relaxed_mask.shape[0]} rows, expected {batch_size}")
 
     num_reqs = b_req_mtp_start_loc.shape[0]
     mtp_accept_len = torch.empty((num_reqs,), dtype=torch.int32, device=device)
@@ -364,11 +374,13 @@ def mtp_asd_verify(
         req_to_asd_budget,
         mtp_accept_len,
         accepted_index,
+        relaxed_mask if relaxed_mask is not None else accepted_index,
         batch_size,
         logits.shape[1],
         g,
         m,
         BLOCK_SIZE=verify_block_size(req_to_next_token_ids.shape[1]),
+        HAS_RELAXED_MASK=relaxed_mask is not None,
         num_warps=VERIFY_NUM_WARPS,
         num_stages=VERIFY_NUM_STAGES,
     )

@@ -183,6 +183,7 @@ class DecodeStep:
         self.b_req_mtp_start_loc = torch.arange(0, self.max_rows, k1, dtype=torch.int32, device=dev)
         self._mtp_offsets_host = torch.arange(k1, dtype=torch.int64)
         self.first_tokens = torch.full((self.max_rows,), PAD_TOKEN_ID, dtype=torch.int64, device=dev)
+        self._relaxed_mask = torch.zeros((self.max_rows,), dtype=torch.int32, device=dev)  # ASD verify's out
         max_packed = HostStepResult.packed_size(self.max_rows, max_reqs, asd is not None)
         self._packed_host = torch.zeros((max_packed,), dtype=torch.float64, pin_memory=on_gpu)
         self._copy_done = torch.cuda.Event() if on_gpu else None
@@ -309,13 +310,12 @@ class DecodeStep:
         next_ids = s.next_token_ids
         asd = self.asd
         verifying = self.mtp_step > 0 and n > 0
-        target_ids = next_ids
+        target_ids = next_ids.clone() if verifying and self.verify_observer is not None else next_ids
+        relaxed = self._relaxed_mask[:real] if asd is not None else None
         if verifying:
-            if asd is not None or self.verify_observer is not None:
-                target_ids = next_ids.clone()
             accept_len, _ = verify_mtp_tokens(
                 self.req_to_next_token_ids, rows.b_req_mtp_start_loc, next_ids, b_req_idx,
-                s.processed_logits, self.params_manager, asd,
+                s.processed_logits, self.params_manager, asd, relaxed,
             )
         else:  # nothing verified (K = 0, or a DP rank with only padding)
             accept_len = torch.ones(n, dtype=torch.int32, device=next_ids.device)
@@ -326,7 +326,7 @@ class DecodeStep:
         with_asd = self.mtp_step > 0 and asd is not None
         if with_asd:
             spent = self.params_manager.req_to_asd_cum_regret[b_req_idx[::k1].long()]
-            packed = HostStepResult.pack(next_ids, logprobs, accept_len, next_ids != target_ids, spent)
+            packed = HostStepResult.pack(next_ids, logprobs, accept_len, relaxed, spent)
         else:
             packed = HostStepResult.pack(next_ids, logprobs, accept_len)
         host = self._packed_host[:packed.shape[0]]

@@ -156,6 +156,7 @@ def _run_asd_vs_reference(device, case: AsdCase):
     batch = batch.to(device)
     new_next_token_ids = batch.new_next_token_ids.clone()
     kernel_spent = spent.to(device)
+    relaxed_mask = torch.full_like(batch.b_req_idx, -1)  # every row must be written
     accept_len, accepted_index = mtp_asd_verify(
         batch.req_to_next_token_ids,
         batch.b_req_mtp_start_loc,
@@ -166,7 +167,10 @@ def _run_asd_vs_reference(device, case: AsdCase):
         budget.to(device),
         case.local_regret_ratio,
         case.block_max_mismatch,
+        relaxed_mask,
     )
+    # relaxed rows: the reference committed something other than the target's token
+    assert torch.equal(relaxed_mask.cpu(), (ref_next_token_ids != batch.new_next_token_ids.cpu()).to(torch.int32))
     assert torch.equal(accept_len.cpu(), ref_accept_len)
     assert torch.equal(accepted_index.cpu(), ref_accepted_index)
     assert torch.equal(new_next_token_ids.cpu(), ref_next_token_ids)

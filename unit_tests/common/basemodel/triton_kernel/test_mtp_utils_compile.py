@@ -51,11 +51,13 @@ def asd_signature(logits_type: str) -> dict:
         "req_to_asd_budget": "*fp32",
         "mtp_accept_len": "*i32",
         "accepted_index": "*i32",
+        "relaxed_mask": "*i32",
         "batch_size": "i32",
         "vocab_size": "i32",
         "local_regret_ratio": "fp32",
         "block_max_mismatch": "i32",
         "BLOCK_SIZE": "constexpr",
+        "HAS_RELAXED_MASK": "constexpr",
     }
 
 
@@ -90,6 +92,8 @@ def _compile_all() -> dict:
     results = {}
     for name, (kernel_name, signature, width) in compile_cases().items():
         constexprs = {"BLOCK_SIZE": mtp_utils.verify_block_size(width)}
+        if "HAS_RELAXED_MASK" in signature:
+            constexprs["HAS_RELAXED_MASK"] = True
         try:
             ptx = compile_for_sm90(getattr(mtp_utils, kernel_name), signature, constexprs).asm["ptx"]
             results[name] = {"status": "ok", **{k: marker in ptx for k, marker in PTX_MARKERS.items()}}

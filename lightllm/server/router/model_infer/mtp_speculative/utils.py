@@ -49,6 +49,7 @@ def verify_mtp_tokens(
     logits: torch.Tensor,  # [rows, vocab] processed logits that produced next_token_ids
     params_manager: ReqSamplingParamsManager,
     asd: Optional[AsdConfig],
+    relaxed_mask: Optional[torch.Tensor] = None,  # [rows] int32, out (ASD only): 1 on relaxed rows
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The one dispatcher: strict when ASD is off, otherwise ASD with each request's budget.
 
@@ -71,4 +72,5 @@ def verify_mtp_tokens(
         params_manager.req_to_asd_budget,
         asd.local_regret_ratio,
         asd.block_max_mismatch,
+        relaxed_mask,
     )
