@@ -14,6 +14,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError
+from lightllm.server.httpserver.detokenize import REPLACEMENT_CHAR, DetokenizerVocab, IncrementalDetokenizer
 from lightllm.server.metrics import ServerMetrics
 from lightllm.server.router.manager import AbortReq, AddReq
 
@@ -23,8 +24,6 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 # Threads that tokenize prompts, off the event loop (a large prompt takes seconds)
 TOKENIZER_THREADS = 4
-# What decode() shows for an incomplete UTF-8 sequence at the end of the tokens so far
-REPLACEMENT_CHAR = "\ufffd"
 # Put in every waiting request's queue when the worker died
 WORKER_DIED = object()
 
@@ -86,6 +85,20 @@ def stop_prefix_len(text: str, stops: Sequence[str]) -> int:
     return held
 
 
+def stop_search_start(unchanged_len: int, stops: Sequence[str]) -> int:
+    """Where a new stop string can begin in a text whose first ``unchanged_len`` characters were
+    already searched: a match must end in the changed part."""
+    longest = max((len(s) for s in stops), default=0)
+    return max(0, unchanged_len - max(longest - 1, 0))
+
+
+def visible_len_without_open_char(text: str, visible: int) -> int:
+    """len(text[:visible].rstrip(REPLACEMENT_CHAR)) without copying the text."""
+    while visible > 0 and text[visible - 1] == REPLACEMENT_CHAR:
+        visible -= 1
+    return visible
+
+
 class HttpServerManager:
     def __init__(self, args, in_q, out_q, ready, worker=None):
         self.args = args
@@ -97,6 +110,7 @@ class HttpServerManager:
         self.model_name = os.path.basename(os.path.normpath(self.model_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = load_eos_token_ids(self.model_dir, self.tokenizer)
+        self.detokenizer_vocab = DetokenizerVocab.of(self.tokenizer)
         self.metrics = ServerMetrics()
         self._ids = itertools.count(1)
         self._streams: Dict[int, asyncio.Queue] = {}
@@ -201,6 +215,7 @@ class HttpServerManager:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = q
         res = ReqResult(prompt_tokens=len(prompt_ids))
+        detok = IncrementalDetokenizer(self.detokenizer_vocab)
         start = time.time()
         first = True
         finished = False
@@ -230,7 +245,7 @@ class HttpServerManager:
                 res.token_ids.extend(u.token_ids)
                 res.logprobs.extend(u.logprobs)
                 u.copy_totals_to(res)
-                self._update_text(res, params)
+                self._update_text(res, params, detok)
                 if res.finish_reason is not None:
                     finished = True
                     if u.finish_reason is None:  # a stop string the worker could not see in ids
@@ -251,10 +266,12 @@ class HttpServerManager:
     def _decode(self, token_ids: List[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _update_text(self, res: ReqResult, params: SamplingParams) -> None:
-        """Decode, cut at the first stop string and end the tokens there; set what a stream may show."""
-        text = self._decode(res.token_ids)
-        cut = min((i for i in (text.find(s) for s in params.stop_sequences) if i >= 0), default=-1)
+    def _update_text(self, res: ReqResult, params: SamplingParams, detok: IncrementalDetokenizer) -> None:
+        """Decode the new tokens, cut at the first stop string and end the tokens there; set what a
+        stream may show."""
+        text = detok.update(res.token_ids)
+        start = stop_search_start(detok.unchanged_len, params.stop_sequences)
+        cut = min((i for i in (text.find(s, start) for s in params.stop_sequences) if i >= 0), default=-1)
         if cut >= 0:
             res.text = text[:cut]
             res.finish_reason = "stop"
@@ -267,10 +284,10 @@ class HttpServerManager:
             return
         visible = len(text) - stop_prefix_len(text, params.stop_sequences)
         if visible < len(text):
-            res.stream_token_num = self._tokens_within(res.token_ids, visible, res.stream_token_num)
+            res.stream_token_num = self._tokens_within(detok, res.token_ids, visible, res.stream_token_num)
         else:
             res.stream_token_num = len(res.token_ids)
-        res.stream_text_len = len(text[:visible].rstrip(REPLACEMENT_CHAR))
+        res.stream_text_len = visible_len_without_open_char(text, visible)
 
     def _tokens_covering(self, token_ids: List[int], kept: str) -> int:
         """The fewest leading tokens whose text begins with ``kept`` (so counts end at a stop
@@ -284,12 +301,14 @@ class HttpServerManager:
                 lo = mid + 1
         return lo
 
-    def _tokens_within(self, token_ids: List[int], text_len: int, at_least: int) -> int:
-        """The most leading tokens (>= at_least, already streamed) whose text fits in text_len characters."""
+    @staticmethod
+    def _tokens_within(detok: IncrementalDetokenizer, token_ids: List[int], text_len: int, at_least: int) -> int:
+        """The most leading tokens (>= at_least, already streamed) whose text fits in text_len characters
+        (each probe decodes one window, not all the tokens)."""
         lo, hi = at_least, len(token_ids)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if len(self._decode(token_ids[:mid])) <= text_len:
+            if detok.prefix_text_len(token_ids, mid) <= text_len:
                 lo = mid
             else:
                 hi = mid - 1
