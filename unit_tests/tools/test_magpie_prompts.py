@@ -1,0 +1,394 @@
+"""Magpie prompts (lightllm/tools/magpie_prompts.py): the template's user-turn prefix on a
+hand-written template and on the embedded tokenizer, the cleaning filter on hand-made turns,
+the round loop with a scripted engine, seeded sampling through the real engine on a tiny
+random Llama (CPU), prompt mixing and files, and the held-out set."""
+import json
+import os
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from lightllm.tools import magpie_prompts as mp
+from lightllm.tools.magpie_prompts import (
+    DEFAULT_HELDOUT_PATH,
+    DROP_DUPLICATE,
+    DROP_EMPTY,
+    DROP_LONG,
+    DROP_OVERLONG,
+    DROP_SHORT,
+    DROP_TAG,
+    SEED_STRIDE,
+    SENTINEL,
+    FilterConfig,
+    MagpieConfig,
+    PromptRecord,
+    RawTurn,
+    as_records,
+    collect_prompts,
+    filter_user_turns,
+    heldout_overlap,
+    load_heldout,
+    mix_counts,
+    mix_prompts,
+    normalize_prompt,
+    read_prompt_set,
+    request_seed,
+    sample_user_turns,
+    strip_end_of_turn,
+    user_turn_prefix,
+    write_prompt_set,
+)
+
+TINY_VOCAB_SIZE = 301  # the tiny Llama's (unit_tests/models/tiny_checkpoints.py)
+TINY_SPECIALS = ["[UNK]", "<s>", "</s>", "<turn>", "<end>"]
+TINY_WORDS = ["system", "user", "assistant", "Default", "Be", "brief.", "[INST]", "[/INST]"]
+# ChatML-like, with its own tags and a default system turn (as SmolLM2's renders one)
+TINY_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] != 'system' %}<turn>system\nDefault system.<end>\n{% endif %}"
+    "{% for m in messages %}<turn>{{ m['role'] }}\n{{ m['content'] | trim }}<end>\n{% endfor %}"
+    "{% if add_generation_prompt %}<turn>assistant\n{% endif %}"
+)
+# Llama-2-like: the user turn ends in plain text, not a special token
+INST_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% endif %}"
+                 "{% endfor %}")
+HELDOUT_KIND_COUNTS = {"code": 40, "writing": 40, "advice": 40, "explanation": 40, "math": 20}
+HELDOUT_SOURCE = "written for this repo, 2026-11-30"
+
+
+def tiny_tokenizer(template: str = TINY_TEMPLATE):
+    """A word-level tokenizer of the tiny Llama's vocabulary size with special tokens and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = TINY_SPECIALS + TINY_WORDS
+    words += [f"w{i}" for i in range(TINY_VOCAB_SIZE - len(words))]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+    tok.add_tokens(["<turn>", "<end>"], special_tokens=True)
+    tok.chat_template = template
+    return tok
+
+
+def word_id(tok, word: str) -> int:
+    [i] = tok.encode(word, add_special_tokens=False)
+    return i
+
+
+# ---- the user-turn prefix ----
+
+
+def test_prefix_of_a_hand_written_template_keeps_its_default_system_turn():
+    tok = tiny_tokenizer()
+    p = user_turn_prefix(tok)
+    assert p.text == "<s><turn>system\nDefault system.<end>\n<turn>user\n"
+    assert p.end_of_turn == "<end>" and p.end_of_turn_ids == (word_id(tok, "<end>"),)
+    assert p.tags == ("<turn>", "<end>", "[UNK]", "</s>", "<s>", "<turn>user")
+    # a message continued from the prefix renders exactly as the template renders it
+    rendered = tok.apply_chat_template([{"role": "user", "content": "w1 w2"}], tokenize=False)
+    assert rendered == p.text + "w1 w2" + p.end_of_turn + "\n"
+
+
+def test_prefix_with_a_system_prompt_replaces_the_default():
+    p = user_turn_prefix(tiny_tokenizer(), system_prompt="Be brief.")
+    assert p.text == "<s><turn>system\nBe brief.<end>\n<turn>user\n"
+
+
+def test_prefix_of_a_template_that_ends_the_turn_in_plain_text():
+    tok = tiny_tokenizer(INST_TEMPLATE)
+    p = user_turn_prefix(tok)
+    assert p.text == "[INST] "
+    assert p.end_of_turn == "[/INST]" and p.end_of_turn_ids == (word_id(tok, "[/INST]"),)
+    assert "[INST]" in p.tags and "[/INST]" in p.tags
+
+
+def test_prefix_rejects_a_template_that_repeats_the_message():
+    tok = tiny_tokenizer("{% for m in messages %}{{ m['content'] }} {{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match="2 times"):
+        user_turn_prefix(tok)
+
+
+def test_sentinel_survives_trimming_and_escaping():
+    assert SENTINEL.isalnum()
+
+
+def test_prefix_of_the_embedded_model():
+    from transformers import AutoTokenizer
+
+    from lightllm.utils import embedded_model
+
+    try:
+        model_dir = embedded_model.get_default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"embedded model unavailable: {e}")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    p = user_turn_prefix(tok)
+    assert p.text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                      "<|im_end|>\n<|im_start|>user\n")
+    assert p.end_of_turn == "<|im_end|>" and p.end_of_turn_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>user"} <= set(p.tags)
+    assert user_turn_prefix(tok, "Be brief.").text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+
+
+# ---- cleaning ----
+
+TAGS = ("<|im_start|>", "<|im_end|>", "<|im_start|>user")
+
+
+def test_filter_drops_each_kind_of_bad_turn_and_keeps_order():
+    turns = [
+        RawTurn("  How do I boil an egg?  \n", True),
+        RawTurn("How do I fold a paper plane so that it flies far", False),  # hit the limit: overlong
+        RawTurn("   \n ", True),
+        RawTurn("Hi", True),
+        RawTurn("ok then go", True),  # 3 words but under min_chars
+        RawTurn("What is this?<|im_end|><|im_start|>assistant", True),
+        RawTurn("Tell me a joke <|endoftext|> please", True),  # generic <|...|> tag
+        RawTurn("how do I BOIL an egg", True),  # normalised duplicate of the first
+        RawTurn("x " * 20, True),
+        RawTurn("Explain how rainbows form.", True),
+    ]
+    got = filter_user_turns(turns, TAGS, FilterConfig(min_chars=12, min_words=3, max_chars=30))
+    assert got.kept == ["How do I boil an egg?", "Explain how rainbows form."]
+    assert got.dropped == {DROP_OVERLONG: 1, DROP_EMPTY: 1, DROP_TAG: 2, DROP_SHORT: 2, DROP_LONG: 1,
+                           DROP_DUPLICATE: 1}
+
+
+def test_filter_counts_earlier_rounds_as_seen():
+    got = filter_user_turns([RawTurn("Write a poem about rain.", True), RawTurn("Write a poem about snow.", True)],
+                            TAGS, seen=[normalize_prompt("write a POEM about rain")])
+    assert got.kept == ["Write a poem about snow."] and got.dropped[DROP_DUPLICATE] == 1
+
+
+def test_normalize_prompt():
+    assert normalize_prompt("  What's   the TIME?\n") == normalize_prompt("what s the time") == "what s the time"
+    assert normalize_prompt("Ｆｕｌｌ-width_text") == "full width text"  # NFKC, underscores are separators
+
+
+def test_filter_config_validates():
+    with pytest.raises(ValueError):
+        FilterConfig(min_chars=10, max_chars=5)
+
+
+def test_strip_end_of_turn():
+    assert strip_end_of_turn([5, 6, 2], (2,), [2]) == [5, 6]
+    assert strip_end_of_turn([5, 6, 8, 9], (8, 9), [2]) == [5, 6]
+    assert strip_end_of_turn([5, 6, 0], (8, 9), [0]) == [5, 6]  # stopped at a model eos instead
+    assert strip_end_of_turn([5, 6], (8, 9), [0]) == [5, 6]
+
+
+# ---- seeds and config ----
+
+
+def test_request_seeds_of_a_run_never_share_a_draw():
+    # the engine draws with seed + output position, position < max_new_tokens < SEED_STRIDE;
+    # CPU generators keep a seed's low 32 bits, so every seed and draw stays below 2**32
+    for run_seed in (0, 1, 12345):
+        starts = sorted(request_seed(run_seed, i) for i in range(0, mp.MAX_REQUESTS_PER_RUN, 997))
+        assert all(b - a >= SEED_STRIDE for a, b in zip(starts, starts[1:]))
+        assert 0 <= starts[0] and starts[-1] < 2**mp.SEED_BITS
+    assert request_seed(0, 5) != request_seed(1, 5) and request_seed(7, 3) == request_seed(7, 3)
+    with pytest.raises(ValueError):
+        request_seed(0, mp.MAX_REQUESTS_PER_RUN)
+
+
+def test_magpie_config_validates_and_builds_request_params():
+    cfg = MagpieConfig(temperature=0.9, top_p=0.9, max_new_tokens=32, seed=2)
+    assert cfg.sampling_params(3) == {"max_new_tokens": 32, "do_sample": True, "temperature": 0.9, "top_p": 0.9,
+                                      "top_k": -1, "seed": request_seed(2, 3)}
+    assert "seed" not in MagpieConfig(seed_mode="batch").sampling_params(0)
+    for bad in (dict(count=0), dict(temperature=0.0), dict(top_p=1.5), dict(max_new_tokens=SEED_STRIDE),
+                dict(seed=-1), dict(seed_mode="global"), dict(oversample=0.5)):
+        with pytest.raises(ValueError):
+            MagpieConfig(**bad)
+
+
+# ---- the round loop, with a scripted engine ----
+
+
+class ScriptedEngine:
+    """Answers request i of run seed 0 (recovered from its seed) with script[i]: (words, reached the end of turn)."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.calls = tok, script, []
+
+    def generate(self, prompts, params, eos_token_ids=(), progress=False):
+        self.calls.append(len(prompts))
+        out = []
+        for sp in params:
+            words, ended = self.script[(sp.seed - request_seed(0, 0)) % 2**mp.SEED_BITS // SEED_STRIDE]
+            ids = self.tok.encode(words, add_special_tokens=False) + ([word_id(self.tok, "<end>")] if ended else [])
+            out.append(SimpleNamespace(token_ids=ids, finish_reason="eos" if ended else "length", error=None))
+        return out
+
+
+def test_collect_prompts_samples_rounds_until_enough_survive():
+    tok = tiny_tokenizer()
+    script = [("w1 w2 w3 w4 w5", True), ("w1 w2 w3 w4 w5", True), ("w7 w8", True),  # round 1: 1 kept
+              ("w9 w10 w11 w12", False), ("w1 w2 w3 w4 w5", True), ("w13 w14 w15 w16", True),
+              ("w17 <turn> w18 w19", True), ("w20 w21 w22 w23", True), ("w24 w25 w26 w27", True)]
+    engine = ScriptedEngine(tok, script)
+    cfg = MagpieConfig(count=3, oversample=1.0, filter=FilterConfig(min_chars=8, min_words=3))
+    got = collect_prompts(engine, tok, user_turn_prefix(tok), cfg, eos_token_ids=[])
+    # round 2 asks for the 2 missing at round 1's yield (3 requests per kept prompt)
+    assert engine.calls == [3, 6] and got.rounds == 2 and got.requests == 9
+    assert got.prompts == ["w1 w2 w3 w4 w5", "w13 w14 w15 w16", "w20 w21 w22 w23"]  # count is a cap
+    assert got.dropped[DROP_DUPLICATE] == 2 and got.dropped[DROP_SHORT] == 1
+    assert got.dropped[DROP_OVERLONG] == 1 and got.dropped[DROP_TAG] == 1
+    assert [r.kind for r in got.records()] == [mp.KIND_GENERAL] * 3
+
+
+def test_collect_prompts_stops_after_max_rounds():
+    tok = tiny_tokenizer()
+    engine = ScriptedEngine(tok, [("w1", True)] * 64)
+    got = collect_prompts(engine, tok, user_turn_prefix(tok), MagpieConfig(count=2, max_rounds=2), [])
+    assert got.prompts == [] and got.rounds == 2 and got.dropped[DROP_SHORT] == got.requests
+
+
+def test_sample_user_turns_cuts_at_a_plain_text_end_of_turn():
+    # the stop is matched on token ids; a marker tokenised otherwise in context is cut from the text
+    tok = tiny_tokenizer(INST_TEMPLATE)
+    engine = ScriptedEngine(tok, [("w1 w2 w3 [/INST] w4 w5", False), ("w6 w7", False)])
+    turns = sample_user_turns(engine, tok, user_turn_prefix(tok), MagpieConfig(), 0, 2, eos_token_ids=[])
+    assert turns == [RawTurn("w1 w2 w3 ", True), RawTurn("w6 w7", False)]
+
+
+# ---- seeded sampling through the engine (tiny random Llama, CPU) ----
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+
+    return save_checkpoint(build_hf_model("llama", seed=0), str(tmp_path_factory.mktemp("magpie") / "t"), False)
+
+
+def _sample(model_dir, cfg: MagpieConfig, batch: int, n: int = 6):
+    from unit_tests.server.router.engine_util import make_engine
+
+    tok = tiny_tokenizer()
+    engine = make_engine(model_dir, running_max_req_size=batch, max_req_total_len=64)
+    return sample_user_turns(engine, tok, user_turn_prefix(tok), cfg, 0, n, eos_token_ids=[])
+
+
+def test_seeded_sampling_repeats_and_does_not_depend_on_the_batch(tiny_target):
+    cfg = MagpieConfig(max_new_tokens=8, temperature=1.0, top_p=0.95, seed=0)
+    first = _sample(tiny_target, cfg, batch=6)
+    assert _sample(tiny_target, cfg, batch=6) == first
+    assert _sample(tiny_target, cfg, batch=2) == first  # one seed per request: batch-independent
+    assert len({t.text for t in first}) > 1  # the requests differ from each other
+    assert all(len(t.text.split()) <= 8 and (t.ended or len(t.text.split()) == 8) for t in first)
+    other = _sample(tiny_target, MagpieConfig(max_new_tokens=8, temperature=1.0, top_p=0.95, seed=1), batch=6)
+    assert other != first
+    batch_mode = MagpieConfig(max_new_tokens=8, temperature=1.0, top_p=0.95, seed=0, seed_mode="batch")
+    assert _sample(tiny_target, batch_mode, batch=6) == _sample(tiny_target, batch_mode, batch=6)
+
+
+@pytest.mark.slow
+def test_generate_magpie_prompts_with_the_embedded_model():
+    from lightllm.utils import embedded_model
+
+    try:
+        model_dir = embedded_model.get_default_model_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"embedded model unavailable: {e}")
+    cfg = MagpieConfig(count=4, max_new_tokens=48, seed=0, gen_batch_size=8)
+    got = mp.generate_magpie_prompts(model_dir, cfg, device="cpu", dtype="float32")
+    assert 0 < len(got.prompts) <= 4 and len(set(got.prompts)) == len(got.prompts)
+    assert all(not mp.has_template_tag(p, got.prefix.tags) for p in got.prompts)
+
+
+def test_cli_writes_the_prompt_set(tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    def fake_generate(model_dir, cfg, device=None, progress=False):
+        seen.update(model_dir=model_dir, cfg=cfg, device=device)
+        return mp.MagpieResult(prompts=["Write a poem about rain.", "How do tides work here?"], requests=3, rounds=1,
+                               dropped={DROP_OVERLONG: 1}, seconds=0.5, prefix=user_turn_prefix(tiny_tokenizer()))
+
+    monkeypatch.setattr(mp, "generate_magpie_prompts", fake_generate)
+    out = str(tmp_path / "p.jsonl")
+    mp.main(["--count", "2", "--out", out, "--model_dir", "/m", "--temperature", "0.9", "--seed", "4",
+             "--seed_mode", "batch", "--device", "cpu"])
+    assert seen["model_dir"] == "/m" and seen["device"] == "cpu"
+    assert (seen["cfg"].count, seen["cfg"].temperature, seen["cfg"].seed, seen["cfg"].seed_mode) == (2, 0.9, 4, "batch")
+    assert [r.prompt for r in read_prompt_set(out)] == ["Write a poem about rain.", "How do tides work here?"]
+    assert "2 prompts from 3 sampled turns" in capsys.readouterr().out
+
+
+# ---- mixing and prompt-set files ----
+
+
+def _pools():
+    general = as_records([f"general prompt {i}" for i in range(30)], mp.KIND_GENERAL, mp.SOURCE_MAGPIE)
+    gsm8k = as_records([f"math question {i}" for i in range(20)], mp.KIND_MATH, mp.SOURCE_GSM8K)
+    return general, gsm8k
+
+
+def test_mix_prompts_keeps_the_ratio_and_is_seeded():
+    general, gsm8k = _pools()
+    mixed = mix_prompts(general, gsm8k, 0.25, 24, seed=3)
+    assert Counter(r.source for r in mixed) == {mp.SOURCE_MAGPIE: 18, mp.SOURCE_GSM8K: 6}
+    assert len(set(mixed)) == 24  # drawn without replacement
+    assert mix_prompts(general, gsm8k, 0.25, 24, seed=3) == mixed
+    assert mix_prompts(general, gsm8k, 0.25, 24, seed=4) != mixed
+    sources = [r.source for r in mixed]
+    assert sources != sorted(sources)  # shuffled together, not two blocks
+
+
+def test_mix_counts_edges():
+    assert mix_counts(30, 20, 0.0, None) == (30, 0)
+    assert mix_counts(30, 20, 1.0, None) == (0, 20)
+    assert mix_counts(30, 20, 0.5, None) == (20, 20)  # GSM8K is the limit
+    assert mix_counts(30, 20, 0.25, None) == (30, 10)  # general is the limit: 40 in all
+    with pytest.raises(ValueError, match="needs 25 general"):
+        mix_counts(10, 20, 0.5, 50)
+    with pytest.raises(ValueError, match="gsm8k_fraction"):
+        mix_counts(10, 20, 1.5, None)
+
+
+def test_prompt_set_round_trip(tmp_path):
+    records = [PromptRecord("general", "magpie", "Line one\nline two, \"quoted\", ünïcode ✓"),
+               PromptRecord("math", "gsm8k_train", "What is 2 + 3?")]
+    path = str(tmp_path / "sub" / "prompts.jsonl")
+    write_prompt_set(path, records)
+    assert read_prompt_set(path) == records
+    lines = open(path, encoding="utf-8").read().splitlines()
+    assert len(lines) == 2 and set(json.loads(lines[0])) == {"kind", "source", "prompt"}
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"kind": "general", "prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: missing or non-string source"):
+        read_prompt_set(str(tmp_path / "bad.jsonl"))
+
+
+# ---- the held-out set ----
+
+
+def test_heldout_file_is_valid():
+    rows = load_heldout()
+    assert os.path.basename(DEFAULT_HELDOUT_PATH) == "heldout_prompts.jsonl"
+    assert Counter(r["kind"] for r in rows) == HELDOUT_KIND_COUNTS
+    assert len({r["id"] for r in rows}) == len(rows)
+    assert len({normalize_prompt(r["prompt"]) for r in rows}) == len(rows)  # no duplicates
+    for r in rows:
+        assert {"id", "kind", "prompt", "source"} <= set(r) and r["source"] == HELDOUT_SOURCE
+        assert r["id"].startswith(r["kind"] + "-") and len(r["prompt"].split()) >= 4
+        assert not mp.has_template_tag(r["prompt"], ())
+    assert all(r.get("answer") for r in rows if r["kind"] == "math")
+
+
+def test_heldout_is_not_gsm8k():
+    from unit_tests.data_paths import require_gsm8k
+
+    heldout = [r["prompt"] for r in load_heldout()]
+    for split in ("train", "test"):
+        with open(require_gsm8k(split)) as f:
+            questions = [json.loads(line)["question"] for line in f if line.strip()]
+        assert heldout_overlap(questions, heldout) == []
+
+
+def test_heldout_overlap_matches_after_normalising():
+    heldout = ["How do tides work?", "Write a haiku about coffee."]
+    prompts = ["how do TIDES work", "How do waves work?", "Write a haiku about coffee!", "  write a haiku about coffee"]
+    assert heldout_overlap(prompts, heldout) == [0, 2, 3]
+    assert heldout_overlap([], heldout) == [] and heldout_overlap(prompts, []) == []
