@@ -12,25 +12,29 @@ An arm is ``strict`` or ``B:g:m``. ``--triton_on_cpu`` runs the Triton verify an
 kernels (under TRITON_INTERPRET=1) instead of their PyTorch twins when the engine is on CPU.
 """
 import argparse
-import json
 import os
-import time
+import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, REPO_ROOT)
+
+from lightllm.tools.client import USAGE, AsdSetting, generate_offline, model_dir_or_embedded  # noqa: E402 (after the path set-up)
+from lightllm.tools.prompts import chat_prompt_ids, gsm8k_path, load_gsm8k, solve_turns  # noqa: E402
+from lightllm.tools.report import Column, render_table, tokens_per_step, write_json  # noqa: E402
+
+DEFAULT_ARMS = f"strict,{USAGE.budget:g}:{USAGE.local_ratio:g}:{USAGE.max_mismatch},8:0.25:2"
 
 
 @dataclass(frozen=True)
 class ArmSpec:
     name: str
-    budget: Optional[float] = None  # None: strict (ASD flags unset)
-    local_ratio: Optional[float] = None
-    max_mismatch: Optional[int] = None
+    asd: Optional[AsdSetting] = None  # None: strict (ASD flags unset)
 
     def start_args(self) -> Dict:
-        if self.budget is None:
-            return {}
-        return dict(mtp_asd_regret_budget=self.budget, mtp_asd_local_regret_ratio=self.local_ratio,
-                    mtp_asd_block_max_mismatch=self.max_mismatch)
+        return self.asd.start_args() if self.asd else {}
 
 
 @dataclass
@@ -51,7 +55,7 @@ def parse_arm(text: str) -> ArmSpec:
     parts = text.split(":")
     if len(parts) != 3:
         raise argparse.ArgumentTypeError(f"arm {text!r}: use 'strict' or B:g:m (e.g. 2.0625:0.25:2)")
-    return ArmSpec(text, float(parts[0]), float(parts[1]), int(parts[2]))
+    return ArmSpec(text, AsdSetting(float(parts[0]), float(parts[1]), int(parts[2])))
 
 
 def summarize(name: str, results, seconds: float) -> ArmResult:
@@ -59,7 +63,7 @@ def summarize(name: str, results, seconds: float) -> ArmResult:
     acc = sum(r.mtp_accepted_token_num for r in results)
     relaxed = sum(r.asd_relaxed_token_num for r in results)
     steps = out - acc  # one committed target token per step, the prefill's included
-    return ArmResult(name, out / steps, out, acc, relaxed, (acc - relaxed) / steps, seconds,
+    return ArmResult(name, tokens_per_step(out, acc), out, acc, relaxed, (acc - relaxed) / steps, seconds,
                      [r.token_ids for r in results])
 
 
@@ -73,13 +77,26 @@ def use_triton_kernels_on_cpu() -> None:
     draft.mtp_scatter_next_token_ids_torch = mtp_utils.mtp_scatter_next_token_ids
 
 
+TABLE = (Column("name", "arm"), Column("tokens_per_step", "tokens/step", ".3f"),
+         Column("gain_vs_strict", "vs strict", "+.1%"), Column("relaxed_tokens", "relaxed tokens"),
+         Column("exact_matches_per_step", "exact matches/step", ".3f"), Column("seconds", "s", ".0f"))
+
+
+def render(results: List[ArmResult]) -> str:
+    strict = next((r for r in results if r.name == "strict"), None)
+    rows = [{**vars(r), "gain_vs_strict": r.tokens_per_step / strict.tokens_per_step - 1 if strict else None}
+            for r in results]
+    return render_table(rows, TABLE, markdown=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="GSM8K test jsonl")
+    p.add_argument("--data", default=None, help="GSM8K test jsonl (default: $LIGHTLLM_GSM8K_DIR or "
+                                                "../shared/data/gsm8k beside the checkout)")
     p.add_argument("--num_questions", type=int, default=32)
     p.add_argument("--max_new_tokens", type=int, default=160)
     p.add_argument("--mtp_step", type=int, default=3)
-    p.add_argument("--arms", default="strict,2.0625:0.25:2,8:0.25:2")
+    p.add_argument("--arms", default=DEFAULT_ARMS)
     p.add_argument("--running_max_req_size", type=int, default=None,
                    help="requests decoded together (default: all; fewer admits the rest as others finish)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
@@ -99,39 +116,25 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     from lightllm.server.core.objs.start_args_type import StartArgs
-    from lightllm.server.offline_engine import OfflineEngine
-    from lightllm.tools.eval_gsm8k import chat_prompt_text, load_questions
-    from lightllm.utils.embedded_model import get_default_model_dir
 
     if a.triton_on_cpu:
         use_triton_kernels_on_cpu()
-    tok = AutoTokenizer.from_pretrained(get_default_model_dir())
-    questions = load_questions(a.data, a.num_questions)
-    prompts = [tok.encode(chat_prompt_text(tok, q.question), add_special_tokens=True) for q in questions]
+    tok = AutoTokenizer.from_pretrained(model_dir_or_embedded(None))
+    prompts = chat_prompt_ids(tok, solve_turns(load_gsm8k(gsm8k_path("test", a.data), a.num_questions)))
     params = [{"max_new_tokens": a.max_new_tokens, "do_sample": False}] * len(prompts)
     results: List[ArmResult] = []
     running = a.running_max_req_size or len(prompts)
     max_len = max(map(len, prompts)) + a.max_new_tokens
     for arm in arms:
-        eng = OfflineEngine(StartArgs(mtp_mode="eagle_with_att", mtp_step=a.mtp_step, running_max_req_size=running,
-                                      max_req_total_len=max_len, **arm.start_args()),
-                            device=a.device, dtype=a.dtype)
-        t0 = time.perf_counter()
-        res = eng.generate(prompts, params, eos_token_ids=eng.eos_token_ids(), progress=True)
-        results.append(summarize(arm.name, res, time.perf_counter() - t0))
-        del eng
+        start_args = StartArgs(mtp_mode="eagle_with_att", mtp_step=a.mtp_step, running_max_req_size=running,
+                               max_req_total_len=max_len, **arm.start_args())
+        res, seconds = generate_offline(start_args, prompts, params, device=a.device, dtype=a.dtype)
+        results.append(summarize(arm.name, res, seconds))
 
-    strict = next((r for r in results if r.name == "strict"), None)
     print(f"{len(prompts)} questions, {a.max_new_tokens} new tokens, K = {a.mtp_step}")
-    print("| arm | tokens/step | vs strict | relaxed tokens | exact matches/step | s |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        rel = f"{r.tokens_per_step / strict.tokens_per_step - 1:+.1%}" if strict else "-"
-        print(f"| {r.name} | {r.tokens_per_step:.3f} | {rel} | {r.relaxed_tokens} | {r.exact_matches_per_step:.3f} "
-              f"| {r.seconds:.0f} |")
+    print(render(results))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "arms": [asdict(r) for r in results]}, f)
+        write_json(a.out, {"args": vars(a), "arms": [asdict(r) for r in results]}, indent=None)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ per-request parameter (`asd_regret_budget`), and B = 0 is token-identical to str
 verification, so it is the baseline. Each round sends the same GSM8K wave once per budget,
 in an order rotated every round; the speed-up of budget B is the median over rounds of
 tok/s(B) / tok/s(B = 0) within the same round. The same ratio is also taken on the
-engine's own clock (`lightllm_batch_step_seconds` from /metrics: time inside batch
+engine's own clock (the batch-step seconds of /metrics: time inside batch
 steps), which leaves out the HTTP front end and the client. Last, output tokens per batch
 step of B over those of B = 0 is the speed-up ASD would give if its steps cost what B = 0's
 do: nearly free of timing noise (outputs are deterministic; only admission follows the
@@ -21,7 +21,6 @@ ASD verify kernel (about 2 us per step, docs/results.md section 6).
         --budgets 0,2.0625,8 --rounds 3 --concurrency 256 --max_new_tokens 256 --out asd_budgets.json
 """
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -29,16 +28,30 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
-from lightllm.tools.eval_gsm8k import ENGINE_SECONDS  # noqa: E402 (after the path set-up)
+from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
+    ENGINE_CLOCK,
+    USAGE,
+    AsdSetting,
+    auto_max_req_total_len,
+    generate_body,
+    model_dir_or_embedded,
+    send_all,
+    serve,
+    server_flags,
+    warm_up,
+    wave_server_flags,
+)
+from lightllm.tools.prompts import chat_prompt_texts, load_gsm8k, solve_turns  # noqa: E402
+from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
+from lightllm.utils.server_launcher import scrape  # noqa: E402
 
 BASELINE_BUDGET = 0.0
-ENGINE_METRICS = (ENGINE_SECONDS, "lightllm_batch_steps_total", "lightllm_batch_step_requests_total")
 
 
 @dataclass
@@ -127,16 +140,16 @@ def _ratios(xs: Sequence[float]) -> str:
     return ", ".join(f"{x:.3f}" for x in xs)
 
 
-def render_table(rows: Sequence[BudgetRow]) -> str:
-    head = ("| B | waves | tokens/step | vs B = 0 | median tok/s | min | max | speed-up vs B = 0 (median of rounds) "
-            "| per round | engine speed-up vs B = 0 | per round | mean batch | ms / batch step | speed-up at B = 0's step cost |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(f"| {r.budget:g} | {r.waves} | {r.tokens_per_step:.3f} | {100 * r.tokens_per_step_gain:+.1f}% | "
-                     f"{r.median_tok_s:.1f} | {r.min_tok_s:.1f} | {r.max_tok_s:.1f} | {r.speedup_vs_b0:.3f}x | "
-                     f"{_ratios(r.round_ratios)} | {r.engine_speedup_vs_b0:.3f}x | {_ratios(r.engine_round_ratios)} | "
-                     f"{r.mean_batch:.1f} | {r.ms_per_batch_step:.2f} | {r.step_cost_speedup_vs_b0:.3f}x |")
-    return "\n".join(lines)
+TABLE = (
+    Column("budget", "B", "g"), Column("waves", "waves"), Column("tokens_per_step", "tokens/step", ".3f"),
+    Column("tokens_per_step_gain", "vs B = 0", "+.1%"), Column("median_tok_s", "median tok/s", ".1f"),
+    Column("min_tok_s", "min", ".1f"), Column("max_tok_s", "max", ".1f"),
+    Column("speedup_vs_b0", "speed-up vs B = 0 (median of rounds)", ".3f", "x"),
+    Column("round_ratios", "per round", _ratios), Column("engine_speedup_vs_b0", "engine speed-up vs B = 0", ".3f", "x"),
+    Column("engine_round_ratios", "per round", _ratios), Column("mean_batch", "mean batch", ".1f"),
+    Column("ms_per_batch_step", "ms / batch step", ".2f"),
+    Column("step_cost_speedup_vs_b0", "speed-up at B = 0's step cost", ".3f", "x"),
+)
 
 
 def parse_budgets(s: str) -> List[float]:
@@ -159,9 +172,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model_dir", default=None, help="default: the embedded model")
     p.add_argument("--mtp_mode", default="eagle_with_att")
     p.add_argument("--mtp_step", type=int, default=3)
-    p.add_argument("--budgets", type=parse_budgets, default=parse_budgets("0,2.0625,8"))
-    p.add_argument("--local_ratio", type=float, default=0.25, help="--mtp_asd_local_regret_ratio (g)")
-    p.add_argument("--max_mismatch", type=int, default=2, help="--mtp_asd_block_max_mismatch (m)")
+    p.add_argument("--budgets", type=parse_budgets, default=parse_budgets(f"0,{USAGE.budget:g},8"))
+    p.add_argument("--local_ratio", type=float, default=USAGE.local_ratio, help="--mtp_asd_local_regret_ratio (g)")
+    p.add_argument("--max_mismatch", type=int, default=USAGE.max_mismatch, help="--mtp_asd_block_max_mismatch (m)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--max_new_tokens", type=int, default=256)
@@ -176,58 +189,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    import httpx
     from transformers import AutoTokenizer
-
-    from lightllm.tools.eval_gsm8k import (
-        DEFAULT_BATCH_MAX_TOKENS,
-        WARMUP_MAX_NEW_TOKENS,
-        WARMUP_REQUESTS,
-        Arm,
-        auto_max_req_total_len,
-        base_server_flags,
-        chat_prompt_text,
-        generate_payload,
-        load_questions,
-        post_all,
-        sample_deltas,
-        server_env,
-    )
-    from lightllm.utils.server_launcher import launch_server
 
     args = parse_args(argv)
     if args.from_json:
         return print_saved(args.from_json)
-    if args.model_dir:
-        model_dir = os.path.abspath(args.model_dir)
-    else:
-        from lightllm.utils.embedded_model import get_default_model_dir
-
-        model_dir = get_default_model_dir()
+    model_dir = model_dir_or_embedded(args.model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    questions = load_questions(args.data, args.num_questions)
-    prompts = [chat_prompt_text(tok, q.question) for q in questions]
+    prompts = chat_prompt_texts(tok, solve_turns(load_gsm8k(args.data, args.num_questions)))
     max_len = auto_max_req_total_len([len(tok.encode(p)) for p in prompts], args.max_new_tokens)
-    # eval_gsm8k's server set-up; the server's own budget is B = 0, each request sets its own
-    asd = Arm("asd", budget=BASELINE_BUDGET, local_ratio=args.local_ratio, max_mismatch=args.max_mismatch)
-    flags = (base_server_flags(model_dir, args.concurrency, max_len, DEFAULT_BATCH_MAX_TOKENS, args.server_extra)
-             + asd.server_flags(args.mtp_mode, args.mtp_step, None))
+    # the server's own budget is B = 0, each request sets its own
+    asd = AsdSetting(BASELINE_BUDGET, args.local_ratio, args.max_mismatch)
+    flags = (wave_server_flags(model_dir, args.concurrency, max_len, extra=args.server_extra)
+             + server_flags(mtp_mode=args.mtp_mode, mtp_step=args.mtp_step, **asd.start_args()))
     log = os.path.join(tempfile.mkdtemp(prefix="bench_asd_budgets_"), "server.log")
     print(f"{len(prompts)} questions, budgets {args.budgets}, {args.rounds} rounds; server log {log}", flush=True)
-    server = launch_server(flags, log, env=server_env())
     waves: List[Wave] = []
-    try:
-        warm = [generate_payload(p, min(WARMUP_MAX_NEW_TOKENS, args.max_new_tokens)) for p in prompts[:WARMUP_REQUESTS]]
-        asyncio.run(post_all(server.url, warm, args.concurrency, None))
+    with serve(flags, log) as server:
+        warm_up(server.url, prompts, args.max_new_tokens, args.concurrency)
         for r, order in enumerate(round_orders(args.budgets, args.rounds)):
             for b in order:
-                payloads = [generate_payload(p, args.max_new_tokens, b) for p in prompts]
-                before = httpx.get(server.url + "/metrics").text
+                bodies = [generate_body(p, args.max_new_tokens, b, return_details=True) for p in prompts]
+                before = scrape(server.url)
                 t0 = time.perf_counter()
-                res = asyncio.run(post_all(server.url, payloads, args.concurrency, f"round {r} B={b:g}"))
+                res = send_all(server.url, bodies, args.concurrency, f"round {r} B={b:g}")
                 wall = time.perf_counter() - t0
-                delta = sample_deltas(before, httpx.get(server.url + "/metrics").text, ENGINE_METRICS)
-                engine_s, batch_steps, batch_reqs = (delta[n] for n in ENGINE_METRICS)
+                grown = scrape(server.url) - before
+                engine_s, batch_steps, batch_reqs = (grown.value(n) for n in ENGINE_CLOCK)
                 count = sum(x["count_output_tokens"] for x in res)
                 waves.append(Wave(
                     r, b, wall, count, count - sum(x["mtp_accepted_token_num"] for x in res),
@@ -235,10 +223,8 @@ def main(argv=None) -> int:
                     [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None))
             if args.out:  # after every round: a run cut short keeps its finished rounds
                 write_results(args.out, args, flags, waves)
-    finally:
-        server.stop()
     rows = summarize(waves, args.budgets)
-    print(render_table(rows))
+    print(render_table(rows, TABLE, markdown=True))
     print(f"B = 0 waves token-identical across rounds: {b0_rounds_identical(waves)}")
     return 0
 
@@ -252,19 +238,17 @@ def print_saved(path: str) -> int:
         raise SystemExit(f"{path}: its waves lack {sorted(missing)} (written before the engine clock)")
     waves = [Wave(**{k: v for k, v in w.items() if k in fields}) for w in saved["waves"]]
     budgets = [float(b) for b in saved["args"]["budgets"]]
-    print(render_table(summarize(waves, budgets)))
+    print(render_table(summarize(waves, budgets), TABLE, markdown=True))
     print(f"B = 0 waves token-identical across rounds: {saved['b0_rounds_identical']}")
     return 0
 
 
 def write_results(path: str, args, flags: List[str], waves: Sequence[Wave]) -> None:
     rows = summarize(waves, args.budgets)
-    with open(path, "w") as f:
-        json.dump({"args": vars(args), "server_flags": flags, "rounds_done": 1 + max(w.round for w in waves),
-                   "b0_rounds_identical": b0_rounds_identical(waves), "rows": [asdict(r) for r in rows],
-                   "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s,
-                              "engine_tokens_per_s": w.engine_tokens_per_s} for w in waves]},
-                  f, indent=1)
+    write_json(path, {"args": vars(args), "server_flags": flags, "rounds_done": 1 + max(w.round for w in waves),
+                      "b0_rounds_identical": b0_rounds_identical(waves), "rows": [asdict(r) for r in rows],
+                      "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s,
+                                 "engine_tokens_per_s": w.engine_tokens_per_s} for w in waves]}, indent=1)
 
 
 if __name__ == "__main__":

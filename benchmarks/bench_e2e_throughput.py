@@ -29,10 +29,7 @@ equals the first config's (strict MTP must reproduce plain decoding) and transfo
         --configs "plain=;mtp_k3=--mtp_mode eagle_with_att --mtp_step 3"
 """
 import argparse
-import asyncio
-import json
 import logging
-import math
 import os
 import platform
 import shlex
@@ -41,16 +38,27 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
-# GSM8K test split: $LIGHTLLM_GSM8K_DIR, else ../shared/data/gsm8k beside the checkout (as the tests find it)
-DEFAULT_GSM8K = os.path.join(os.environ.get("LIGHTLLM_GSM8K_DIR") or os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k"),
-                             "test.jsonl")
+from lightllm.tools.client import USAGE, free_device_memory, generate_body, model_dir_or_embedded, send_timed, serve  # noqa: E402 (after the path set-up)
+from lightllm.tools.prompts import (  # noqa: E402
+    chat_prompt_ids,
+    chat_prompt_texts,
+    gsm8k_path,
+    load_gsm8k,
+    load_prompt_file,
+    take_cyclic,
+)
+from lightllm.tools.report import Column, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
+
 DEFAULT_CONFIG_NAME = "engine"
 HF_NAME = "transformers"
 PERCENTILES = (50, 90, 99)
@@ -61,12 +69,9 @@ LLAMA3_8B_SHAPE = dict(
     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
     tie_word_embeddings=False, torch_dtype="bfloat16",
 )
-REQUEST_TIMEOUT_S = 1800.0
 
 
-# ---------------------------------------------------------------------------
-# Pure parts (unit-tested in unit_tests/benchmarks/test_bench_e2e.py)
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- pure parts
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,7 @@ def write_dummy_model_dir(out_dir: str, shape: Dict[str, object], tokenizer_dir:
     for name in os.listdir(tokenizer_dir):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(shape, f, indent=2)
+    write_json(os.path.join(out_dir, "config.json"), shape)
     return out_dir
 
 
@@ -120,19 +124,6 @@ def parse_configs(spec: Optional[str], shared_args: str = "") -> List[ServerConf
     return configs
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of an empty sequence")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in 0..100, got {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 @dataclass
 class RequestResult:
     """What one request produced and how long it took (client side)."""
@@ -154,10 +145,7 @@ def summarize(name: str, results: Sequence[RequestResult], wall_s: float) -> Dic
         raise ValueError(f"{name}: wall time must be > 0, got {wall_s}")
     out_tokens = sum(r.output_tokens for r in results)
     accepted = sum(r.mtp_accepted_token_num for r in results)
-    latencies = [r.latency_s for r in results]
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
-    # each forward step emits one token plus its accepted drafts
-    steps = out_tokens - accepted
     row: Dict[str, object] = {
         "name": name,
         "num_requests": len(results),
@@ -167,56 +155,21 @@ def summarize(name: str, results: Sequence[RequestResult], wall_s: float) -> Dic
         "output_tokens_per_s": out_tokens / wall_s,
         "mean_output_tokens": out_tokens / len(results),
         "mtp_accepted_tokens": accepted,
-        "tokens_per_step": out_tokens / steps if steps > 0 else None,
+        "tokens_per_step": tokens_per_step(out_tokens, accepted),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
     }
-    for q in PERCENTILES:
-        row[f"latency_p{q}_s"] = percentile(latencies, q)
+    for q, v in zip(PERCENTILES, np.percentile([r.latency_s for r in results], PERCENTILES)):
+        row[f"latency_p{q}_s"] = float(v)
     return row
 
 
-def same_text_fraction(texts: Sequence[str], reference: Sequence[str]) -> float:
-    if len(texts) != len(reference):
-        raise ValueError(f"{len(texts)} texts vs {len(reference)} reference texts")
-    if not texts:
-        raise ValueError("no texts to compare")
-    return sum(a == b for a, b in zip(texts, reference)) / len(texts)
-
-
-def add_ratios(rows: List[Dict[str, object]], baseline: Dict[str, object],
-               key: str = "output_tokens_per_s") -> None:
+def add_ratios_to_baseline_and_first(rows: List[Dict[str, object]], baseline: Dict[str, object],
+                                     key: str = "output_tokens_per_s") -> None:
     """Set ``vs_<baseline>`` (each row / baseline) and ``vs_first`` (each row / rows[0]) in place."""
     first = rows[0][key]
     for row in rows:
         row[f"vs_{baseline['name']}"] = row[key] / baseline[key] if baseline[key] else None
         row["vs_first"] = row[key] / first if first else None
-
-
-@dataclass(frozen=True)
-class Column:
-    key: str
-    header: str
-    fmt: str  # format spec for numbers, e.g. ".1f"
-
-
-def _cell(value, fmt: str) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return format(value, fmt)
-    return str(value)
-
-
-def render_table(rows: Sequence[Dict[str, object]], columns: Sequence[Column]) -> str:
-    """A plain-text table: first column left-aligned, the rest right-aligned; missing values are '-'."""
-    cells = [[c.header for c in columns]] + [[_cell(r.get(c.key), c.fmt) for c in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-
-    def line(row: List[str]) -> str:
-        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip()
-
-    sep = "  ".join("-" * w for w in widths)
-    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 
 
 TABLE_COLUMNS = [
@@ -235,148 +188,44 @@ TABLE_COLUMNS = [
 ]
 
 
-def load_gsm8k_questions(path: str, n: int) -> List[str]:
-    questions = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                questions.append(json.loads(line)["question"])
-            if len(questions) == n:
-                break
-    return questions
+# ------------------------------------------------------------------ the engine: a real server process, driven over HTTP
 
 
-def load_prompt_file(path: str, n: int) -> List[str]:
-    """One prompt per non-empty line; a line that is a JSON string is decoded (so prompts can hold newlines)."""
-    prompts = []
-    with open(path) as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if line.startswith('"'):
-                line = json.loads(line)
-            prompts.append(line)
-            if len(prompts) == n:
-                break
-    return prompts
+def _result(timed) -> RequestResult:
+    out = timed.response
+    if timed.streamed_tokens is None:  # /generate
+        return RequestResult(timed.latency_s, out["count_output_tokens"], out["prompt_tokens"], out["generated_text"][0],
+                             out["finish_reason"], out.get("mtp_accepted_token_num", 0))
+    details = out.get("details") or {}  # /generate_stream's final event
+    return RequestResult(timed.latency_s, timed.streamed_tokens, details.get("prompt_tokens", -1),
+                         out["generated_text"], out["finish_reason"], details.get("mtp_accepted_token_num", 0),
+                         timed.ttft_s)
 
 
-def take_cyclic(items: Sequence[str], n: int) -> List[str]:
-    """n items, repeating ``items`` if there are fewer."""
-    if not items:
-        raise ValueError("no prompts")
-    return [items[i % len(items)] for i in range(n)]
-
-
-# ---------------------------------------------------------------------------
-# The engine: a real server process, driven over HTTP
-# ---------------------------------------------------------------------------
-
-
-async def _one_request(client, prompt: str, params: dict, stream: bool) -> RequestResult:
-    body = {"inputs": prompt, "parameters": params}
-    t0 = time.perf_counter()
-    if not stream:
-        r = await client.post("/generate", json=body)
-        if r.status_code != 200:
-            raise RuntimeError(f"/generate returned {r.status_code}: {r.text}")
-        out = r.json()
-        return RequestResult(
-            latency_s=time.perf_counter() - t0, output_tokens=out["count_output_tokens"],
-            prompt_tokens=out["prompt_tokens"], text=out["generated_text"][0],
-            finish_reason=out["finish_reason"], mtp_accepted_token_num=out.get("mtp_accepted_token_num", 0),
-        )
-    ttft = None
-    n_tokens = 0
-    last = None
-    async with client.stream("POST", "/generate_stream", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"/generate_stream returned {r.status_code}: {(await r.aread()).decode()}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            ev = json.loads(line[len("data: "):])
-            if ev.get("token") is not None:
-                n_tokens += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-            last = ev
-    if last is None or not last.get("finished"):
-        raise RuntimeError(f"/generate_stream ended without a finished event (last: {last})")
-    details = last.get("details") or {}
-    return RequestResult(
-        latency_s=time.perf_counter() - t0, output_tokens=n_tokens,
-        prompt_tokens=details.get("prompt_tokens", -1), text=last["generated_text"],
-        finish_reason=last["finish_reason"], mtp_accepted_token_num=details.get("mtp_accepted_token_num", 0),
-        ttft_s=ttft,
-    )
-
-
-async def _drive(url: str, prompts: Sequence[str], params: dict, concurrency: int, stream: bool,
-                 desc: Optional[str]) -> Tuple[List[RequestResult], float]:
-    """Send every prompt with at most ``concurrency`` in flight; results in prompt order and the wall time."""
-    import httpx
-    from tqdm import tqdm
-
-    sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=False) if desc else None
-    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        async def bounded(prompt: str) -> RequestResult:
-            async with sem:
-                res = await _one_request(client, prompt, params, stream)
-            if bar is not None:
-                bar.update(1)
-            return res
-
-        t0 = time.perf_counter()
-        try:
-            results = await asyncio.gather(*(bounded(p) for p in prompts))
-        finally:
-            if bar is not None:
-                bar.close()
-        wall = time.perf_counter() - t0
-    return list(results), wall
-
-
-def run_engine(config: ServerConfig, prompts: List[str], args, log_dir: str, env: dict) -> Tuple[dict, List[RequestResult]]:
-    from lightllm.utils.server_launcher import launch_server
-
+def run_engine(config: ServerConfig, prompts: List[str], args, log_dir: str) -> Tuple[dict, List[RequestResult]]:
     log_path = os.path.join(log_dir, f"server_{config.name}.log")
     print(f"[{config.name}] starting server: {' '.join(config.args) or '(defaults)'}  (log: {log_path})", flush=True)
     t0 = time.perf_counter()
-    server = launch_server(list(config.args), log_path, env=env)
-    try:
+    with serve(config.args, log_path) as server:
         print(f"[{config.name}] up in {time.perf_counter() - t0:.1f}s at {server.url}", flush=True)
-        params = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "do_sample": False}
+        params = {"ignore_eos": args.ignore_eos}
         n_warm = min(args.warmup_requests, len(prompts))
         if n_warm:
-            warm_params = dict(params, max_new_tokens=min(args.warmup_tokens, args.max_new_tokens))
-            _, warm_s = asyncio.run(_drive(server.url, prompts[:n_warm], warm_params, args.concurrency,
-                                           args.stream, None))
+            warm = [generate_body(p, min(args.warmup_tokens, args.max_new_tokens), **params) for p in prompts[:n_warm]]
+            _, warm_s = send_timed(server.url, warm, args.concurrency, args.stream)
             print(f"[{config.name}] warm-up: {n_warm} requests in {warm_s:.1f}s", flush=True)
-        results, wall = asyncio.run(_drive(server.url, prompts, params, args.concurrency, args.stream, config.name))
-    finally:
-        server.stop()
+        bodies = [generate_body(p, args.max_new_tokens, **params) for p in prompts]
+        timed, wall = send_timed(server.url, bodies, args.concurrency, args.stream, config.name)
+    results = [_result(t) for t in timed]
     row = summarize(config.name, results, wall)
     row["server_args"] = list(config.args)
-    row["finish_reasons"] = _count(r.finish_reason for r in results)
+    row["finish_reasons"] = dict(Counter(str(r.finish_reason) for r in results))
     print(f"[{config.name}] {len(results)} requests in {wall:.2f}s, {row['output_tokens_per_s']:.1f} out tok/s",
           flush=True)
     return row, results
 
 
-def _count(items) -> Dict[str, int]:
-    out: Dict[str, int] = {}
-    for x in items:
-        out[str(x)] = out.get(str(x), 0) + 1
-    return out
-
-
-# ---------------------------------------------------------------------------
-# The baseline: transformers' generate
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- the baseline: transformers' generate
 
 
 def run_transformers(model_dir: str, device: str, dtype_name: str, prompts: List[str], args,
@@ -405,14 +254,10 @@ def run_transformers(model_dir: str, device: str, dtype_name: str, prompts: List
             out = model.generate(**enc, generation_config=cfg)
         return out[:, enc["input_ids"].shape[1]:]
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
     # warm-up: CUDA context, cuBLAS handles, allocator
     generate(batches[0], GenerationConfig(max_new_tokens=2, min_new_tokens=0, do_sample=False,
                                           pad_token_id=pad_id, eos_token_id=eos_ids))
-    sync()
+    _sync()
     results: List[Optional[RequestResult]] = [None] * len(prompts)
     eos = set(eos_ids)
     bar = tqdm(total=len(prompts), desc=HF_NAME, unit="req", leave=False)
@@ -420,7 +265,7 @@ def run_transformers(model_dir: str, device: str, dtype_name: str, prompts: List
     for batch in batches:
         tb = time.perf_counter()
         new = generate(batch, gen_cfg)
-        sync()
+        _sync()
         lat = time.perf_counter() - tb
         for row, i in enumerate(batch):
             toks = new[row].tolist()
@@ -438,13 +283,12 @@ def run_transformers(model_dir: str, device: str, dtype_name: str, prompts: List
     row["tokens_per_step"] = None
     row["batch_size"] = args.hf_batch_size
     print(f"[{HF_NAME}] {len(prompts)} prompts in {wall:.2f}s, {row['output_tokens_per_s']:.1f} out tok/s", flush=True)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    model = None  # the last reference (generate's closure shares it)
+    free_device_memory()
     return row, results
 
 
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- the model and the prompts
 
 
 def resolve_model_and_dtype(configs: List[ServerConfig], device: str) -> Tuple[str, str]:
@@ -461,11 +305,7 @@ def resolve_model_and_dtype(configs: List[ServerConfig], device: str) -> Tuple[s
         raise ValueError(f"configs serve different models/dtypes {sorted(map(str, seen))}: "
                          "one transformers baseline cannot match them all")
     model_dir, dtype = seen.pop()
-    if model_dir is None:
-        from lightllm.utils.embedded_model import get_default_model_dir
-
-        model_dir = get_default_model_dir()
-    return model_dir, dtype
+    return model_dir_or_embedded(model_dir), dtype
 
 
 def build_prompts(args, model_dir: str) -> List[str]:
@@ -473,30 +313,16 @@ def build_prompts(args, model_dir: str) -> List[str]:
         return take_cyclic(load_prompt_file(args.prompt_file, args.num_prompts), args.num_prompts)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    questions = take_cyclic(load_gsm8k_questions(args.gsm8k, args.num_prompts), args.num_prompts)
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-            for q in questions]
+    questions = [q.question for q in load_gsm8k(gsm8k_path("test", args.gsm8k), args.num_prompts)]
+    return chat_prompt_texts(AutoTokenizer.from_pretrained(model_dir), take_cyclic(questions, args.num_prompts))
 
 
-def server_env(device: str) -> dict:
-    env = dict(os.environ)
-    if device != "cuda":
-        env.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in the interpreter on CPU
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    return env
-
-
-# ---------------------------------------------------------------------------
-# The in-process matrix: engine vs transformers per model, mode and batch (--matrix)
-# ---------------------------------------------------------------------------
+# ----------------------------------- the in-process matrix (--matrix): engine vs transformers per model, mode and batch
 
 MATRIX_MODES = {
     "plain": {},
     "mtp3": dict(mtp_mode="eagle_with_att", mtp_step=3),
-    "asd_usage": dict(mtp_mode="eagle_with_att", mtp_step=3, mtp_asd_regret_budget=2.0625,
-                      mtp_asd_local_regret_ratio=0.25, mtp_asd_block_max_mismatch=2),
+    "asd_usage": dict(mtp_mode="eagle_with_att", mtp_step=3, **USAGE.start_args()),
 }
 MATRIX_MODELS = ("embedded", "llama3_8b_dummy")
 MATRIX_BATCHES = {"embedded": {"plain": (1, 64, 256), "mtp3": (1, 64), "asd_usage": (1, 64)},
@@ -565,17 +391,6 @@ def _hf_wave(model, prompts, max_new_tokens: int, pad_id: int) -> Wave:
     return Wave(int(out.shape[0]) * (int(out.shape[1]) - width), time.perf_counter() - t0)
 
 
-def _free_cuda(*objs) -> None:
-    import gc
-
-    import torch
-
-    del objs
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_matrix(args) -> List[dict]:
     """Per model: transformers and the engine's modes, waves alternating within each batch."""
     import subprocess
@@ -585,16 +400,14 @@ def run_matrix(args) -> List[dict]:
 
     from lightllm.server.core.objs.start_args_type import StartArgs
     from lightllm.server.offline_engine import OfflineEngine
-    from lightllm.tools.train_mtp_draft import build_prompt_ids
-    from lightllm.utils.embedded_model import get_default_model_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO_ROOT).stdout.strip()
-    embedded = get_default_model_dir()
+    embedded = model_dir_or_embedded(None)
     tok = AutoTokenizer.from_pretrained(embedded)
-    questions = load_gsm8k_questions(args.gsm8k, max(max(b) for m in MATRIX_BATCHES.values() for b in m.values()))
-    all_prompts = build_prompt_ids(tok, questions)
+    questions = load_gsm8k(gsm8k_path("test", args.gsm8k), max(max(b) for m in MATRIX_BATCHES.values() for b in m.values()))
+    all_prompts = chat_prompt_ids(tok, [q.question for q in questions])
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     rows = []
     for model in args.matrix_models:
@@ -631,11 +444,11 @@ def run_matrix(args) -> List[dict]:
                 rows[-1]["graph_capture_s"] = graphs.capture_seconds if graphs else None
                 rows[-1]["graph_capture_mib"] = graphs.capture_mib if graphs else None
                 print(render_table([rows[-1]], MATRIX_TABLE), flush=True)
-                _write_json(args.out, rows)
-            _free_cuda(eng)
+                write_json(args.out, rows)
             eng = None
-        _free_cuda(hf)
+            free_device_memory()
         hf = None
+        free_device_memory()
     return rows
 
 
@@ -659,12 +472,6 @@ MATRIX_TABLE = (
 )
 
 
-def _write_json(path: str, rows: List[dict]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=2)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -681,7 +488,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup_requests", type=int, default=None,
                    help="untimed requests per server before the run (default: --concurrency, at most --num_prompts)")
     p.add_argument("--warmup_tokens", type=int, default=16, help="max_new_tokens of the warm-up requests")
-    p.add_argument("--gsm8k", default=DEFAULT_GSM8K, help="GSM8K jsonl ({question, answer} per line)")
+    p.add_argument("--gsm8k", default=None, help="GSM8K jsonl ({question, answer} per line; default: test.jsonl in "
+                                                 "$LIGHTLLM_GSM8K_DIR or ../shared/data/gsm8k beside the checkout)")
     p.add_argument("--prompt_file", default=None, help="prompts, one per line, used as is (instead of GSM8K)")
     p.add_argument("--log_dir", default=None, help="server logs (default: a temp dir)")
     p.add_argument("--out", default="bench_e2e_throughput.json", help="JSON results path")
@@ -714,7 +522,7 @@ def main(argv=None) -> int:
     if args.matrix:
         rows = add_matrix_ratios(run_matrix(args))
         print(render_table(rows, MATRIX_TABLE), flush=True)
-        _write_json(args.out, rows)
+        write_json(args.out, rows)
         return 0
     configs = parse_configs(args.configs, args.server_args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -726,16 +534,15 @@ def main(argv=None) -> int:
           f"(ignore_eos={args.ignore_eos}) | concurrency {args.concurrency} | hf batch {args.hf_batch_size}",
           flush=True)
 
-    env = server_env(device)
     rows: List[dict] = []
     texts: Dict[str, List[str]] = {}
     for config in configs:
-        row, results = run_engine(config, prompts, args, log_dir, env)
+        row, results = run_engine(config, prompts, args, log_dir)
         texts[config.name] = [r.text for r in results]
         row["prompt_tokens"] = sum(r.prompt_tokens for r in results)
         if args.ignore_eos and any(r.output_tokens != args.max_new_tokens for r in results):
             print(f"WARNING [{config.name}]: --ignore_eos but some requests did not generate "
-                  f"{args.max_new_tokens} tokens: {_count(r.output_tokens for r in results)}", flush=True)
+                  f"{args.max_new_tokens} tokens: {dict(Counter(str(r.output_tokens) for r in results))}", flush=True)
         rows.append(row)
 
     hf_row = None
@@ -755,9 +562,9 @@ def main(argv=None) -> int:
     first = configs[0].name
     table_rows = rows + ([hf_row] if hf_row else [])
     for row in table_rows:
-        row["same_text_as_first"] = same_text_fraction(texts[row["name"]], texts[first])
-        row["same_text_as_hf"] = same_text_fraction(texts[row["name"]], texts[HF_NAME]) if hf_row else None
-    add_ratios(table_rows, hf_row or rows[0])
+        row["same_text_as_first"] = same_fraction(texts[row["name"]], texts[first])
+        row["same_text_as_hf"] = same_fraction(texts[row["name"]], texts[HF_NAME]) if hf_row else None
+    add_ratios_to_baseline_and_first(table_rows, hf_row or rows[0])
     if not hf_row:
         for row in table_rows:
             row.pop(f"vs_{first}", None)
@@ -771,13 +578,12 @@ def main(argv=None) -> int:
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "num_prompts": len(prompts), "prompt_source": args.prompt_file or args.gsm8k,
+        "num_prompts": len(prompts), "prompt_source": args.prompt_file or gsm8k_path("test", args.gsm8k),
         "max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos, "concurrency": args.concurrency,
         "stream": args.stream, "hf_batch_size": args.hf_batch_size, "server_args": args.server_args,
         "configs": [asdict(c) for c in configs], "log_dir": log_dir,
     }
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "engine": rows, HF_NAME: hf_row}, f, indent=2)
+    write_json(args.out, {"meta": meta, "engine": rows, HF_NAME: hf_row})
     print(f"wrote {args.out}")
     return 0
 

@@ -16,13 +16,12 @@ place: both are restored before each call, outside the timed region.
     python benchmarks/bench_mtp_verify.py --out mtp_verify.json
 """
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
-from typing import Callable, List
+from typing import Callable
 
 import torch
 
@@ -30,11 +29,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
+from lightllm.common.constants import MAX_MTP_STEP, MTP_TABLE_WIDTH  # noqa: E402 (after the path set-up)
+from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
+
 DEVICE = "cuda"
 QWEN_VOCAB = 151936
 DEFAULT_REQUESTS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-DEFAULT_NUM_DRAFTS = list(range(1, 8))
-TABLE_WIDTH = 8  # the engine's next-token table: column 0 + K <= 7 drafts
+DEFAULT_NUM_DRAFTS = list(range(1, MAX_MTP_STEP + 1))
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # larger than the H100/H200 L2
 SPIN_CYCLES = 1_000_000  # GPU busy-wait before each timed call (~0.5 ms)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -43,7 +44,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, nargs="+", default=DEFAULT_REQUESTS, help="requests per batch")
-    p.add_argument("--num-drafts", type=int, nargs="+", default=DEFAULT_NUM_DRAFTS, help="K values (1..7)")
+    p.add_argument("--num-drafts", type=int, nargs="+", default=DEFAULT_NUM_DRAFTS, help=f"K values (1..{MAX_MTP_STEP})")
     p.add_argument("--vocab", type=int, default=QWEN_VOCAB)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="logits dtype")
     p.add_argument("--match-prob", type=float, default=0.6, help="probability that a draft equals the target")
@@ -100,7 +101,7 @@ def make_inputs(num_reqs: int, num_drafts: int, args, gen: torch.Generator) -> d
     max_req = num_reqs + 1  # + the HOLD row
     logits = torch.randn(batch, args.vocab, device=DEVICE, dtype=torch.float32, generator=gen).to(DTYPES[args.dtype])
     targets = logits.argmax(dim=-1)  # [batch] greedy
-    table = torch.randint(0, args.vocab, (max_req, TABLE_WIDTH), device=DEVICE, generator=gen)
+    table = torch.randint(0, args.vocab, (max_req, MTP_TABLE_WIDTH), device=DEVICE, generator=gen)
     match = torch.rand(num_reqs, num_drafts, device=DEVICE, generator=gen) < args.match_prob
     req_targets = targets.view(num_reqs, rows_per_req)[:, :num_drafts]
     table[:num_reqs, 1 : 1 + num_drafts] = torch.where(match, req_targets, table[:num_reqs, 1 : 1 + num_drafts])
@@ -171,33 +172,20 @@ def bench_one(num_reqs: int, num_drafts: int, args, gen: torch.Generator) -> dic
     return row
 
 
-# (key, header, format) of the printed table; every column of the JSON rows is kept.
-COLUMNS = [
-    ("requests", "reqs", "d"),
-    ("K", "K", "d"),
-    ("batch_rows", "rows", "d"),
-    ("strict_us", "strict_us", ".2f"),
-    ("asd_us", "asd_us", ".2f"),
-    ("argmax_us", "argmax_us", ".2f"),
-    ("asd_over_strict", "asd/strict", ".2f"),
-    ("asd_over_argmax", "asd/argmax", ".3f"),
-    ("asd_host_us", "asd_host_us", ".1f"),
-    ("asd_mean_accept_len", "asd_accept", ".2f"),
-]
-COLUMN_WIDTH = 12
-
-
-def print_table(rows: List[dict]):
-    print("".join(f"{header:>{COLUMN_WIDTH}}" for _, header, _ in COLUMNS))
-    for row in rows:
-        print("".join(f"{row[key]:>{COLUMN_WIDTH}{fmt}}" for key, _, fmt in COLUMNS))
+# the printed table; every column of the JSON rows is kept
+COLUMNS = (
+    Column("requests", "reqs", "d"), Column("K", "K", "d"), Column("batch_rows", "rows", "d"),
+    Column("strict_us", "strict_us", ".2f"), Column("asd_us", "asd_us", ".2f"), Column("argmax_us", "argmax_us", ".2f"),
+    Column("asd_over_strict", "asd/strict", ".2f"), Column("asd_over_argmax", "asd/argmax", ".3f"),
+    Column("asd_host_us", "asd_host_us", ".1f"), Column("asd_mean_accept_len", "asd_accept", ".2f"),
+)
 
 
 def main():
     args = parse_args()
     require_cuda()
-    if any(not 1 <= k < TABLE_WIDTH for k in args.num_drafts):
-        sys.exit(f"--num-drafts values must be in 1..{TABLE_WIDTH - 1}")
+    if any(not 1 <= k <= MAX_MTP_STEP for k in args.num_drafts):
+        sys.exit(f"--num-drafts values must be in 1..{MAX_MTP_STEP}")
     if args.ratio < 0 or math.isnan(args.ratio):
         sys.exit("--ratio must be >= 0 (inf = unset)")
     try:
@@ -210,7 +198,7 @@ def main():
     gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
     sizes = [(r, k) for r in args.requests for k in args.num_drafts]
     rows = [bench_one(r, k, args, gen) for r, k in tqdm(sizes, desc="mtp verify")]
-    print_table(rows)
+    print(render_table(rows, COLUMNS))
 
     import triton
 
@@ -226,8 +214,7 @@ def main():
         "timing": "median GPU time per call, CUDA events, L2 flushed, host overhead excluded",
         "rows": rows,
     }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -25,8 +25,8 @@ must be 200, no normal request failed, and no request still holds KV.
     python benchmarks/hostile_client.py --server_args "--mtp_mode eagle_with_att --mtp_step 3"
 """
 import argparse
+import contextlib
 import datetime
-import json
 import math
 import os
 import shlex
@@ -44,7 +44,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
-from lightllm.utils.server_launcher import launch_server, sse_data, strict_json  # noqa: E402
+from lightllm.tools.client import KV_USED_TOKENS, REQUEST_COUNT, RUNNING_REQUESTS, USAGE, serve  # noqa: E402
+from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
+from lightllm.utils.server_launcher import scrape, sse_data, strict_json  # noqa: E402
 
 REQUEST_TIMEOUT_S = 300.0
 HANG_UP_AFTER_S = 2.0  # how long an abandoning client waits (decoding by then) before it hangs up
@@ -94,11 +96,9 @@ class Client:
         with self.http.stream("POST", path, json=body) as r:
             return r.status_code, sse_data(r.iter_lines())
 
-    def metric(self, name: str) -> float:
-        for line in self.http.get("/metrics").text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of /metrics; 0 when the page has none yet (a labelled counter before its first count)."""
+        return scrape(self.url).value(name, 0.0, **labels)
 
     def health(self) -> int:
         return self.http.get("/health").status_code
@@ -165,7 +165,7 @@ def _edge_values_finite(c: Client) -> Tuple[bool, str]:
 
 
 def _abandoned_requests(c: Client) -> Tuple[bool, str]:
-    before = c.metric('lightllm_request_count_total{finish_reason="abort"}')
+    before = c.metric(REQUEST_COUNT, finish_reason="abort")
     body = {"inputs": "Count from one to one thousand:", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
 
     def hang_up(_):
@@ -180,7 +180,7 @@ def _abandoned_requests(c: Client) -> Tuple[bool, str]:
     hung_up = time.time()
     aborted = 0.0
     while time.time() - hung_up < ABORT_DEADLINE_S * 4:
-        aborted = c.metric('lightllm_request_count_total{finish_reason="abort"}') - before
+        aborted = c.metric(REQUEST_COUNT, finish_reason="abort") - before
         if aborted >= abandoned:
             break
         time.sleep(0.05)
@@ -380,15 +380,15 @@ def run(url: str, normal: int, concurrency: int) -> Dict:
     probes_done.set()
     background.join()
     deadline = time.time() + QUIET_DEADLINE_S
-    while time.time() < deadline and (c.metric("lightllm_running_requests") or c.metric("lightllm_kv_used_tokens")):
+    while time.time() < deadline and (c.metric(RUNNING_REQUESTS) or c.metric(KV_USED_TOKENS)):
         time.sleep(0.2)
     final = {
         "health": c.health(),
         "normal_sent": load.sent,
         "normal_lost": len(load.failed),
         "normal_failures": load.failed,
-        "running_requests": c.metric("lightllm_running_requests"),
-        "kv_used_tokens": c.metric("lightllm_kv_used_tokens"),
+        "running_requests": c.metric(RUNNING_REQUESTS),
+        "kv_used_tokens": c.metric(KV_USED_TOKENS),
     }
     final["ok"] = (final["health"] == 200 and not load.failed and not final["running_requests"]
                    and not final["kv_used_tokens"])
@@ -396,48 +396,39 @@ def run(url: str, normal: int, concurrency: int) -> Dict:
             "passed": all(r.ok for r in results) and final["ok"]}
 
 
+REPORT_TABLE = (Column("item", "item"), Column("name", "probe"), Column("expected", "expected"), Column("got", "got"),
+                Column("ok", "ok", lambda ok: "yes" if ok else "NO"))
+
+
 def format_table(report: Dict) -> str:
-    rows = [("item", "probe", "expected", "got", "ok")]
-    rows += [(r["item"], r["name"], r["expected"], r["got"], "yes" if r["ok"] else "NO") for r in report["results"]]
     f = report["final"]
-    rows.append(("end", "/health, normal requests lost, KV in use", "200, 0, 0",
-                 f"{f['health']}, {f['normal_lost']}/{f['normal_sent']}, {f['kv_used_tokens']:.0f}",
-                 "yes" if f["ok"] else "NO"))
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(str(v).ljust(w) for v, w in zip(r, widths)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    end = {"item": "end", "name": "/health, normal requests lost, KV in use", "expected": "200, 0, 0",
+           "got": f"{f['health']}, {f['normal_lost']}/{f['normal_sent']}, {f['kv_used_tokens']:.0f}", "ok": f["ok"]}
+    return render_table(report["results"] + [end], REPORT_TABLE, markdown=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server; without it one is started with --server_args")
-    p.add_argument("--server_args", default="--mtp_mode eagle_with_att --mtp_step 3 --mtp_asd_regret_budget 2.0625",
+    p.add_argument("--server_args", default=f"--mtp_mode eagle_with_att --mtp_step 3 --mtp_asd_regret_budget {USAGE.budget}",
                    help="flags for the server this script starts (without --url)")
     p.add_argument("--normal", type=int, default=24,
                    help="ordinary requests sent beside the probes (at least; they run until the probes end)")
     p.add_argument("--concurrency", type=int, default=4, help="ordinary requests in flight at once")
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args(argv)
-    server = None
-    url = args.url
-    if url is None:
-        log = os.path.join(tempfile.mkdtemp(prefix="hostile_"), "server.log")
-        server = launch_server(shlex.split(args.server_args), log)
-        url = server.url
-        print(f"server log: {log}")
-    try:
+    log = None if args.url else os.path.join(tempfile.mkdtemp(prefix="hostile_"), "server.log")
+    with serve(shlex.split(args.server_args), log) if log else contextlib.nullcontext() as server:
+        url = server.url if server else args.url
+        if log:
+            print(f"server log: {log}")
         report = run(url, args.normal, args.concurrency)
-    finally:
-        if server is not None:
-            server.stop()
     report.update({"date": datetime.datetime.now().isoformat(timespec="seconds"), "url": url,
                    "server_args": None if args.url else args.server_args})
     print(format_table(report))
     print("PASSED" if report["passed"] else "FAILED")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.out, report, indent=1)
     return 0 if report["passed"] else 1
 
 

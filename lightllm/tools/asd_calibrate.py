@@ -1,4 +1,4 @@
-"""Calibrate ASD's q25 setting on GSM8K TRAIN questions (the ASD reference's recipe, ASD.md §5).
+"""Calibrate ASD's q25 setting on GSM8K TRAIN questions (the calibration recipe of docs/asd.md).
 
 1. Generate the calibration cohort (the first ``--num_questions`` train questions, chat
    template applied, greedy) in-process twice with ``OfflineEngine``: strict (ASD flag unset)
@@ -10,32 +10,34 @@
    is a real draft token it takes the regret ``r_j = z_j[t_j] - z_j[d_j]`` from the processed
    logits and the ratio ``r_j / (K - j)`` (regret per unit of suffix value). Positive ratios
    are kept.
-3. ``q`` = their linearly interpolated 25th percentile (``h = (n - 1) / 4``, as numpy's
-   default ``quantile``). Suggested flags: ``B = g = q``, ``m = 1``.
+3. ``q`` = their linearly interpolated 25th percentile (numpy's default ``quantile``).
+   Suggested flags: ``B = g = q``, ``m = 1``.
 
-    python -m lightllm.tools.asd_calibrate --data /work/shared/data/gsm8k/train.jsonl \\
+    python -m lightllm.tools.asd_calibrate --data ../shared/data/gsm8k/train.jsonl \\
         --num_questions 64 --mtp_step 3 --out calib.json
+
+``--data`` defaults to train.jsonl in ``$LIGHTLLM_GSM8K_DIR`` or ``../shared/data/gsm8k`` beside the checkout.
 """
 import argparse
-import gc
 import json
-import math
 import os
+import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
+
+from lightllm.tools.client import AsdSetting, auto_max_req_total_len, generate_offline, model_dir_or_embedded, server_flags
+from lightllm.tools.prompts import chat_prompt_ids, gsm8k_path, load_gsm8k, solve_turns
+from lightllm.tools.report import first_difference
 
 QUANTILE = 0.25
-Q25_MAX_MISMATCH = 1  # the recipe's m
 
 
 class CalibrationError(RuntimeError):
     """The calibration cannot go on (B = 0 is not strict, no positive ratio, ...)."""
 
 
-# ---------------------------------------------------------------------------
-# Pure parts
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- pure parts
 
 
 def first_rejection_ratios(record) -> List[float]:
@@ -73,27 +75,16 @@ def first_rejection_ratios(record) -> List[float]:
 
 
 def q25(values: Sequence[float]) -> float:
-    """Linearly interpolated 25th percentile: ``h = (n - 1) * 0.25`` (numpy's default method)."""
-    if not values:
+    """Linearly interpolated 25th percentile (numpy's default ``quantile``)."""
+    import numpy as np
+
+    if not len(values):
         raise ValueError("no values: the 25th percentile of an empty set is undefined")
-    v = sorted(float(x) for x in values)
-    h = (len(v) - 1) * QUANTILE
-    lo, hi = math.floor(h), math.ceil(h)
-    return v[lo] + (h - lo) * (v[hi] - v[lo])
+    return float(np.quantile(np.asarray(values, dtype=np.float64), QUANTILE))
 
 
 def suggested_flags(q: float) -> str:
-    return (f"--mtp_asd_regret_budget {q!r} --mtp_asd_local_regret_ratio {q!r} "
-            f"--mtp_asd_block_max_mismatch {Q25_MAX_MISMATCH}")
-
-
-def first_difference(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> Optional[tuple]:
-    """(request position, token position) of the first difference of two outputs, or None."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if list(x) != list(y):
-            pos = next((p for p, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-            return i, pos
-    return None
+    return " ".join(server_flags(**AsdSetting.q25(q).start_args()))
 
 
 def check_train_split(path: str) -> None:
@@ -101,34 +92,17 @@ def check_train_split(path: str) -> None:
         raise CalibrationError(f"{path} looks like a test split: calibrate on GSM8K TRAIN questions, never test")
 
 
-# ---------------------------------------------------------------------------
-# Running
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- running
 
 
-def _generate(args, model_dir: Optional[str], asd_budget: Optional[float], max_len: int, prompts, params,
-              observer=None):
+def _generate(args, model_dir, asd_budget, max_len: int, prompts, params, observer=None):
     """One in-process engine run; the engine (and its memory) is gone when this returns."""
-    import torch
-
     from lightllm.server.core.objs.start_args_type import StartArgs
-    from lightllm.server.offline_engine import OfflineEngine
 
-    engine = OfflineEngine(StartArgs(
-        model_dir=model_dir,
-        mtp_mode=args.mtp_mode,
-        mtp_step=args.mtp_step,
-        mtp_draft_model_dir=args.mtp_draft_model_dir,
-        mtp_asd_regret_budget=asd_budget,
-        running_max_req_size=args.running_max_req_size,
-        max_req_total_len=max_len,
-    ))
-    engine.backend.verify_observer = observer
-    results = engine.generate(prompts, params, eos_token_ids=engine.eos_token_ids(), progress=True)
-    del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    start_args = StartArgs(model_dir=model_dir, mtp_mode=args.mtp_mode, mtp_step=args.mtp_step,
+                           mtp_draft_model_dir=args.mtp_draft_model_dir, mtp_asd_regret_budget=asd_budget,
+                           running_max_req_size=args.running_max_req_size, max_req_total_len=max_len)
+    results, _ = generate_offline(start_args, prompts, params, verify_observer=observer)
     return results
 
 
@@ -139,20 +113,12 @@ def calibrate(args) -> Dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     from transformers import AutoTokenizer
 
-    from lightllm.tools.eval_gsm8k import auto_max_req_total_len, chat_prompt_text, load_questions
-
     check_train_split(args.data)
     model_dir = args.model_dir
-    if model_dir is None:
-        from lightllm.utils.embedded_model import get_default_model_dir
-
-        tok_dir = get_default_model_dir()
-    else:
-        tok_dir = model_dir
+    tok_dir = model_dir_or_embedded(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    questions = load_questions(args.data, args.num_questions)
-    # the same ids the HTTP server makes of the same text (eval_gsm8k sends text)
-    prompts = [tokenizer.encode(chat_prompt_text(tokenizer, q.question), add_special_tokens=True) for q in questions]
+    questions = load_gsm8k(args.data, args.num_questions)
+    prompts = chat_prompt_ids(tokenizer, solve_turns(questions))  # eval_gsm8k's prompts
     max_len = args.max_req_total_len or auto_max_req_total_len([len(p) for p in prompts], args.max_new_tokens)
     params = [{"max_new_tokens": args.max_new_tokens, "do_sample": False}] * len(prompts)
 
@@ -184,7 +150,6 @@ def calibrate(args) -> Dict:
             f"no positive first-rejection ratio in {steps[0]} verify steps (the draft never missed, or only on ties); "
             f"use more questions or a longer --max_new_tokens")
     q = q25(ratios)
-    s = sorted(ratios)
     return {
         "q25": q,
         "count": len(ratios),
@@ -199,9 +164,9 @@ def calibrate(args) -> Dict:
         "max_new_tokens": args.max_new_tokens,
         "verify_steps": steps[0],
         "output_tokens": sum(len(r.token_ids) for r in strict),
-        "ratio_min": s[0],
-        "ratio_median": s[len(s) // 2],
-        "ratio_max": s[-1],
+        "ratio_min": min(ratios),
+        "ratio_median": statistics.median_high(ratios),
+        "ratio_max": max(ratios),
         "strict_s": t_strict,
         "b0_s": t_b0,
     }
@@ -210,7 +175,7 @@ def calibrate(args) -> Dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lightllm.tools.asd_calibrate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="GSM8K TRAIN jsonl ({question, answer})")
+    p.add_argument("--data", default=None, help="GSM8K TRAIN jsonl ({question, answer}; default: see above)")
     p.add_argument("--num_questions", type=int, default=64, help="calibration cohort: the first N questions")
     p.add_argument("--model_dir", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--mtp_mode", default="eagle_with_att")
@@ -227,6 +192,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.data = gsm8k_path("train", args.data)
     if args.model_dir:
         args.model_dir = os.path.abspath(args.model_dir)
     if args.mtp_draft_model_dir:

@@ -1,4 +1,4 @@
-"""GSM8K evaluation of ASD through the real server, one server per arm (shared/spec/ASD.md §5).
+"""GSM8K evaluation of ASD through the real server, one server per arm.
 
 Arms, in run order (every one is ``--mtp_mode`` on with ``--mtp_step K`` unless said otherwise):
 
@@ -6,9 +6,9 @@ Arms, in run order (every one is ``--mtp_mode`` on with ``--mtp_step K`` unless 
 - ``asd_b0``    ``B = 0``: the ASD code path with strict semantics. It must be token-identical
                 to ``strict`` on EVERY request; any difference makes the tool exit non-zero
                 (after writing its results): a result without this check is not a result;
-- ``asd_q25``   the ASD reference's recipe ``B = g = q``, ``m = 1`` (``q`` from
+- ``asd_q25``   the calibration recipe ``B = g = q``, ``m = 1`` (``q`` from
                 ``python -m lightllm.tools.asd_calibrate``: ``--calib calib.json`` or ``--q25 q``);
-- ``asd_usage`` the original request's usage setting ``B = 2.0625, g = 0.25, m = 2``;
+- ``asd_usage`` the usage setting ``B = 2.0625, g = 0.25, m = 2`` (docs/asd.md);
 - ``asd_B<b>``  the budget sweep ``B = b`` (``--sweep``), ``g = 0.25, m = 2``;
 - ``baseline``  no MTP at all (only with ``--with_baseline``).
 
@@ -26,7 +26,7 @@ Metrics per arm:
 - accuracy: the last number of the output (commas stripped) equals the gold after ``####``;
 - tokens/step: ``sum(count_output_tokens) / sum(count_output_tokens - mtp_accepted_token_num)``
   (every step, the prefill one included, commits one non-draft token);
-- accept_len (metrics): mean of ``lightllm_mtp_accept_len`` over the arm's decode steps;
+- accept_len (metrics): mean of the server's accept-length histogram over the arm's decode steps;
 - output tokens/s and requests/s over the timed wave's wall time, and their ratio to ``strict``
   and to ``asd_b0`` measured in the same run (``asd_b0`` does strict's work, so its own ratio to
   ``strict`` is the run's noise: printed under the table, a WARNING above 5%; for ratios that
@@ -39,155 +39,68 @@ Output in ``--out_dir``: ``results.json`` (config, summaries, B = 0 check), ``re
 ``server_<arm>.log``, ``budget_sweep.png``, ``accept_len_hist.png``.
 """
 import argparse
-import asyncio
 import hashlib
 import json
 import math
 import os
-import re
 import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-# The original request's "usage" setting and the sweep's fixed gates
-USAGE_BUDGET = 2.0625
-USAGE_LOCAL_RATIO = 0.25
-USAGE_MAX_MISMATCH = 2
-SWEEP_LOCAL_RATIO = USAGE_LOCAL_RATIO
-SWEEP_MAX_MISMATCH = USAGE_MAX_MISMATCH
-# The ASD reference's q25 recipe: B = g = q, m = 1
-Q25_MAX_MISMATCH = 1
+from lightllm.tools.client import (
+    BATCH_STEP_SECONDS,
+    DEFAULT_BATCH_MAX_TOKENS,
+    MTP_ACCEPT_LEN,
+    USAGE,
+    WARMUP_MAX_NEW_TOKENS,
+    WARMUP_REQUESTS,
+    AsdSetting,
+    auto_max_req_total_len,
+    generate_body,
+    model_dir_or_embedded,
+    send_all,
+    serve,
+    server_flags,
+    wave_server_flags,
+    warm_up,
+)
+from lightllm.tools.prompts import (
+    Question,
+    chat_prompt_texts,
+    extract_answer,
+    gsm8k_path,
+    is_correct,
+    load_gsm8k,
+    solve_turns,
+)
+from lightllm.tools.report import Column, first_token_difference, ratio, render_table, tokens_per_step, write_json
+from lightllm.utils.server_launcher import scrape
 
+SWEEP_GATES = (USAGE.local_ratio, USAGE.max_mismatch)  # the sweep's fixed g and m
 DEFAULT_SWEEP = "0.5,1,2,4,8"
 DEFAULT_MTP_MODE = "eagle_with_att"
 NAMED_ARMS = ("strict", "asd_b0", "asd_q25", "asd_usage")
 STRICT, ASD_B0, BASELINE = "strict", "asd_b0", "baseline"
 REQUIRED_ARMS = (STRICT, ASD_B0)  # the reference and its identity check always run
-
-# One step of the user's prompt; the answer is read as the last number of the output
-PROMPT_TEMPLATE = "{question}\nSolve it step by step, then give the final answer as a number."
-WARMUP_REQUESTS = 32
-WARMUP_MAX_NEW_TOKENS = 32
 THROUGHPUT_NOISE_WARN = 0.05  # |B = 0 tok/s / strict tok/s - 1| above this: flag the run
-REQUEST_TIMEOUT_S = 3600.0
-MAX_LEN_ROUND = 64  # --max_req_total_len (auto) is rounded up to a multiple of this
-DEFAULT_BATCH_MAX_TOKENS = 4096  # prefill chunk: a few dozen GSM8K prompts per prefill step
-
-ACCEPT_LEN_BUCKET = "lightllm_mtp_accept_len_bucket"
-ENGINE_SECONDS = "lightllm_batch_step_seconds_total"  # the router's time inside batch steps
-
-# A number: with thousands separators ("1,234.50") or plain ("12", "3.5"). A minus sign
-# counts only where it cannot be a binary minus: "is -7" -> -7, but "5-3" -> 5 and 3.
-_NUMBER_RE = re.compile(r"(?:(?<![\w.])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
-ANSWER_MARK = "####"
-ANSWER_RTOL = 1e-9
 
 
-# ---------------------------------------------------------------------------
-# Data: questions, prompts, answers (pure; shared with asd_calibrate)
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Question:
-    index: int  # line number in the file (0-based)
-    question: str
-    gold: float  # the number after ####
-
-
-def load_questions(path: str, num_questions: Optional[int] = None) -> List[Question]:
-    """The first ``num_questions`` GSM8K records of a jsonl file (all when None)."""
-    out = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if num_questions is not None and len(out) >= num_questions:
-                break
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            gold = gold_answer(rec["answer"])
-            if gold is None:
-                raise ValueError(f"{path}:{i + 1}: no number after {ANSWER_MARK!r} in the answer")
-            out.append(Question(i, rec["question"], gold))
-    if not out:
-        raise ValueError(f"{path}: no questions")
-    return out
-
-
-def parse_number(s: str) -> Optional[float]:
-    try:
-        return float(s.replace(",", "").replace("$", "").strip())
-    except ValueError:
-        return None
-
-
-def extract_answer(text: str) -> Optional[float]:
-    """The last number in ``text`` (commas stripped), or None when there is none.
-
-    "$1,234.50" -> 1234.5, "is -7." -> -7.0, "5-3=2" -> 2.0.
-    """
-    found = _NUMBER_RE.findall(text)
-    return parse_number(found[-1]) if found else None
-
-
-def gold_answer(answer: str) -> Optional[float]:
-    """The number after ``####`` of a GSM8K answer."""
-    if ANSWER_MARK not in answer:
-        return None
-    return parse_number(answer.rsplit(ANSWER_MARK, 1)[1])
-
-
-def is_correct(pred: Optional[float], gold: float) -> bool:
-    return pred is not None and math.isclose(pred, gold, rel_tol=ANSWER_RTOL, abs_tol=ANSWER_RTOL)
-
-
-def chat_prompt_text(tokenizer, question: str) -> str:
-    """The chat-templated prompt, as text the server tokenizes with ``add_special_tokens=True``.
-
-    A template that writes the BOS itself would get a second one from such a tokenizer,
-    so the template's own BOS is dropped then."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT_TEMPLATE.format(question=question)}],
-        add_generation_prompt=True, tokenize=False,
-    )
-    bos = tokenizer.bos_token
-    if bos and text.startswith(bos) and tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_token_id]:
-        text = text[len(bos):]
-    return text
-
-
-def auto_max_req_total_len(prompt_lens: Sequence[int], max_new_tokens: int) -> int:
-    need = max(prompt_lens) + max_new_tokens
-    return -(-need // MAX_LEN_ROUND) * MAX_LEN_ROUND
-
-
-# ---------------------------------------------------------------------------
-# Arms (pure)
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- arms (pure)
 
 
 @dataclass(frozen=True)
 class Arm:
     name: str
     mtp: bool = True
-    budget: Optional[float] = None  # B; None: ASD off
-    local_ratio: Optional[float] = None  # g; None: no local gate
-    max_mismatch: Optional[int] = None  # m; None: no cap
+    asd: Optional[AsdSetting] = None  # None: ASD off
 
     def server_flags(self, mtp_mode: str, mtp_step: int, draft_dirs: Optional[Sequence[str]]) -> List[str]:
         if not self.mtp:
             return []
-        flags = ["--mtp_mode", mtp_mode, "--mtp_step", str(mtp_step)]
-        if draft_dirs:
-            flags += ["--mtp_draft_model_dir", *draft_dirs]
-        for flag, v in (("--mtp_asd_regret_budget", self.budget),
-                        ("--mtp_asd_local_regret_ratio", self.local_ratio),
-                        ("--mtp_asd_block_max_mismatch", self.max_mismatch)):
-            if v is not None:
-                flags += [flag, repr(v)]
-        return flags
+        return server_flags(mtp_mode=mtp_mode, mtp_step=mtp_step, mtp_draft_model_dir=draft_dirs or None,
+                            **(self.asd.start_args() if self.asd else {}))
 
 
 def sweep_arm_name(budget: float) -> str:
@@ -207,15 +120,15 @@ def build_arms(named: Sequence[str], q25: Optional[float], sweep: Sequence[float
         raise ValueError("arm 'asd_q25' needs --calib calib.json or --q25 VALUE (python -m lightllm.tools.asd_calibrate)")
     if q25 is not None and not (math.isfinite(q25) and q25 >= 0):
         raise ValueError(f"q25 must be finite and >= 0, got {q25}")
-    arms = [Arm(STRICT), Arm(ASD_B0, budget=0.0)]
+    arms = [Arm(STRICT), Arm(ASD_B0, asd=AsdSetting(0.0))]
     if "asd_q25" in named:
-        arms.append(Arm("asd_q25", budget=q25, local_ratio=q25, max_mismatch=Q25_MAX_MISMATCH))
+        arms.append(Arm("asd_q25", asd=AsdSetting.q25(q25)))
     if "asd_usage" in named:
-        arms.append(Arm("asd_usage", budget=USAGE_BUDGET, local_ratio=USAGE_LOCAL_RATIO, max_mismatch=USAGE_MAX_MISMATCH))
+        arms.append(Arm("asd_usage", asd=USAGE))
     for b in sweep:
         if not (math.isfinite(b) and b >= 0):
             raise ValueError(f"sweep budgets must be finite and >= 0, got {b}")
-        arms.append(Arm(sweep_arm_name(b), budget=b, local_ratio=SWEEP_LOCAL_RATIO, max_mismatch=SWEEP_MAX_MISMATCH))
+        arms.append(Arm(sweep_arm_name(b), asd=AsdSetting(b, *SWEEP_GATES)))
     if with_baseline:
         arms.append(Arm(BASELINE, mtp=False))
     names = [a.name for a in arms]
@@ -229,9 +142,7 @@ def parse_float_list(s: str) -> List[float]:
     return [float(x) for x in s.split(",") if x.strip()]
 
 
-# ---------------------------------------------------------------------------
-# Per-request records and aggregation (pure)
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- per-request records and aggregation (pure)
 
 
 @dataclass
@@ -276,7 +187,7 @@ class ArmSummary:
     mtp: bool
     num_requests: int
     accuracy: float
-    tokens_per_step: float  # sum count / sum(count - accepted)
+    tokens_per_step: Optional[float]  # sum count / sum(count - accepted)
     mean_accept_len: Optional[float]  # from the server's accept-len histogram (decode steps)
     output_tokens: int
     wall_s: float
@@ -306,11 +217,6 @@ def differing_requests(a: Sequence[RequestRecord], b: Sequence[RequestRecord]) -
     return [i for i, (x, y) in enumerate(zip(a, b)) if x.token_ids != y.token_ids]
 
 
-def first_token_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    """Position of the first differing token (the shorter length when one is a prefix)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def mean_accept_len(hist: Dict[int, int]) -> Optional[float]:
     n = sum(hist.values())
     return sum(k * c for k, c in hist.items()) / n if n else None
@@ -323,16 +229,16 @@ def summarize_arm(arm: Arm, records: Sequence[RequestRecord], wall_s: float,
     if n == 0:
         raise ValueError(f"arm {arm.name}: no requests")
     tokens = sum(r.count_output_tokens for r in records)
-    steps = sum(r.count_output_tokens - r.mtp_accepted_token_num for r in records)
     differs = None
     if strict is not None and arm.name != STRICT:
         differs = len(differing_requests(records, strict)) / n
     hist = dict(hist or {})
+    asd = asdict(arm.asd) if arm.asd else dict.fromkeys(AsdSetting.__dataclass_fields__)  # B, g, m (None: unset)
     return ArmSummary(
-        name=arm.name, budget=arm.budget, local_ratio=arm.local_ratio, max_mismatch=arm.max_mismatch, mtp=arm.mtp,
+        name=arm.name, **asd, mtp=arm.mtp,
         num_requests=n,
         accuracy=sum(r.correct for r in records) / n,
-        tokens_per_step=tokens / steps if steps else float("nan"),
+        tokens_per_step=tokens_per_step(tokens, sum(r.mtp_accepted_token_num for r in records)),
         mean_accept_len=mean_accept_len(hist),
         output_tokens=tokens,
         wall_s=wall_s,
@@ -343,26 +249,22 @@ def summarize_arm(arm: Arm, records: Sequence[RequestRecord], wall_s: float,
         mean_relaxed_tokens=sum(r.asd_relaxed_token_num for r in records) / n,
         accept_len_hist=hist,
         engine_s=engine_s,
-        engine_tokens_per_s=tokens / engine_s if engine_s else None,
+        engine_tokens_per_s=ratio(tokens, engine_s),
     )
 
 
-def add_ratios(summaries: List[ArmSummary]) -> None:
-    """Throughput ratios to the strict and the B = 0 arm of the same run (in place)."""
+def add_speedups_vs_strict_and_b0(summaries: List[ArmSummary]) -> None:
+    """Each arm's throughput over the strict and the B = 0 arm of the same run (in place)."""
     strict = next((s for s in summaries if s.name == STRICT), None)
     b0 = next((s for s in summaries if s.name == ASD_B0), None)
     for s in summaries:
         if strict is not None:
-            s.speedup_vs_strict = s.output_tokens_per_s / strict.output_tokens_per_s
-            s.requests_per_s_vs_strict = s.requests_per_s / strict.requests_per_s
-            s.engine_speedup_vs_strict = _ratio(s.engine_tokens_per_s, strict.engine_tokens_per_s)
+            s.speedup_vs_strict = ratio(s.output_tokens_per_s, strict.output_tokens_per_s)
+            s.requests_per_s_vs_strict = ratio(s.requests_per_s, strict.requests_per_s)
+            s.engine_speedup_vs_strict = ratio(s.engine_tokens_per_s, strict.engine_tokens_per_s)
         if b0 is not None:
-            s.speedup_vs_b0 = s.output_tokens_per_s / b0.output_tokens_per_s
-            s.engine_speedup_vs_b0 = _ratio(s.engine_tokens_per_s, b0.engine_tokens_per_s)
-
-
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return a / b if a is not None and b else None
+            s.speedup_vs_b0 = ratio(s.output_tokens_per_s, b0.output_tokens_per_s)
+            s.engine_speedup_vs_b0 = ratio(s.engine_tokens_per_s, b0.engine_tokens_per_s)
 
 
 def throughput_noise_note(summaries: Sequence[ArmSummary]) -> Optional[str]:
@@ -427,69 +329,21 @@ def check_same_draft(digests: Dict[str, Optional[str]]) -> Optional[str]:
     return "the draft files changed during the run: " + ", ".join(f"{n} {d}" for n, d in known.items())
 
 
-# ---------------------------------------------------------------------------
-# /metrics parsing (pure)
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- rendering (pure)
 
 
-_BUCKET_RE = re.compile(r'^' + ACCEPT_LEN_BUCKET + r'\{le="([^"]+)"\}\s+(\S+)\s*$')
-
-
-def parse_accept_len_histogram(metrics_text: str) -> Dict[int, int]:
-    """Steps per accept_len from the cumulative Prometheus buckets (integer bounds 1..8).
-
-    accept_len is an integer, so bucket ``le=k`` minus bucket ``le=k-1`` counts steps with
-    accept_len == k; the +Inf bucket holds nothing more (accept_len <= K + 1 <= 8)."""
-    cum = {}
-    for line in metrics_text.splitlines():
-        m = _BUCKET_RE.match(line)
-        if m and m.group(1) != "+Inf":
-            cum[int(float(m.group(1)))] = int(float(m.group(2)))
-    hist, prev = {}, 0
-    for k in sorted(cum):
-        hist[k] = cum[k] - prev
-        prev = cum[k]
-    return hist
-
-
-def subtract_histograms(after: Dict[int, int], before: Dict[int, int]) -> Dict[int, int]:
-    return {k: after[k] - before.get(k, 0) for k in after}
-
-
-def parse_samples(metrics_text: str, names: Sequence[str]) -> Dict[str, float]:
-    """The values of the named unlabelled samples (e.g. ``lightllm_batch_steps_total``)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            if sample.name in names and not sample.labels:
-                found[sample.name] = sample.value
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise KeyError(f"/metrics lacks {missing}")
-    return found
-
-
-def sample_deltas(before_text: str, after_text: str, names: Sequence[str]) -> Dict[str, float]:
-    """How much each named counter grew between two /metrics snapshots."""
-    before, after = parse_samples(before_text, names), parse_samples(after_text, names)
-    return {n: after[n] - before[n] for n in names}
-
-
-# ---------------------------------------------------------------------------
-# Rendering (pure)
-# ---------------------------------------------------------------------------
-
-
-def _fmt_x(ratio: Optional[float]) -> str:
-    return _fmt(ratio) + ("x" if ratio is not None else "")
-
-
-def _fmt(v, spec: str = ".3f", none: str = "-") -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return none
-    return format(v, spec)
+SUMMARY_COLUMNS = (
+    Column("name", "arm"), Column("budget", "B", "g"), Column("local_ratio", "g", "g"), Column("max_mismatch", "m", "d"),
+    Column("accuracy", "accuracy", ".2%"), Column("tokens_per_step", "tokens/step", ".3f"),
+    Column("mean_accept_len", "accept_len", ".3f"), Column("output_tokens_per_s", "out tok/s", ".1f"),
+    Column("requests_per_s", "req/s", ".2f"), Column("speedup_vs_strict", "tok/s vs strict", ".3f", "x"),
+    Column("speedup_vs_b0", "tok/s vs B=0", ".3f", "x"), Column("engine_tokens_per_s", "engine tok/s", ".1f"),
+    Column("engine_speedup_vs_strict", "engine vs strict", ".3f", "x"),
+    Column("engine_speedup_vs_b0", "engine vs B=0", ".3f", "x"),
+    Column("differs_from_strict", "differs from strict", ".1%"), Column("mean_regret_spent", "mean regret", ".4f"),
+    Column("mean_relaxed_tokens", "mean relaxed", ".2f"), Column("wall_s", "wall s", ".1f"),
+    Column("arm_total_s", "arm s", ".1f"),
+)
 
 
 def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], command: str,
@@ -497,33 +351,17 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
     lines = ["# GSM8K: strict MTP vs ASD", ""]
     lines += [f"- {k}: {v}" for k, v in setup.items()]
     lines += ["", f"**{b0.message()}**" if b0 is not None else "**B = 0 identity check NOT RUN**", ""]
-    head = ["arm", "B", "g", "m", "accuracy", "tokens/step", "accept_len", "out tok/s", "req/s",
-            "tok/s vs strict", "tok/s vs B=0", "engine tok/s", "engine vs strict", "engine vs B=0",
-            "differs from strict", "mean regret", "mean relaxed", "wall s", "arm s"]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "---|" * len(head))
-    for s in summaries:
-        row = [
-            s.name, _fmt(s.budget, "g"), _fmt(s.local_ratio, "g"), _fmt(s.max_mismatch, "d"),
-            f"{100 * s.accuracy:.2f}%", _fmt(s.tokens_per_step), _fmt(s.mean_accept_len),
-            _fmt(s.output_tokens_per_s, ".1f"), _fmt(s.requests_per_s, ".2f"),
-            _fmt_x(s.speedup_vs_strict), _fmt_x(s.speedup_vs_b0), _fmt(s.engine_tokens_per_s, ".1f"),
-            _fmt_x(s.engine_speedup_vs_strict), _fmt_x(s.engine_speedup_vs_b0),
-            "-" if s.differs_from_strict is None else f"{100 * s.differs_from_strict:.1f}%",
-            _fmt(s.mean_regret_spent, ".4f"), _fmt(s.mean_relaxed_tokens, ".2f"), _fmt(s.wall_s, ".1f"),
-            _fmt(s.arm_total_s, ".1f"),
-        ]
-        lines.append("| " + " | ".join(row) + " |")
+    lines.append(render_table(summaries, SUMMARY_COLUMNS, markdown=True))
     noise = throughput_noise_note(summaries)
     if noise is not None:
         lines += ["", f"**{noise}**"]
     lines += [
         "",
         "tokens/step = sum(count_output_tokens) / sum(count_output_tokens - mtp_accepted_token_num) "
-        "(the prefill step included); accept_len = mean of the server's lightllm_mtp_accept_len "
+        f"(the prefill step included); accept_len = mean of the server's {MTP_ACCEPT_LEN} "
         "histogram over the timed wave's decode steps; wall s = the timed wave (throughput is over it); "
         "engine tok/s = output tokens / the router's time inside batch steps during the wave "
-        "(lightllm_batch_step_seconds: leaves out the HTTP front end and the client); "
+        f"({BATCH_STEP_SECONDS}: leaves out the HTTP front end and the client); "
         "arm s = server start + warm-up + timed wave + stop; B/g/m '-' = flag unset.",
         "",
         "Command:",
@@ -536,9 +374,7 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------
-# Plots
-# ---------------------------------------------------------------------------
+# --------------------------------------------------------------------------- plots
 
 
 def _save_figure(fig, out_dir: str, name: str) -> str:
@@ -559,7 +395,7 @@ def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
 
     paths = []
     by = {s.name: s for s in summaries}
-    family = sorted([s for s in summaries if s.local_ratio == SWEEP_LOCAL_RATIO and s.max_mismatch == SWEEP_MAX_MISMATCH
+    family = sorted([s for s in summaries if (s.local_ratio, s.max_mismatch) == SWEEP_GATES
                      and s.budget is not None], key=lambda s: s.budget)
     budgets = sorted({round(s.budget, 4) for s in summaries if s.budget is not None})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -567,7 +403,7 @@ def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
         scale = 100.0 if attr == "accuracy" else 1.0
         if family:
             ax.plot([s.budget for s in family], [scale * getattr(s, attr) for s in family], "o-",
-                    label=f"ASD g={SWEEP_LOCAL_RATIO:g}, m={SWEEP_MAX_MISMATCH} (sweep + usage)")
+                    label="ASD g={:g}, m={} (sweep + usage)".format(*SWEEP_GATES))
         for name, marker in ((ASD_B0, "s"), ("asd_q25", "D")):
             if name in by:
                 s = by[name]
@@ -598,7 +434,7 @@ def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
         for i, s in enumerate(with_hist):
             total = sum(s.accept_len_hist.values())
             ax.bar([k - 0.4 + width * (i + 0.5) for k in ks], [s.accept_len_hist.get(k, 0) / total for k in ks],
-                   width=width, label=f"{s.name} (mean {_fmt(s.mean_accept_len, '.2f')})")
+                   width=width, label=f"{s.name} (mean {s.mean_accept_len:.2f})")
         ax.set_xticks(ks)
         ax.set_xlabel("accept_len (committed tokens per request per verify step)")
         ax.set_ylabel("share of decode steps")
@@ -609,51 +445,7 @@ def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
     return paths
 
 
-# ---------------------------------------------------------------------------
-# Running an arm against the real server
-# ---------------------------------------------------------------------------
-
-
-async def post_all(url: str, payloads: Sequence[Dict], concurrency: int, desc: Optional[str]) -> List[Dict]:
-    """POST every payload to /generate, at most ``concurrency`` in flight; responses in order."""
-    import httpx
-    from tqdm import tqdm
-
-    sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    bar = tqdm(total=len(payloads), desc=desc, disable=desc is None)
-    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        async def one(p):
-            async with sem:
-                r = await client.post("/generate", json=p)
-            if r.status_code != 200:
-                raise RuntimeError(f"/generate returned HTTP {r.status_code}: {r.text}")
-            bar.update(1)
-            return r.json()
-
-        try:
-            return await asyncio.gather(*(one(p) for p in payloads))
-        finally:
-            bar.close()
-
-
-def generate_payload(text: str, max_new_tokens: int, asd_regret_budget: Optional[float] = None) -> Dict:
-    """A greedy /generate request; ``asd_regret_budget`` overrides the server's budget for it."""
-    params = {"max_new_tokens": max_new_tokens, "do_sample": False, "return_details": True}
-    if asd_regret_budget is not None:
-        params["asd_regret_budget"] = asd_regret_budget
-    return {"inputs": text, "parameters": params}
-
-
-def server_env() -> Dict[str, str]:
-    import torch
-
-    env = dict(os.environ)
-    if torch.cuda.is_available():
-        env.pop("TRITON_INTERPRET", None)
-    else:
-        env.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in the interpreter on CPU
-    return env
+# --------------------------------------------------------------------------- running an arm against the real server
 
 
 @dataclass
@@ -668,27 +460,19 @@ class ArmRun:
 
 def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Sequence[Question],
             prompts: Sequence[str], args, out_dir: str, draft_check_dirs: Optional[Sequence[str]] = None) -> ArmRun:
-    import httpx
-
-    from lightllm.utils.server_launcher import launch_server
-
     check = draft_check_dirs if arm.mtp and draft_check_dirs else None
     digest_before = files_digest(check) if check else None
     log = os.path.join(out_dir, f"server_{arm.name}.log")
     print(f"[{arm.name}] starting server: {' '.join(base_flags + arm_flags)}", flush=True)
-    server = launch_server(base_flags + arm_flags, log, env=server_env())
-    try:
+    with serve(base_flags + arm_flags, log) as server:
         if args.warmup > 0:
-            warm = [generate_payload(p, min(WARMUP_MAX_NEW_TOKENS, args.max_new_tokens)) for p in prompts[:args.warmup]]
-            asyncio.run(post_all(server.url, warm, args.concurrency, None))
-        before = httpx.get(server.url + "/metrics").text
-        payloads = [generate_payload(p, args.max_new_tokens) for p in prompts]
+            warm_up(server.url, prompts, args.max_new_tokens, args.concurrency, args.warmup)
+        before = scrape(server.url)
+        bodies = [generate_body(p, args.max_new_tokens, return_details=True) for p in prompts]
         t0 = time.perf_counter()
-        responses = asyncio.run(post_all(server.url, payloads, args.concurrency, arm.name))
+        responses = send_all(server.url, bodies, args.concurrency, arm.name)
         wall = time.perf_counter() - t0
-        after = httpx.get(server.url + "/metrics").text
-    finally:
-        server.stop()
+        grown = scrape(server.url) - before
     records = [RequestRecord.from_response(q, r) for q, r in zip(questions, responses)]
     with open(os.path.join(out_dir, f"requests_{arm.name}.jsonl"), "w") as f:
         for r in records:
@@ -698,24 +482,11 @@ def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Se
         digest_after = files_digest(check)
         if digest_after != digest_before:
             digest = f"{digest_before}->{digest_after}"  # changed while the server ran
-    hist = subtract_histograms(parse_accept_len_histogram(after), parse_accept_len_histogram(before))
-    engine_s = sample_deltas(before, after, [ENGINE_SECONDS])[ENGINE_SECONDS]
-    return ArmRun(records, wall, hist, draft_digest=digest, engine_s=engine_s)
+    return ArmRun(records, wall, grown.histogram(MTP_ACCEPT_LEN), draft_digest=digest,
+                  engine_s=grown.value(BATCH_STEP_SECONDS))
 
 
-# ---------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------
-
-
-def base_server_flags(model_dir: Optional[str], running_max_req_size: int, max_req_total_len: int,
-                      batch_max_tokens: int, server_extra: str) -> List[str]:
-    """The server flags every arm shares (model_dir None: the embedded model)."""
-    return (["--model_dir", model_dir] if model_dir else []) + [
-        "--running_max_req_size", str(running_max_req_size),
-        "--max_req_total_len", str(max_req_total_len),
-        "--batch_max_tokens", str(max(batch_max_tokens, max_req_total_len)),
-    ] + shlex.split(server_extra)
+# --------------------------------------------------------------------------- CLI
 
 
 def read_calib_q25(path: str, mtp_step: int) -> float:
@@ -732,7 +503,9 @@ def read_calib_q25(path: str, mtp_step: int) -> float:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m lightllm.tools.eval_gsm8k", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="GSM8K test jsonl ({question, answer})")
+    p.add_argument("--data", default=None,
+                   help="GSM8K test jsonl ({question, answer}; default: test.jsonl in $LIGHTLLM_GSM8K_DIR or "
+                        "../shared/data/gsm8k beside the checkout)")
     p.add_argument("--out_dir", required=True)
     p.add_argument("--num_questions", type=int, default=None, help="first N questions (default: all)")
     p.add_argument("--model_dir", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
@@ -781,21 +554,21 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    model_dir = os.path.abspath(args.model_dir) if args.model_dir else None
-    if model_dir is None:
-        from lightllm.utils.embedded_model import get_default_model_dir
+    from lightllm.utils.embedded_model import default_draft_dir_for
 
-        tok_dir = get_default_model_dir()
-    else:
-        tok_dir = model_dir
+    model_dir = os.path.abspath(args.model_dir) if args.model_dir else None  # None: the server's embedded model
+    tok_dir = model_dir_or_embedded(model_dir)
     draft_dirs = [os.path.abspath(d) for d in args.mtp_draft_model_dir] if args.mtp_draft_model_dir else None
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    draft_check_dirs = draft_dirs or [d for d in [_default_draft_dir(tok_dir, args.mtp_mode)] if d]
-    questions = load_questions(args.data, args.num_questions)
-    prompts = [chat_prompt_text(tokenizer, q.question) for q in questions]
+    draft_check_dirs = draft_dirs or [d for d in [default_draft_dir_for(tok_dir, args.mtp_mode)] if d]
+    args.data = gsm8k_path("test", args.data)
+    questions = load_gsm8k(args.data, args.num_questions)
+    if any(q.gold is None for q in questions):
+        raise ValueError(f"{args.data}: every question needs an answer")
+    prompts = chat_prompt_texts(tokenizer, solve_turns(questions))
     prompt_lens = [len(tokenizer.encode(p, add_special_tokens=True)) for p in prompts]
     max_len = args.max_req_total_len or auto_max_req_total_len(prompt_lens, args.max_new_tokens)
-    base_flags = base_server_flags(model_dir, args.running_max_req_size or args.concurrency, max_len,
+    base_flags = wave_server_flags(model_dir, args.running_max_req_size or args.concurrency, max_len,
                                    args.batch_max_tokens, args.server_extra)
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"{len(questions)} questions, arms: {', '.join(a.name for a in arms)}", flush=True)
@@ -840,19 +613,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _default_draft_dir(model_dir: str, mtp_mode: str) -> Optional[str]:
-    from lightllm.utils.embedded_model import default_draft_dir_for
-
-    return default_draft_dir_for(model_dir, mtp_mode)
-
-
 def write_outputs(arms: Sequence[Arm], runs: Dict[str, "ArmRun"], skipped: Sequence[str], args,
                   draft_dirs, command: str, setup: Dict[str, object]) -> Tuple[str, Optional[B0Check]]:
     """results.json, results.md and the plots for the arms run so far."""
     strict = runs[STRICT].records
     summaries = [summarize_arm(a, runs[a.name].records, runs[a.name].wall_s, strict, runs[a.name].accept_len_hist,
                                runs[a.name].engine_s) for a in arms]
-    add_ratios(summaries)
+    add_speedups_vs_strict_and_b0(summaries)
     for s in summaries:
         s.arm_total_s = runs[s.name].total_s
     b0 = check_b0(strict, runs[ASD_B0].records) if ASD_B0 in runs else None
@@ -868,8 +635,7 @@ def write_outputs(arms: Sequence[Arm], runs: Dict[str, "ArmRun"], skipped: Seque
         "arms": [{**asdict(s), "server_flags": a.server_flags(args.mtp_mode, args.mtp_step, draft_dirs),
                   "draft_digest": runs[a.name].draft_digest} for s, a in zip(summaries, arms)],
     }
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(os.path.join(args.out_dir, "results.json"), results)
     md = render_markdown(summaries, b0, command, setup)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
         f.write(md)

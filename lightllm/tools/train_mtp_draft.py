@@ -41,7 +41,6 @@ The output dir holds config.json + model.safetensors (bf16, loadable with
 """
 import argparse
 import copy
-import gc
 import json
 import logging
 import math
@@ -58,6 +57,8 @@ from tqdm import tqdm
 
 from lightllm.models.llama_mtp.train_module import DRAFT_SAFETENSORS, MTPDraftTrainModule
 from lightllm.server.core.objs.start_args_type import MTP_MODES
+from lightllm.tools.client import generate_offline, model_dir_or_embedded
+from lightllm.tools.prompts import chat_prompt_ids, load_gsm8k
 
 logger = logging.getLogger(__name__)
 
@@ -467,27 +468,8 @@ def _fmt(m: DepthMetrics) -> str:
 
 # --------------------------------------------------------------------------- data: prompts and answers
 
+build_prompt_ids = chat_prompt_ids  # the name unit_tests/data_paths.py imports
 
-def load_questions(path: str, num_questions: Optional[int]) -> List[str]:
-    """The first ``num_questions`` questions of a GSM8K-style jsonl file (all when None)."""
-    questions = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                questions.append(json.loads(line)["question"])
-                if num_questions is not None and len(questions) >= num_questions:
-                    break
-    return questions
-
-
-def build_prompt_ids(tokenizer, questions: Sequence[str]) -> List[List[int]]:
-    """One user turn per question through the target's chat template, with the assistant header."""
-    prompts = []
-    for q in questions:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=False)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
-    return prompts
 
 
 def generate_answers(model_dir: str, prompts: Sequence[List[int]], max_new_tokens: int,
@@ -501,20 +483,13 @@ def generate_answers(model_dir: str, prompts: Sequence[List[int]], max_new_token
     past it every unfinished request is aborted; a partial answer is still the target's
     own greedy text, so it is kept; prompts without a single answer token are dropped."""
     from lightllm.server.core.objs.start_args_type import StartArgs
-    from lightllm.server.offline_engine import OfflineEngine
 
     max_len = max(len(p) for p in prompts) + max_new_tokens
     args = StartArgs(model_dir=model_dir, running_max_req_size=running_max_req_size, max_req_total_len=max_len,
                      batch_max_tokens=max(GEN_BATCH_MAX_TOKENS, max_len))
-    engine = OfflineEngine(args, device=device, dtype=dtype)
-    eos = engine.eos_token_ids() if eos_token_ids is None else list(eos_token_ids)
     params = [{"max_new_tokens": max_new_tokens, "ignore_eos": False}] * len(prompts)
-    results = engine.generate(prompts, params, eos_token_ids=eos, progress=progress,
-                              on_step=_abort_all_after(max_seconds))
-    del engine  # free its KV pool before the training model is loaded
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    results, _ = generate_offline(args, prompts, params, device=device, dtype=dtype, eos_token_ids=eos_token_ids,
+                                  progress=progress, on_step=_abort_all_after(max_seconds))
     seqs = [TrainSequence(list(p) + list(r.token_ids), len(p)) for p, r in zip(prompts, results) if r.token_ids]
     if len(seqs) < len(prompts):
         logger.warning("time budget: %d of %d prompts got no answer and are dropped", len(prompts) - len(seqs),
@@ -615,15 +590,11 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     if torch.device(device).type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 draft
     t0 = time.monotonic()
-    model_dir = a.model_dir
-    if model_dir is None:
-        from lightllm.utils.embedded_model import get_default_model_dir
-
-        model_dir = get_default_model_dir()
+    model_dir = a.model_dir or model_dir_or_embedded(None)
     from transformers import AutoTokenizer
 
-    questions = load_questions(a.data, a.num_questions)
-    prompts = build_prompt_ids(AutoTokenizer.from_pretrained(model_dir), questions)
+    questions = [q.question for q in load_gsm8k(a.data, a.num_questions)]
+    prompts = chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), questions)
     logger.info("%d questions; generating the target's answers (max_new_tokens %d)", len(prompts), a.max_new_tokens)
     t_gen = time.monotonic()
     seqs = generate_answers(model_dir, prompts, a.max_new_tokens, device=device,

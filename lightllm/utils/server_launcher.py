@@ -1,5 +1,8 @@
-"""Start the real server (python -m lightllm.server.api_server) as a child process: tests, benchmarks, eval."""
+"""Start the real server (python -m lightllm.server.api_server) as a child process, and read
+what it answers: strict JSON, server-sent events, the /metrics page. For tests, benchmarks and
+tools (``lightllm/tools/client.py`` builds on it); httpx is imported only where a request is made."""
 import json
+import math
 import os
 import signal
 import socket
@@ -7,9 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional
-
-import httpx
+from typing import Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 600
@@ -30,6 +31,56 @@ def sse_data(lines) -> List[str]:
     return [line[len(SSE_DATA_PREFIX):] for line in lines if line.startswith(SSE_DATA_PREFIX)]
 
 
+Labels = Tuple[Tuple[str, str], ...]  # sorted (name, value) pairs
+
+
+@dataclass(frozen=True)
+class MetricsPage:
+    """A /metrics page parsed by prometheus_client: every sample's value by name and labels."""
+
+    samples: Dict[Tuple[str, Labels], float]
+
+    @classmethod
+    def parse(cls, text: str) -> "MetricsPage":
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return cls({(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for family in text_string_to_metric_families(text) for s in family.samples})
+
+    def value(self, name: str, default: Optional[float] = None, **labels: str) -> float:
+        """The sample ``name`` with exactly these labels; ``default`` (else KeyError) when there is none."""
+        key = (name, tuple(sorted(labels.items())))
+        if key not in self.samples and default is None:
+            raise KeyError(f"/metrics has no sample {name} {labels or ''}".rstrip())
+        return self.samples.get(key, default)
+
+    def by_key(self, key: str) -> float:
+        """The sample written ``name`` or ``name{label="value",...}`` as on the page."""
+        for (name, labels), v in self.samples.items():
+            if key == name + ("{" + ",".join(f'{k}="{x}"' for k, x in labels) + "}" if labels else ""):
+                return v
+        raise KeyError(key)
+
+    def histogram(self, name: str) -> Dict[int, int]:
+        """Observations per integer bucket of the histogram ``name`` (integer observations: bucket
+        ``le=k`` minus bucket ``le=k-1``); {} when the page has no such histogram."""
+        cumulative = {float(dict(labels)["le"]): v for (n, labels), v in self.samples.items() if n == name + "_bucket"}
+        bounds = sorted(b for b in cumulative if math.isfinite(b))
+        return {int(b): int(cumulative[b] - (cumulative[prev] if prev is not None else 0))
+                for prev, b in zip([None] + bounds, bounds)}
+
+    def __sub__(self, earlier: "MetricsPage") -> "MetricsPage":
+        """How much every sample grew since ``earlier`` (counters and histograms of one server)."""
+        return MetricsPage({k: v - earlier.samples.get(k, 0.0) for k, v in self.samples.items()})
+
+
+def scrape(url: str) -> MetricsPage:
+    """The /metrics page of the server at ``url``."""
+    import httpx
+
+    return MetricsPage.parse(httpx.get(url + "/metrics").text)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,7 +93,9 @@ class Server:
     url: str
     log_path: str
 
-    def client(self, timeout: float = 300.0) -> httpx.Client:
+    def client(self, timeout: float = 300.0):
+        import httpx
+
         return httpx.Client(base_url=self.url, timeout=timeout)
 
     def stop(self) -> None:
@@ -53,15 +106,14 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+    def metric(self, key: str) -> float:
+        """One sample, written as on the page: ``name`` or ``name{label="value"}``."""
+        return scrape(self.url).by_key(key)
 
 
 def launch_server(args: List[str], log_path: str, env: Optional[dict] = None) -> Server:
+    import httpx
+
     port = free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen(

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from lightllm.tools.report import render_table
 from unit_tests.data_paths import require_gsm8k
 
 _spec = importlib.util.spec_from_file_location(
@@ -51,7 +52,7 @@ def test_summarize_pairs_each_wave_with_its_rounds_b0():
     assert b2.mean_batch == pytest.approx(6600 / 240) and b2.ms_per_batch_step == pytest.approx(1000 * 28 / 240)
     # output tokens per batch step: 3600 / 240 = 15 against 3000 / 300 = 10
     assert b0.step_cost_speedup_vs_b0 == 1.0 and b2.step_cost_speedup_vs_b0 == pytest.approx(1.5)
-    table = bench.render_table([b0, b2])
+    table = render_table([b0, b2], bench.TABLE, markdown=True)
     assert ("| 2 | 3 | 2.466 | +23.3% | 120.0 | 55.0 | 130.0 | 1.200x | 1.200, 1.100, 1.300 | "
             "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 1.500x |") in table
     with pytest.raises(ValueError, match="B = 0"):

@@ -1,10 +1,13 @@
-"""The pure parts of benchmarks/bench_e2e_throughput.py: config parsing, percentiles, summaries, the table."""
+"""The pure parts of benchmarks/bench_e2e_throughput.py: config parsing, summaries, the table, the matrix rows."""
 import importlib.util
 import json
 import os
 
-import numpy as np
 import pytest
+from transformers import AutoTokenizer
+
+from lightllm.tools.prompts import chat_prompt_texts
+from lightllm.tools.report import render_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("bench_e2e_throughput",
@@ -43,19 +46,6 @@ def test_parse_configs_rejects(spec, message):
         bench.parse_configs(spec)
 
 
-@pytest.mark.parametrize("values", [[3.0], [1.0, 2.0], [5, 1, 4, 2, 3], list(np.random.default_rng(0).random(101))])
-@pytest.mark.parametrize("q", [0, 50, 90, 99, 100])
-def test_percentile_matches_numpy_linear(values, q):
-    assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
-
-
-def test_percentile_rejects_empty_and_out_of_range():
-    with pytest.raises(ValueError):
-        bench.percentile([], 50)
-    with pytest.raises(ValueError):
-        bench.percentile([1.0], 101)
-
-
 def _res(latency, out, accepted=0, ttft=None, text="t"):
     return bench.RequestResult(latency_s=latency, output_tokens=out, prompt_tokens=10, text=text,
                                mtp_accepted_token_num=accepted, ttft_s=ttft)
@@ -73,43 +63,29 @@ def test_summarize_throughput_latency_and_tokens_per_step():
         bench.summarize("x", [], 1.0)
 
 
-def test_ratios_and_same_text():
+def test_ratios_to_the_baseline_and_the_first_config():
     rows = [{"name": "plain", "output_tokens_per_s": 200.0}, {"name": "mtp", "output_tokens_per_s": 500.0}]
     hf = {"name": "transformers", "output_tokens_per_s": 100.0}
-    bench.add_ratios(rows + [hf], hf)
+    bench.add_ratios_to_baseline_and_first(rows + [hf], hf)
     assert [r["vs_transformers"] for r in rows + [hf]] == [2.0, 5.0, 1.0]
     assert [r["vs_first"] for r in rows + [hf]] == [1.0, 2.5, 0.5]
-    assert bench.same_text_fraction(["a", "b", "c", "d"], ["a", "x", "c", "d"]) == 0.75
-    with pytest.raises(ValueError):
-        bench.same_text_fraction(["a"], ["a", "b"])
-
-
-def test_render_table_aligns_and_marks_missing():
-    cols = [bench.Column("name", "config", ""), bench.Column("tps", "tok/s", ".1f"), bench.Column("x", "x HF", ".2f")]
-    table = bench.render_table([{"name": "plain", "tps": 1234.56, "x": 2.5}, {"name": "transformers", "tps": 9.0}], cols)
-    assert table.splitlines() == [
-        "config         tok/s  x HF",
-        "------------  ------  ----",
-        "plain         1234.6  2.50",
-        "transformers     9.0     -",
-    ]
 
 
 def test_default_table_renders_a_full_summary_row():
     row = bench.summarize("plain", [_res(1.0, 16), _res(2.0, 16)], wall_s=2.0)
-    bench.add_ratios([row], row)
-    lines = bench.render_table([row], bench.TABLE_COLUMNS).splitlines()
+    bench.add_ratios_to_baseline_and_first([row], row)
+    lines = render_table([row], bench.TABLE_COLUMNS).splitlines()
     assert len(lines) == 3 and lines[2].startswith("plain") and "16.0" in lines[2]
 
 
-def test_prompt_loading(tmp_path):
+def test_gsm8k_prompts_are_the_chat_endpoints(tmp_path):
     gsm = tmp_path / "test.jsonl"
-    gsm.write_text("".join(json.dumps({"question": f"q{i}", "answer": "a"}) + "\n" for i in range(5)))
-    assert bench.load_gsm8k_questions(str(gsm), 3) == ["q0", "q1", "q2"]
-    pf = tmp_path / "prompts.txt"
-    pf.write_text('plain line\n\n"two\\nlines"\n')
-    assert bench.load_prompt_file(str(pf), 10) == ["plain line", "two\nlines"]
-    assert bench.take_cyclic(["a", "b"], 5) == ["a", "b", "a", "b", "a"]
+    gsm.write_text("".join(json.dumps({"question": f"q{i}", "answer": "#### 1"}) + "\n" for i in range(3)))
+    args = bench.parse_args(["--gsm8k", str(gsm), "--num_prompts", "5"])
+    texts = bench.build_prompts(args, bench.model_dir_or_embedded(None))
+    assert len(texts) == 5 and texts[3] == texts[0] and "q2" in texts[2]
+    assert texts[:3] == chat_prompt_texts(AutoTokenizer.from_pretrained(bench.model_dir_or_embedded(None)),
+                                          ["q0", "q1", "q2"])
 
 
 def test_model_and_dtype_come_from_the_server_parser(tmp_path):

@@ -12,12 +12,12 @@ from lightllm.tools import asd_calibrate
 from lightllm.tools.asd_calibrate import (
     CalibrationError,
     check_train_split,
-    first_difference,
     first_rejection_ratios,
     q25,
     suggested_flags,
 )
 from unit_tests.data_paths import require_gsm8k
+from unit_tests.tools.fakes import FakeTokenizer, write_gsm8k
 
 NO_DRAFT = -1
 K = 3
@@ -103,25 +103,12 @@ def test_q25_linear_interpolation_by_hand():
 def test_small_helpers():
     assert suggested_flags(0.25) == ("--mtp_asd_regret_budget 0.25 --mtp_asd_local_regret_ratio 0.25 "
                                      "--mtp_asd_block_max_mismatch 1")
-    assert first_difference([[1, 2], [3, 4]], [[1, 2], [3, 4]]) is None
-    assert first_difference([[1, 2], [3, 4, 5]], [[1, 2], [3, 9, 5]]) == (1, 1)
-    assert first_difference([[1, 2]], [[1, 2, 3]]) == (0, 2)
     check_train_split("/data/gsm8k/train.jsonl")
     with pytest.raises(CalibrationError, match="TRAIN"):
         check_train_split("/data/gsm8k/test.jsonl")
 
 
 # ---- the CLI flow, with the engine replaced by a fake ----
-
-
-class FakeTokenizer:
-    bos_token, bos_token_id = "<s>", 1
-
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        return "<s>user:" + messages[0]["content"]
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) % 97 for c in text]
 
 
 class FakeResult:
@@ -148,10 +135,9 @@ def fake_engine(monkeypatch, tmp_path):
 
     fake_generate.break_b0 = False
     monkeypatch.setattr(asd_calibrate, "_generate", fake_generate)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"question": f"q{i}?", "answer": f"... #### {i}"}) + "\n" for i in range(5)))
+    data = write_gsm8k(tmp_path / "train.jsonl", 5)
     (tmp_path / "model").mkdir()
-    return fake_generate, calls, str(data), str(tmp_path)
+    return fake_generate, calls, data, str(tmp_path)
 
 
 def test_cli_writes_q25_and_flags(fake_engine, capsys):

@@ -1,5 +1,5 @@
-"""eval_gsm8k: answers, arms, aggregation and rendering by hand; the CLI flow with a fake server;
-one real run against real servers on CPU (slow)."""
+"""eval_gsm8k: arms, aggregation and rendering by hand; the CLI flow with a fake server;
+one real run against real servers on CPU (slow). Answers and prompts: test_prompts.py."""
 import json
 import os
 from types import SimpleNamespace
@@ -7,103 +7,23 @@ from types import SimpleNamespace
 import pytest
 
 from lightllm.tools import eval_gsm8k
+from lightllm.tools.client import USAGE, AsdSetting
 from lightllm.tools.eval_gsm8k import (
     Arm,
     ArmRun,
-    Question,
     RequestRecord,
-    add_ratios,
-    check_same_draft,
-    auto_max_req_total_len,
+    add_speedups_vs_strict_and_b0,
     build_arms,
-    chat_prompt_text,
     check_b0,
+    check_same_draft,
     differing_requests,
-    extract_answer,
-    first_token_difference,
-    gold_answer,
-    is_correct,
-    load_questions,
-    parse_accept_len_histogram,
-    parse_samples,
-    sample_deltas,
     parse_float_list,
     render_markdown,
-    subtract_histograms,
     summarize_arm,
     throughput_noise_note,
 )
 from unit_tests.data_paths import require_gsm8k
-
-
-
-# ---- answers ----
-
-
-@pytest.mark.parametrize("text, want", [
-    ("She makes $1,234.50 a week.", 1234.5),
-    ("The answer is 18.", 18.0),
-    ("so the total is -7", -7.0),
-    ("x = -2.5", -2.5),
-    ("5-3=2", 2.0),  # a binary minus is not a sign
-    ("pages 10-12", 12.0),
-    ("1,234,567 apples", 1234567.0),
-    ("3, 4, 5", 5.0),  # list commas are not thousands separators
-    ("step 1: 40 / 2 = 20\nThe answer is 20 dollars", 20.0),
-    ("no number here", None),
-    ("", None),
-])
-def test_extract_answer(text, want):
-    assert extract_answer(text) == want
-
-
-def test_gold_and_correct():
-    assert gold_answer("Janet sells 16 - 3 - 4 = 9 eggs.\n#### 18") == 18.0
-    assert gold_answer("... #### 1,000") == 1000.0
-    assert gold_answer("#### -3") == -3.0
-    assert gold_answer("no mark 5") is None
-    assert is_correct(18.0, 18.0) and is_correct(1234.50, 1234.5)
-    assert not is_correct(None, 18.0) and not is_correct(18.01, 18.0)
-
-
-def test_load_questions(tmp_path):
-    p = tmp_path / "t.jsonl"
-    p.write_text(json.dumps({"question": "a?", "answer": "x #### 3"}) + "\n\n"
-                 + json.dumps({"question": "b?", "answer": "y #### 4,500"}) + "\n")
-    assert load_questions(str(p)) == [Question(0, "a?", 3.0), Question(2, "b?", 4500.0)]
-    assert load_questions(str(p), 1) == [Question(0, "a?", 3.0)]
-    p.write_text(json.dumps({"question": "a?", "answer": "no mark"}) + "\n")
-    with pytest.raises(ValueError, match="no number after"):
-        load_questions(str(p))
-
-
-def test_real_gsm8k_golds_all_parse():
-    qs = load_questions(require_gsm8k("test"))
-    assert len(qs) == 1319 and qs[0].gold == 18.0
-
-
-class FakeTokenizer:
-    def __init__(self, adds_bos: bool):
-        self.adds_bos = adds_bos
-        self.bos_token, self.bos_token_id = "<s>", 1
-
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        assert add_generation_prompt and not tokenize
-        return "<s>user: " + messages[0]["content"] + "\nassistant: "
-
-    def encode(self, text, add_special_tokens=True):
-        return ([1] if self.adds_bos and add_special_tokens else []) + [ord(c) for c in text]
-
-
-def test_chat_prompt_text_drops_a_bos_the_server_would_add_again():
-    kept = chat_prompt_text(FakeTokenizer(adds_bos=False), "What is 2+2?")
-    assert kept.startswith("<s>user: What is 2+2?\n") and kept.endswith("assistant: ")
-    assert chat_prompt_text(FakeTokenizer(adds_bos=True), "What is 2+2?") == kept[len("<s>"):]
-
-
-def test_auto_max_req_total_len():
-    assert auto_max_req_total_len([100, 200, 150], 256) == 512  # 456 -> 512
-    assert auto_max_req_total_len([64], 64) == 128
+from unit_tests.tools.fakes import FakeTokenizer, write_gsm8k
 
 
 # ---- arms ----
@@ -122,7 +42,7 @@ def test_build_arms_and_flags():
         "--mtp_asd_regret_budget", "0.3", "--mtp_asd_local_regret_ratio", "0.3", "--mtp_asd_block_max_mismatch", "1"]
     assert by["asd_usage"].server_flags("eagle_with_att", 3, None)[4:] == [
         "--mtp_asd_regret_budget", "2.0625", "--mtp_asd_local_regret_ratio", "0.25", "--mtp_asd_block_max_mismatch", "2"]
-    assert (by["asd_B8"].budget, by["asd_B8"].local_ratio, by["asd_B8"].max_mismatch) == (8.0, 0.25, 2)
+    assert by["asd_B8"].asd == AsdSetting(8.0, 0.25, 2) and by["asd_usage"].asd == USAGE
     assert [a.name for a in build_arms(["strict", "asd_b0"], None, [], False)] == ["strict", "asd_b0"]
 
 
@@ -159,8 +79,9 @@ def test_summarize_arm_by_hand():
         _rec(1, [2] * 19 + [9], acc=10, correct=False),  # differs from strict
         _rec(2, [3] * 6, acc=0, relaxed=1, regret=1.0),
     ]
-    s = summarize_arm(Arm("asd_usage", budget=2.0625, local_ratio=0.25, max_mismatch=2), arm, 4.0, strict,
+    s = summarize_arm(Arm("asd_usage", asd=USAGE), arm, 4.0, strict,
                       {1: 2, 2: 1, 3: 1}, engine_s=3.0)
+    assert (s.budget, s.local_ratio, s.max_mismatch) == (2.0625, 0.25, 2)
     assert s.num_requests == 3 and s.accuracy == pytest.approx(2 / 3)
     # 36 tokens over (10-6) + (20-10) + (6-0) = 20 steps
     assert s.output_tokens == 36 and s.tokens_per_step == pytest.approx(1.8)
@@ -171,12 +92,12 @@ def test_summarize_arm_by_hand():
     assert s.engine_tokens_per_s == pytest.approx(12.0)  # 36 tokens in 3 s of batch steps
     st = summarize_arm(Arm("strict"), strict, 6.0, strict, engine_s=4.0)  # 9 tok/s on the engine's clock
     assert st.differs_from_strict is None and st.tokens_per_step == 1.0 and st.mean_accept_len is None
-    add_ratios([st, s])
+    add_speedups_vs_strict_and_b0([st, s])
     assert st.speedup_vs_strict == 1.0 and s.speedup_vs_strict == pytest.approx(9.0 / 6.0)
     assert s.requests_per_s_vs_strict == pytest.approx(0.75 / 0.5)
     assert s.engine_speedup_vs_strict == pytest.approx(12.0 / 9.0) and s.engine_speedup_vs_b0 is None
-    no_clock = summarize_arm(Arm("asd_b0", budget=0.0), strict, 6.0, strict)  # a server without the metric
-    add_ratios([st, no_clock])
+    no_clock = summarize_arm(Arm("asd_b0", asd=AsdSetting(0.0)), strict, 6.0, strict)  # a server without the metric
+    add_speedups_vs_strict_and_b0([st, no_clock])
     assert no_clock.engine_tokens_per_s is None and no_clock.engine_speedup_vs_strict is None
 
 
@@ -191,53 +112,19 @@ def test_differences_and_b0_check():
     assert not bad.passed and bad.num_differing == 2
     assert (bad.first_question_index, bad.first_token_position) == (5, 2)  # prefix: the shorter length
     assert "question 5, token position 2" in bad.message()
-    assert first_token_difference([1, 2, 3], [1, 7, 3]) == 1
     with pytest.raises(ValueError, match="order differs"):
         differing_requests([_rec(1, [1])], [_rec(0, [1])])
     with pytest.raises(ValueError, match="request counts"):
         differing_requests([_rec(0, [1])], [])
 
 
-METRICS = """# HELP lightllm_mtp_accept_len Committed tokens per request per MTP verify step
-# TYPE lightllm_mtp_accept_len histogram
-lightllm_mtp_accept_len_bucket{le="1.0"} 5.0
-lightllm_mtp_accept_len_bucket{le="2.0"} 9.0
-lightllm_mtp_accept_len_bucket{le="3.0"} 12.0
-lightllm_mtp_accept_len_bucket{le="4.0"} 20.0
-lightllm_mtp_accept_len_bucket{le="5.0"} 20.0
-lightllm_mtp_accept_len_bucket{le="+Inf"} 20.0
-lightllm_mtp_accept_len_count 20.0
-lightllm_mtp_accept_len_sum 54.0
-lightllm_generation_tokens_total 70.0
-"""
-
-
-def test_accept_len_histogram_from_metrics():
-    hist = parse_accept_len_histogram(METRICS)
-    assert hist == {1: 5, 2: 4, 3: 3, 4: 8, 5: 0}
-    assert sum(k * c for k, c in hist.items()) == 54  # equals the _sum line
-    before = {1: 1, 2: 0, 3: 0, 4: 2, 5: 0}
-    assert subtract_histograms(hist, before) == {1: 4, 2: 4, 3: 3, 4: 6, 5: 0}
-    assert parse_accept_len_histogram("lightllm_generation_tokens_total 3.0\n") == {}
-
-
-def test_parse_samples():
-    assert parse_samples(METRICS, ["lightllm_generation_tokens_total", "lightllm_mtp_accept_len_sum"]) == {
-        "lightllm_generation_tokens_total": 70.0, "lightllm_mtp_accept_len_sum": 54.0}
-    with pytest.raises(KeyError, match="lightllm_batch_steps_total"):
-        parse_samples(METRICS, ["lightllm_batch_steps_total"])
-    later = METRICS.replace("lightllm_generation_tokens_total 70.0", "lightllm_generation_tokens_total 95.5")
-    assert sample_deltas(METRICS, later, ["lightllm_generation_tokens_total", "lightllm_mtp_accept_len_sum"]) == {
-        "lightllm_generation_tokens_total": 25.5, "lightllm_mtp_accept_len_sum": 0.0}
-
-
 def test_ratios_to_b0_and_the_noise_note():
     strict = [_rec(0, [1, 2]), _rec(1, [3])]  # 3 tokens
     st = summarize_arm(Arm("strict"), strict, 1.0, strict, engine_s=0.5)  # 3 tok/s, engine 6
-    b0 = summarize_arm(Arm("asd_b0", budget=0.0), strict, 1.0 / 1.02, strict, engine_s=0.6)  # 3.06 tok/s: 1.020x
-    asd = summarize_arm(Arm("asd_usage", budget=2.0), strict, 0.5, strict)  # 6 tok/s
+    b0 = summarize_arm(Arm("asd_b0", asd=AsdSetting(0.0)), strict, 1.0 / 1.02, strict, engine_s=0.6)  # 3.06 tok/s: 1.020x
+    asd = summarize_arm(Arm("asd_usage", asd=AsdSetting(2.0)), strict, 0.5, strict)  # 6 tok/s
     assert throughput_noise_note([st, asd]) is None  # no B = 0 arm
-    add_ratios([st, b0, asd])
+    add_speedups_vs_strict_and_b0([st, b0, asd])
     assert asd.speedup_vs_b0 == pytest.approx(6.0 / 3.06) and b0.speedup_vs_b0 == pytest.approx(1.0)
     quiet = throughput_noise_note([st, b0, asd])
     assert not quiet.startswith("WARNING") and "1.020x" in quiet and "within 0.020 of 1" in quiet
@@ -252,8 +139,8 @@ def test_ratios_to_b0_and_the_noise_note():
 def test_render_markdown():
     strict = [_rec(0, [1, 2]), _rec(1, [3])]
     sums = [summarize_arm(Arm("strict"), strict, 1.0, strict, engine_s=0.5),
-            summarize_arm(Arm("asd_b0", budget=0.0), strict, 0.5, strict, engine_s=0.25)]
-    add_ratios(sums)
+            summarize_arm(Arm("asd_b0", asd=AsdSetting(0.0)), strict, 0.5, strict, engine_s=0.25)]
+    add_speedups_vs_strict_and_b0(sums)
     md = render_markdown(sums, check_b0(strict, strict), "python -m lightllm.tools.eval_gsm8k --data x", {"K": 3})
     lines = md.splitlines()
     assert "- K: 3" in lines and "**B = 0 identity check PASSED" in md
@@ -284,13 +171,14 @@ def fake_server(monkeypatch, tmp_path):
         recs = []
         for j, q in enumerate(questions):
             ids = [q.index, 7, 8]
-            if arm.budget and j == 1 or arm.name == "asd_b0" and fake_run_arm.break_b0 and j == 2:
+            budget = arm.asd.budget if arm.asd else None
+            if budget and j == 1 or arm.name == "asd_b0" and fake_run_arm.break_b0 and j == 2:
                 ids = ids + [9]
             text = f"so the answer is {q.gold:g}" if j != 0 else "no idea"
             recs.append(RequestRecord.from_response(q, {
                 "generated_text": [text], "count_output_tokens": len(ids), "finish_reason": "eos",
-                "mtp_accepted_token_num": 1 if arm.mtp else 0, "asd_relaxed_token_num": 1 if arm.budget else 0,
-                "asd_regret_spent": 0.5 if arm.budget else 0.0, "tokens": [{"id": t} for t in ids]}))
+                "mtp_accepted_token_num": 1 if arm.mtp else 0, "asd_relaxed_token_num": 1 if budget else 0,
+                "asd_regret_spent": 0.5 if budget else 0.0, "tokens": [{"id": t} for t in ids]}))
         hist = {1: 3, 2: 2} if arm.mtp else {1: 5}
         digest = eval_gsm8k.files_digest(draft_check_dirs) if arm.mtp and draft_check_dirs else None
         return ArmRun(recs, 2.0 if arm.name == "strict" else 1.0, hist, draft_digest=digest, engine_s=0.5)
@@ -298,10 +186,9 @@ def fake_server(monkeypatch, tmp_path):
     fake_run_arm.break_b0 = False
     fake_run_arm.before_arm = None
     monkeypatch.setattr(eval_gsm8k, "run_arm", fake_run_arm)
-    data = tmp_path / "test.jsonl"
-    data.write_text("".join(json.dumps({"question": f"q{i}?", "answer": f"... #### {i + 1}"}) + "\n" for i in range(4)))
+    data = write_gsm8k(tmp_path / "test.jsonl", 4, first_gold=1)
     (tmp_path / "model").mkdir()
-    return fake_run_arm, seen, str(data), str(tmp_path)
+    return fake_run_arm, seen, data, str(tmp_path)
 
 
 def test_cli_flow_writes_results(fake_server):

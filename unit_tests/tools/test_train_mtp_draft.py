@@ -191,28 +191,6 @@ def test_lr_schedule_warms_up_decays_and_follows_the_time_budget():
     assert timed.lr_at(10, 10.0) == pytest.approx(tool.MIN_LR_FRACTION)
 
 
-def test_prompts_use_the_chat_template_without_extra_special_tokens():
-    from transformers import AutoTokenizer
-
-    try:
-        model_dir = embedded_model.get_default_model_dir()
-    except FileNotFoundError as e:
-        pytest.skip(f"embedded model unavailable: {e}")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    [ids] = tool.build_prompt_ids(tok, ["What is 2 + 3?"])
-    template = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                       tokenize=False)
-    assert tok.decode(ids) == template  # nothing added beyond the template (no second BOS)
-    assert template.endswith("<|im_start|>assistant\n") and "What is 2 + 3?" in template
-
-
-def test_load_questions_takes_the_first_n(tmp_path):
-    p = tmp_path / "train.jsonl"
-    p.write_text("".join(json.dumps({"question": f"q{i}", "answer": "#### 1"}) + "\n" for i in range(5)))
-    assert tool.load_questions(str(p), 3) == ["q0", "q1", "q2"]
-    assert len(tool.load_questions(str(p), None)) == 5
-
-
 def test_train_config_rejects_bad_values():
     with pytest.raises(ValueError, match="valid names"):
         TrainConfig(mtp_mode="medusa")

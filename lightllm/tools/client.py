@@ -1,0 +1,256 @@
+"""The tools' and benchmarks' one way to run the engine and talk to it (docs/tools.md): server
+flags and ASD settings, a server started and stopped (``serve``), requests with at most
+``concurrency`` in flight (``send_all``, ``send_timed``), the names of the /metrics samples the
+tools read (from ``lightllm/server/metrics.py``; the page itself: ``MetricsPage`` in
+``lightllm/utils/server_launcher.py``), and one in-process run (``generate_offline``).
+
+httpx is imported only where a request is made: the in-process jobs run without it.
+"""
+import asyncio
+import gc
+import json
+import os
+import shlex
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from lightllm.server.metrics import ServerMetrics
+from lightllm.utils.server_launcher import SSE_DATA_PREFIX, Server, launch_server
+
+REQUEST_TIMEOUT_S = 3600.0
+WARMUP_REQUESTS = 32
+WARMUP_MAX_NEW_TOKENS = 32
+MAX_LEN_ROUND = 64  # an automatic --max_req_total_len is rounded up to a multiple of this
+DEFAULT_BATCH_MAX_TOKENS = 4096  # prefill chunk: a few dozen GSM8K prompts per prefill step
+
+
+# --------------------------------------------------------------------------- server flags
+
+
+def server_flags(**start_args) -> List[str]:
+    """``--name value`` per StartArgs field that is not None (a list gives several values)."""
+    flags = []
+    for name, value in start_args.items():
+        if value is not None:
+            flags += [f"--{name}", *map(str, value if isinstance(value, (list, tuple)) else [value])]
+    return flags
+
+
+@dataclass(frozen=True)
+class AsdSetting:
+    """ASD's budget B, local regret ratio g and block mismatch cap m (docs/asd.md)."""
+
+    budget: float
+    local_ratio: Optional[float] = None  # None: no local gate
+    max_mismatch: Optional[int] = None  # None: no cap
+
+    @classmethod
+    def q25(cls, q: float) -> "AsdSetting":
+        """The calibration recipe: B = g = q, m = 1."""
+        return cls(q, q, 1)
+
+    def start_args(self) -> Dict[str, object]:
+        return dict(mtp_asd_regret_budget=self.budget, mtp_asd_local_regret_ratio=self.local_ratio,
+                    mtp_asd_block_max_mismatch=self.max_mismatch)
+
+
+USAGE = AsdSetting(2.0625, 0.25, 2)  # the usage setting of docs/asd.md
+
+
+def model_dir_or_embedded(model_dir: Optional[str]) -> str:
+    """``model_dir`` made absolute, or the embedded model's folder (converted on first use) when None."""
+    if model_dir:
+        return os.path.abspath(model_dir)
+    from lightllm.utils.embedded_model import get_default_model_dir
+
+    return get_default_model_dir()
+
+
+def auto_max_req_total_len(prompt_lens: Sequence[int], max_new_tokens: int) -> int:
+    """The longest prompt plus ``max_new_tokens``, rounded up to a multiple of MAX_LEN_ROUND."""
+    need = max(prompt_lens) + max_new_tokens
+    return -(-need // MAX_LEN_ROUND) * MAX_LEN_ROUND
+
+
+def wave_server_flags(model_dir: Optional[str], running_max_req_size: int, max_req_total_len: int,
+                      batch_max_tokens: int = DEFAULT_BATCH_MAX_TOKENS, extra: str = "") -> List[str]:
+    """A server for waves of requests (model_dir None: the embedded model); the prefill chunk
+    holds at least one whole request; ``extra``: more flags, one shell-quoted string."""
+    return server_flags(model_dir=model_dir, running_max_req_size=running_max_req_size,
+                        max_req_total_len=max_req_total_len,
+                        batch_max_tokens=max(batch_max_tokens, max_req_total_len)) + shlex.split(extra)
+
+
+# --------------------------------------------------------------------------- a server
+
+
+def server_env() -> Dict[str, str]:
+    """This process's environment, with Triton kernels in the interpreter when there is no GPU."""
+    import torch
+
+    env = dict(os.environ)
+    if torch.cuda.is_available():
+        env.pop("TRITON_INTERPRET", None)
+    else:
+        env.setdefault("TRITON_INTERPRET", "1")
+    return env
+
+
+@contextmanager
+def serve(flags: Sequence[str], log_path: str) -> Iterator[Server]:
+    """A running server with ``flags`` (its output in ``log_path``), stopped on leaving."""
+    server = launch_server(list(flags), log_path, env=server_env())
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def generate_body(text: str, max_new_tokens: int, asd_regret_budget: Optional[float] = None,
+                  **params) -> Dict:
+    """A greedy ``/generate`` request; ``asd_regret_budget`` overrides the server's budget for it."""
+    params = {"max_new_tokens": max_new_tokens, "do_sample": False, **params}
+    if asd_regret_budget is not None:
+        params["asd_regret_budget"] = asd_regret_budget
+    return {"inputs": text, "parameters": params}
+
+
+def warm_up(url: str, texts: Sequence[str], max_new_tokens: int, concurrency: int,
+            requests: int = WARMUP_REQUESTS) -> None:
+    """An untimed wave of short requests, so kernel compilation is not timed."""
+    n = min(WARMUP_MAX_NEW_TOKENS, max_new_tokens)
+    send_all(url, [generate_body(t, n) for t in texts[:requests]], concurrency)
+
+
+# -------------------------------------------------------------------------- requests, at most ``concurrency`` in flight
+
+
+async def _bounded(url: str, items: Sequence, concurrency: int, desc: Optional[str], call: Callable) -> List:
+    """``await call(client, item)`` for every item, at most ``concurrency`` at once; results in order."""
+    import httpx
+    from tqdm import tqdm
+
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    bar = tqdm(total=len(items), desc=desc, unit="req", disable=desc is None)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        async def one(item):
+            async with sem:
+                out = await call(client, item)
+            bar.update(1)
+            return out
+
+        try:
+            return list(await asyncio.gather(*(one(x) for x in items)))
+        finally:
+            bar.close()
+
+
+async def _post(client, path: str, body: Dict) -> Dict:
+    r = await client.post(path, json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"{path} returned HTTP {r.status_code}: {r.text}")
+    return r.json()
+
+
+def send_all(url: str, bodies: Sequence[Dict], concurrency: int, desc: Optional[str] = None,
+             path: str = "/generate") -> List[Dict]:
+    """POST every body to ``path`` (``/generate``, ``/v1/completions``, ...); the JSON responses in order."""
+    return asyncio.run(_bounded(url, bodies, concurrency, desc, lambda c, b: _post(c, path, b)))
+
+
+@dataclass
+class Timed:
+    """One request's response and its client-side times."""
+
+    response: Dict  # the JSON response; streamed: the final event
+    latency_s: float
+    ttft_s: Optional[float] = None  # streamed only
+    streamed_tokens: Optional[int] = None  # streamed only: events that carried a token
+
+
+async def _timed(client, body: Dict, stream: bool) -> Timed:
+    t0 = time.perf_counter()
+    if not stream:
+        out = await _post(client, "/generate", body)
+        return Timed(out, time.perf_counter() - t0)
+    ttft, tokens, last = None, 0, None
+    async with client.stream("POST", "/generate_stream", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate_stream returned HTTP {r.status_code}: {(await r.aread()).decode()}")
+        async for line in r.aiter_lines():
+            if not line.startswith(SSE_DATA_PREFIX):
+                continue
+            last = json.loads(line[len(SSE_DATA_PREFIX):])
+            if last.get("token") is not None:
+                tokens += 1
+                ttft = time.perf_counter() - t0 if ttft is None else ttft
+    if last is None or not last.get("finished"):
+        raise RuntimeError(f"/generate_stream ended without a finished event (last: {last})")
+    return Timed(last, time.perf_counter() - t0, ttft, tokens)
+
+
+def send_timed(url: str, bodies: Sequence[Dict], concurrency: int, stream: bool = False,
+               desc: Optional[str] = None) -> Tuple[List[Timed], float]:
+    """``/generate`` (or ``/generate_stream``) for every body; the timed responses in order and the wall time."""
+    t0 = time.perf_counter()
+    out = asyncio.run(_bounded(url, bodies, concurrency, desc, lambda c, b: _timed(c, b, stream)))
+    return out, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- /metrics
+
+
+def _sample_name(metric) -> str:
+    """The name of a ServerMetrics metric on the page (a counter's sample ends in _total)."""
+    family = metric.describe()[0]
+    return family.name + ("_total" if family.type == "counter" else "")
+
+
+_NAMES = ServerMetrics()  # for the metric names only: never served
+BATCH_STEP_SECONDS = _sample_name(_NAMES.batch_step_seconds)  # the router's time inside batch steps
+BATCH_STEPS = _sample_name(_NAMES.batch_steps)
+BATCH_STEP_REQUESTS = _sample_name(_NAMES.batch_step_requests)  # running requests summed over batch steps
+ENGINE_CLOCK = (BATCH_STEP_SECONDS, BATCH_STEPS, BATCH_STEP_REQUESTS)
+MTP_ACCEPT_LEN = _sample_name(_NAMES.mtp_accept_len)  # a histogram
+REQUEST_COUNT = _sample_name(_NAMES.requests)  # label: finish_reason
+RUNNING_REQUESTS = _sample_name(_NAMES.running_reqs)
+KV_USED_TOKENS = _sample_name(_NAMES.kv_used_tokens)
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+def free_device_memory() -> None:
+    """Give an engine's memory back once the last reference to it is gone."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def generate_offline(start_args, prompts: Sequence[List[int]], params: Sequence, device: Optional[str] = None,
+                     dtype: Optional[str] = None, eos_token_ids: Optional[Sequence[int]] = None,
+                     verify_observer=None, progress: bool = True, on_step=None, warmup: int = 0) -> Tuple[List, float]:
+    """One ``OfflineEngine`` run (``eos_token_ids`` None: the model's own): the results and the
+    seconds they took, after ``warmup`` untimed requests of the same kind; the engine and its
+    memory are gone when this returns."""
+    from lightllm.server.offline_engine import OfflineEngine
+
+    engine = OfflineEngine(start_args, device=device, dtype=dtype)
+    try:
+        if verify_observer is not None:
+            engine.backend.verify_observer = verify_observer
+        eos = engine.eos_token_ids() if eos_token_ids is None else list(eos_token_ids)
+        if warmup:
+            engine.generate(prompts[:warmup], params[:warmup], eos_token_ids=eos)  # kernel compiles
+        t0 = time.perf_counter()
+        results = engine.generate(prompts, params, eos_token_ids=eos, progress=progress, on_step=on_step)
+        return results, time.perf_counter() - t0
+    finally:
+        engine.close()
+        del engine
+        free_device_memory()

@@ -1,0 +1,145 @@
+"""The prompt sets of the tools and benchmarks, and the one chat-template rule.
+
+Chat template, the one rule: a prompt is the model's chat template over one user turn,
+with the generation prompt, tokenized with ``add_special_tokens=False``, as the engine's
+``/v1/chat/completions`` does (``chat_prompt_ids``; the in-process tools use these ids).
+``/generate`` takes text and tokenizes it with ``add_special_tokens=True``, so the text sent
+there (``chat_prompt_texts``) leaves out a BOS the template writes when the tokenizer would
+add it again: the server then sees the same ids. (A tokenizer that adds a BOS its template
+does not write gets one more from ``/generate``: text cannot say "no BOS".)
+
+GSM8K: ``{question, answer}`` jsonl records; the gold is the number after ``####``.
+The files are found through a path given on the command line, else ``$LIGHTLLM_GSM8K_DIR``,
+else ``../shared/data/gsm8k`` beside the checkout (``gsm8k_path``).
+"""
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GSM8K_DIR_ENV = "LIGHTLLM_GSM8K_DIR"
+GSM8K_BESIDE_CHECKOUT = os.path.join(REPO, "..", "shared", "data", "gsm8k")
+# The user turn of the evaluation: the answer is read as the last number of the output
+SOLVE_PROMPT = "{question}\nSolve it step by step, then give the final answer as a number."
+ANSWER_MARK = "####"
+ANSWER_RTOL = 1e-9
+# A number: with thousands separators ("1,234.50") or plain ("12", "3.5"). A minus sign
+# counts only where it cannot be a binary minus: "is -7" -> -7, but "5-3" -> 5 and 3.
+_NUMBER_RE = re.compile(r"(?:(?<![\w.])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+
+
+# --------------------------------------------------------------------------- gSM8K
+
+
+def gsm8k_path(split: str, given: Optional[str] = None) -> str:
+    """``given`` when set, else ``{split}.jsonl`` in ``$LIGHTLLM_GSM8K_DIR`` or beside the checkout."""
+    if given:
+        return given
+    return os.path.join(os.environ.get(GSM8K_DIR_ENV) or GSM8K_BESIDE_CHECKOUT, f"{split}.jsonl")
+
+
+@dataclass(frozen=True)
+class Question:
+    index: int  # line number in the file (0-based)
+    question: str
+    gold: Optional[float]  # the number after ####; None when the record has no answer
+
+
+def load_gsm8k(path: str, num_questions: Optional[int] = None) -> List[Question]:
+    """The first ``num_questions`` records of a GSM8K jsonl file (all when None)."""
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if num_questions is not None and len(out) >= num_questions:
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            gold = gold_answer(rec["answer"]) if "answer" in rec else None
+            if "answer" in rec and gold is None:
+                raise ValueError(f"{path}:{i + 1}: no number after {ANSWER_MARK!r} in the answer")
+            out.append(Question(i, rec["question"], gold))
+    if not out:
+        raise ValueError(f"{path}: no questions")
+    return out
+
+
+def solve_turns(questions: Sequence[Question]) -> List[str]:
+    """The evaluation's user turn of each question (SOLVE_PROMPT)."""
+    return [SOLVE_PROMPT.format(question=q.question) for q in questions]
+
+
+def parse_number(s: str) -> Optional[float]:
+    try:
+        return float(s.replace(",", "").replace("$", "").strip())
+    except ValueError:
+        return None
+
+
+def extract_answer(text: str) -> Optional[float]:
+    """The last number in ``text`` (commas stripped), or None when there is none.
+
+    "$1,234.50" -> 1234.5, "is -7." -> -7.0, "5-3=2" -> 2.0.
+    """
+    found = _NUMBER_RE.findall(text)
+    return parse_number(found[-1]) if found else None
+
+
+def gold_answer(answer: str) -> Optional[float]:
+    """The number after ``####`` of a GSM8K answer."""
+    if ANSWER_MARK not in answer:
+        return None
+    return parse_number(answer.rsplit(ANSWER_MARK, 1)[1])
+
+
+def is_correct(pred: Optional[float], gold: Optional[float]) -> bool:
+    return pred is not None and gold is not None and math.isclose(pred, gold, rel_tol=ANSWER_RTOL,
+                                                                  abs_tol=ANSWER_RTOL)
+
+
+# --------------------------------------------------------------------------- other prompt sets
+
+
+def load_prompt_file(path: str, n: int) -> List[str]:
+    """One prompt per non-empty line; a line that is a JSON string is decoded (so prompts can hold newlines)."""
+    prompts = []
+    with open(path) as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            prompts.append(json.loads(line) if line.startswith('"') else line)
+            if len(prompts) == n:
+                break
+    return prompts
+
+
+def take_cyclic(items: Sequence, n: int) -> List:
+    """n items, repeating ``items`` if there are fewer."""
+    if not items:
+        raise ValueError("no prompts")
+    return [items[i % len(items)] for i in range(n)]
+
+
+# --------------------------------------------------------------------------- the chat template
+
+
+def _template(tokenizer, user_text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def chat_prompt_ids(tokenizer, user_texts: Sequence[str]) -> List[List[int]]:
+    """The chat endpoint's prompt ids of one user turn each."""
+    return [tokenizer.encode(_template(tokenizer, t), add_special_tokens=False) for t in user_texts]
+
+
+def chat_prompt_texts(tokenizer, user_texts: Sequence[str]) -> List[str]:
+    """The text of each prompt for ``/generate``, which the server tokenizes to ``chat_prompt_ids``."""
+    bos = tokenizer.bos_token
+    adds_bos = bool(bos) and tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_token_id]
+    texts = [_template(tokenizer, t) for t in user_texts]
+    return [t[len(bos):] if adds_bos and t.startswith(bos) else t for t in texts]
