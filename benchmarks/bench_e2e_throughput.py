@@ -324,9 +324,15 @@ MATRIX_MODES = {
     "mtp3": dict(mtp_mode="eagle_with_att", mtp_step=3),
     "asd_usage": dict(mtp_mode="eagle_with_att", mtp_step=3, **USAGE.start_args()),
 }
+MATRIX_MODES["plain_det"] = dict(enable_deterministic_inference=True)
+MATRIX_MODES["mtp3_det"] = dict(MATRIX_MODES["mtp3"], enable_deterministic_inference=True)
 MATRIX_MODELS = ("embedded", "llama3_8b_dummy")
-MATRIX_BATCHES = {"embedded": {"plain": (1, 64, 256), "mtp3": (1, 64), "asd_usage": (1, 64)},
+MATRIX_BATCHES = {"embedded": {"plain": (1, 64, 256), "mtp3": (1, 64), "asd_usage": (1, 64),
+                               "plain_det": (1, 64), "mtp3_det": (1, 64)},
                   "llama3_8b_dummy": {"plain": (1, 64, 256)}}
+# Each cell's engine waves cover at least this many distinct prompts (batch 1: one per wave),
+# so a cell's tokens per step is not one prompt's.
+MIN_TIMED_PROMPTS = 16
 MATRIX_COLUMNS = ("model", "mode", "batch", "engine_tok_s", "hf_tok_s", "tokens_per_step", "step_ms")
 
 
@@ -406,7 +412,8 @@ def run_matrix(args) -> List[dict]:
                             cwd=REPO_ROOT).stdout.strip()
     embedded = model_dir_or_embedded(None)
     tok = AutoTokenizer.from_pretrained(embedded)
-    questions = load_gsm8k(gsm8k_path("test", args.gsm8k), max(max(b) for m in MATRIX_BATCHES.values() for b in m.values()))
+    largest = max(max(b) for m in MATRIX_BATCHES.values() for b in m.values())
+    questions = load_gsm8k(gsm8k_path("test", args.gsm8k), largest * max(args.waves, MIN_TIMED_PROMPTS))
     all_prompts = chat_prompt_ids(tok, [q.question for q in questions])
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     rows = []
@@ -425,20 +432,24 @@ def run_matrix(args) -> List[dict]:
         else:
             hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         for mode, batches in MATRIX_BATCHES[model].items():
+            if mode not in args.matrix_modes:
+                continue
             eng = OfflineEngine(StartArgs(model_dir=model_dir, load_format=load_format, **MATRIX_MODES[mode],
                                           running_max_req_size=max(batches), max_req_total_len=1024,
                                           disable_cudagraph=args.disable_cudagraph))
             for batch in batches:
-                prompts = all_prompts[:batch]
-                _engine_wave(eng, prompts, args.warmup_tokens)
+                def wave_prompts(w: int) -> List[List[int]]:  # wave w's own slice of the prompts
+                    return [all_prompts[(w * batch + i) % len(all_prompts)] for i in range(batch)]
+
+                _engine_wave(eng, wave_prompts(0), args.warmup_tokens)
                 with_hf = hf is not None and mode == "plain"
                 if with_hf:
-                    _hf_wave(hf, prompts, args.warmup_tokens, pad_id)
+                    _hf_wave(hf, wave_prompts(0), args.warmup_tokens, pad_id)
                 eng_waves, hf_waves = [], []
-                for _ in range(args.waves):
-                    eng_waves.append(_engine_wave(eng, prompts, args.max_new_tokens))
-                    if with_hf:
-                        hf_waves.append(_hf_wave(hf, prompts, args.max_new_tokens, pad_id))
+                for w in range(max(args.waves, -(-MIN_TIMED_PROMPTS // batch))):
+                    eng_waves.append(_engine_wave(eng, wave_prompts(w), args.max_new_tokens))
+                    if with_hf and w < args.waves:  # transformers: the first --waves waves
+                        hf_waves.append(_hf_wave(hf, wave_prompts(w), args.max_new_tokens, pad_id))
                 rows.append(matrix_row(model, mode, batch, eng_waves, hf_waves, commit))
                 graphs = eng.backend.decode_step.graphs
                 rows[-1]["graph_capture_s"] = graphs.capture_seconds if graphs else None
@@ -497,6 +508,8 @@ def parse_args(argv=None):
                    help="in-process engine vs transformers over models x modes x batches (CUDA; "
                         "writes the rows of docs/data/perf/bench_vs_hf.json to --out)")
     p.add_argument("--matrix_models", nargs="+", default=list(MATRIX_MODELS), choices=MATRIX_MODELS)
+    p.add_argument("--matrix_modes", nargs="+", default=list(MATRIX_MODES), choices=list(MATRIX_MODES),
+                   help="--matrix: the engine modes to run (ratios to plain need plain)")
     p.add_argument("--waves", type=int, default=2, help="--matrix: timed waves per cell (pooled)")
     p.add_argument("--disable_cudagraph", action="store_true", help="--matrix: eager engine decode")
     args = p.parse_args(argv)

@@ -1,6 +1,7 @@
 """Profile decode steps of the in-process engine (torch.profiler): where a step's time goes.
 
-    python benchmarks/profile_decode_step.py --batch 256 [--mtp_step 3] [--disable_cudagraph] [--rows 0]
+    python benchmarks/profile_decode_step.py --batch 256 [--mtp_step 3] [--disable_cudagraph]
+        [--enable_deterministic_inference] [--rows 0]
 
 ``--rows 0`` prints only the step time (no profiler tables).
 """
@@ -25,13 +26,15 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--disable_cudagraph", action="store_true")
+    p.add_argument("--enable_deterministic_inference", action="store_true")
     p.add_argument("--model_dir", default=None)
     p.add_argument("--load_format", default="auto")
     a = p.parse_args()
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=a.mtp_step) if a.mtp_step else {}
     eng = OfflineEngine(StartArgs(model_dir=a.model_dir, load_format=a.load_format, running_max_req_size=a.batch,
                                   max_req_total_len=1024, batch_max_tokens=65536,
-                                  disable_cudagraph=a.disable_cudagraph, **mtp))
+                                  disable_cudagraph=a.disable_cudagraph,
+                                  enable_deterministic_inference=a.enable_deterministic_inference, **mtp))
     router = eng.router
     sp = SamplingParams.from_request({"max_new_tokens": 900, "ignore_eos": True})
     for i in range(a.batch):
@@ -44,6 +47,7 @@ def main():
         router.step()
     torch.cuda.synchronize()
     graphs = "eager" if a.disable_cudagraph else "graphs"
+    graphs += ", deterministic" if a.enable_deterministic_inference else ""
     print(f"batch {a.batch} K {a.mtp_step} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
     if a.rows == 0:
         return
