@@ -35,6 +35,7 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
 from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
+    DECODE_CLOCK,
     ENGINE_CLOCK,
     USAGE,
     AsdSetting,
@@ -66,6 +67,10 @@ class Wave:
     batch_steps: int
     batch_reqs: int  # running requests summed over the wave's batch steps
     token_ids: Optional[List[List[int]]] = None  # kept for the B = 0 determinism check only
+    # the engine's clock over decode steps only (prefill steps of arriving prompts left out)
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_reqs: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,6 +97,9 @@ class BudgetRow:
     mean_batch: float  # running requests per batch step
     ms_per_batch_step: float
     step_cost_speedup_vs_b0: float  # output tokens per batch step, B over B = 0: the speed-up at equal step cost
+    ms_per_decode_step: float  # decode steps only
+    mean_decode_batch: float
+    decode_step_vs_b0: float  # median over rounds of ms / decode step, B over B = 0 in the same round
 
 
 def round_orders(budgets: Sequence[float], rounds: int) -> List[List[float]]:
@@ -114,12 +122,22 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
         engine_ratios = [w.engine_tokens_per_s / base[w.round].engine_tokens_per_s for w in ws if w.round in base]
         rates = [w.tokens_per_s for w in ws]
         steps = sum(w.batch_steps for w in ws)
+        decode_steps = max(1, sum(w.decode_steps for w in ws))
+        step_ratios = [_decode_ms(w) / _decode_ms(base[w.round]) for w in ws
+                       if w.round in base and w.decode_steps and base[w.round].decode_steps]
         rows.append(BudgetRow(b, len(ws), per_step, statistics.median(rates), min(rates), max(rates),
                               statistics.median(ratios), ratios, per_step / base_per_step - 1.0,
                               statistics.median(engine_ratios), engine_ratios,
                               sum(w.batch_reqs for w in ws) / steps, 1000 * sum(w.engine_s for w in ws) / steps,
-                              tokens_per_batch_step(ws) / base_per_batch_step))
+                              tokens_per_batch_step(ws) / base_per_batch_step,
+                              1000 * sum(w.decode_s for w in ws) / decode_steps,
+                              sum(w.decode_reqs for w in ws) / decode_steps,
+                              statistics.median(step_ratios) if step_ratios else float("nan")))
     return rows
+
+
+def _decode_ms(w: Wave) -> float:
+    return 1000 * w.decode_s / w.decode_steps
 
 
 def pooled_tokens_per_step(waves) -> float:
@@ -148,6 +166,8 @@ TABLE = (
     Column("round_ratios", "per round", _ratios), Column("engine_speedup_vs_b0", "engine speed-up vs B = 0", ".3f", "x"),
     Column("engine_round_ratios", "per round", _ratios), Column("mean_batch", "mean batch", ".1f"),
     Column("ms_per_batch_step", "ms / batch step", ".2f"),
+    Column("ms_per_decode_step", "ms / decode step", ".2f"), Column("mean_decode_batch", "decode batch", ".1f"),
+    Column("decode_step_vs_b0", "decode step vs B = 0 (median of rounds)", ".3f", "x"),
     Column("step_cost_speedup_vs_b0", "speed-up at B = 0's step cost", ".3f", "x"),
 )
 
@@ -216,11 +236,13 @@ def main(argv=None) -> int:
                 wall = time.perf_counter() - t0
                 grown = scrape(server.url) - before
                 engine_s, batch_steps, batch_reqs = (grown.value(n) for n in ENGINE_CLOCK)
+                decode_s, decode_steps, decode_reqs = (grown.value(n) for n in DECODE_CLOCK)
                 count = sum(x["count_output_tokens"] for x in res)
                 waves.append(Wave(
                     r, b, wall, count, count - sum(x["mtp_accepted_token_num"] for x in res),
                     sum(x["asd_relaxed_token_num"] for x in res), engine_s, int(batch_steps), int(batch_reqs),
-                    [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None))
+                    [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None,
+                    decode_s, int(decode_steps), int(decode_reqs)))
             if args.out:  # after every round: a run cut short keeps its finished rounds
                 write_results(args.out, args, flags, waves)
     rows = summarize(waves, args.budgets)

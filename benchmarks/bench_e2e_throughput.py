@@ -342,8 +342,8 @@ class Wave:
 
     tokens: int
     wall_s: float
-    steps: int = 0  # engine batch steps (prefill and decode)
-    step_s: float = 0.0  # the engine's own clock inside those steps
+    steps: int = 0  # engine decode steps (prefill steps left out)
+    step_s: float = 0.0  # the engine's own clock inside those decode steps
     decode_steps: int = 0  # per-request decode steps, summed
     decode_tokens: int = 0  # tokens those steps committed
 
@@ -378,7 +378,7 @@ def _engine_wave(eng, prompts, max_new_tokens: int) -> Wave:
     _sync()
     wall = time.perf_counter() - t0
     timing = eng.router.take_timing()
-    return Wave(sum(len(r.token_ids) for r in res), wall, timing.steps, timing.seconds,
+    return Wave(sum(len(r.token_ids) for r in res), wall, timing.decode_steps, timing.decode_seconds,
                 sum(len(r.accept_lens) for r in res), sum(sum(r.accept_lens) for r in res))
 
 

@@ -40,6 +40,13 @@ class ServerMetrics:
         self.batch_step_requests = Counter(
             "lightllm_batch_step_requests", "Running requests summed over batch steps (mean batch = this / steps)", registry=r
         )
+        self.decode_step_seconds = Counter(
+            "lightllm_decode_step_seconds", "Router wall time inside decode steps (no prefill in them)", registry=r
+        )
+        self.decode_steps = Counter("lightllm_decode_steps", "Decode steps the router ran", registry=r)
+        self.decode_step_requests = Counter(
+            "lightllm_decode_step_requests", "Running requests summed over decode steps", registry=r
+        )
         self._steps = 0
         self._step_tokens = 0
 
@@ -56,6 +63,9 @@ class ServerMetrics:
         self.batch_step_seconds.inc(stats.timing.seconds)
         self.batch_steps.inc(stats.timing.steps)
         self.batch_step_requests.inc(stats.timing.batch_reqs)
+        self.decode_step_seconds.inc(stats.timing.decode_seconds)
+        self.decode_steps.inc(stats.timing.decode_steps)
+        self.decode_step_requests.inc(stats.timing.decode_batch_reqs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,7 +29,9 @@ def test_parse_budgets():
 
 
 def _wave(rnd, budget, wall_s, tokens, steps, relaxed=0, engine_s=1.0, batch_steps=1, batch_reqs=1, ids=None):
-    return Wave(rnd, budget, wall_s, tokens, steps, relaxed, engine_s, batch_steps, batch_reqs, ids)
+    """Half of the engine's steps (and their time and requests) are decode steps."""
+    return Wave(rnd, budget, wall_s, tokens, steps, relaxed, engine_s, batch_steps, batch_reqs, ids,
+                engine_s / 2, batch_steps // 2, batch_reqs // 2)
 
 
 def test_summarize_pairs_each_wave_with_its_rounds_b0():
@@ -52,9 +54,12 @@ def test_summarize_pairs_each_wave_with_its_rounds_b0():
     assert b2.mean_batch == pytest.approx(6600 / 240) and b2.ms_per_batch_step == pytest.approx(1000 * 28 / 240)
     # output tokens per batch step: 3600 / 240 = 15 against 3000 / 300 = 10
     assert b0.step_cost_speedup_vs_b0 == 1.0 and b2.step_cost_speedup_vs_b0 == pytest.approx(1.5)
+    # decode steps: ms per step B / B = 0 by round: 100 / 80, 125 / 100, 125 / 80 -> median 1.25
+    assert b2.ms_per_decode_step == pytest.approx(1000 * 14 / 120) and b2.mean_decode_batch == pytest.approx(3300 / 120)
+    assert b0.decode_step_vs_b0 == 1.0 and b2.decode_step_vs_b0 == pytest.approx(1.25)
     table = render_table([b0, b2], bench.TABLE, markdown=True)
     assert ("| 2 | 3 | 2.466 | +23.3% | 120.0 | 55.0 | 130.0 | 1.200x | 1.200, 1.100, 1.300 | "
-            "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 1.500x |") in table
+            "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 116.67 | 27.5 | 1.250x | 1.500x |") in table
     with pytest.raises(ValueError, match="B = 0"):
         bench.summarize([_wave(0, 2.0, 1.0, 1, 1)], [2.0])
 

@@ -68,11 +68,19 @@ class StepTiming:
     seconds: float = 0.0  # wall time inside steps (admission, forward, verify, draft)
     steps: int = 0
     batch_reqs: int = 0  # sum over those steps of the running requests
+    # the same for decode steps only (prefill steps alternate with them while prompts arrive)
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_batch_reqs: int = 0
 
-    def add(self, seconds: float, batch_reqs: int) -> None:
+    def add(self, seconds: float, batch_reqs: int, decode: bool) -> None:
         self.seconds += seconds
         self.steps += 1
         self.batch_reqs += batch_reqs
+        if decode:
+            self.decode_seconds += seconds
+            self.decode_steps += 1
+            self.decode_batch_reqs += batch_reqs
 
 
 @dataclass
@@ -224,7 +232,7 @@ class RouterManager:
         for req in done:
             self._finish(req)
             self.running.remove(req)
-        self.timing.add(time.perf_counter() - t0, batch_reqs)
+        self.timing.add(time.perf_counter() - t0, batch_reqs, decode=not getattr(self.backend, "last_step_prefilled", False))
         return updates + step_updates
 
     @property

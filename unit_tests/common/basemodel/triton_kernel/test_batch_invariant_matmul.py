@@ -1,6 +1,6 @@
 """The batch-invariant linear kernel: against a readable fp32 PyTorch reference, and each output
-row bitwise the same whatever the number of rows in the call (CPU: Triton's interpreter; the
-sm_90 compile of the GPU build runs in a child process)."""
+row bitwise the same whatever the number of rows in the call (CPU: Triton's interpreter; CUDA:
+the real kernel; the sm_90 compile of the GPU build also runs on CPU, in a child process)."""
 import json
 
 import pytest
@@ -10,6 +10,7 @@ from lightllm.common.basemodel.triton_kernel.batch_invariant_matmul import (
     TILE_M,
     batch_invariant_linear,
 )
+from unit_tests.devices import KERNEL_DEVICES, needs_triton_cpu
 from unit_tests.triton_compile_util import run_compile_child
 
 # (rows, out features, in features): rows around the tile edge, narrow and wide weights,
@@ -22,33 +23,37 @@ def linear_reference(x, w, b=None):
     return out if b is None else out + b.float()
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_reference(m, n, k, dtype, with_bias):
+def test_matches_reference(m, n, k, dtype, with_bias, device):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if with_bias else None
-    out = batch_invariant_linear(x, w, b)
     ref = linear_reference(x, w, b)
+    x, w, b = x.to(device), w.to(device), (b.to(device) if b is not None else None)
+    out = batch_invariant_linear(x, w, b).cpu()
     assert out.shape == (m, n) and out.dtype == dtype
     # fp32: summation order only; bf16: one rounding of the output (8 bits of mantissa)
     rtol = 1e-5 if dtype == torch.float32 else 2 ** -8
     torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_do_not_depend_on_the_batch(dtype):
+def test_rows_do_not_depend_on_the_batch(dtype, device):
     g = torch.Generator().manual_seed(7)
     m, n, k = TILE_M + 9, 80, 200
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    w = torch.randn(n, k, generator=g).to(dtype).to(device)
     full = batch_invariant_linear(x, w)
     for lo, hi in [(0, 1), (3, 4), (0, 5), (5, 13), (TILE_M - 2, TILE_M + 2), (TILE_M, m)]:
         assert torch.equal(batch_invariant_linear(x[lo:hi], w), full[lo:hi]), (lo, hi)
 
 
+@needs_triton_cpu
 def test_leading_dims_and_errors():
     x = torch.randn(2, 3, 16).bfloat16()
     w = torch.randn(8, 16).bfloat16()

@@ -9,17 +9,17 @@ class ChunkedPrefillBackend(ModeBackend):
     def __init__(self, args, device, dtype, parallel=None):
         super().__init__(args, device, dtype, parallel)
         self.batch_max_tokens = args.batch_max_tokens
-        self._last_was_prefill = False
+        self.last_step_prefilled = False  # what run_step did last: prefill chunks or a decode step
 
     def run_step(self, running: List[InferReq]) -> List[ReqStepUpdate]:
         """One engine step. Prefill and decode alternate while both have work,
         so a stream of long prompts never starves running decodes."""
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
-        if prefilling and (not decoding or not self._last_was_prefill):
-            self._last_was_prefill = True
+        if prefilling and (not decoding or not self.last_step_prefilled):
+            self.last_step_prefilled = True
             return self.prefill_chunks(prefilling)
-        self._last_was_prefill = False
+        self.last_step_prefilled = False
         return self.decode(decoding) if decoding else []
 
     def prefill_chunks(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:
