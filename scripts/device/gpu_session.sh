@@ -8,7 +8,13 @@
 #   gpu_session.sh train OUT            train the embedded model's draft; OUT/draft/ comes
 #                                       back, and env.sh installs it in the checkout from the
 #                                       next call of this lease on
+#   gpu_session.sh train_general OUT    the general draft (Magpie user turns mixed with GSM8K train, one call
+#                                       of under 10 minutes); OUT/draft/ comes back and is installed as by train;
+#                                       the checkout's draft is kept in /root/draft_old first
 #   gpu_session.sh quality OUT          draft quality, 200 test questions, K = 1..4
+#   gpu_session.sh quality_general OUT [DRAFT...]  tokens/step on 200 test questions and the held-out prompts
+#                                       by kind, K = 1..4, for each draft (default: /root/draft_old or the
+#                                       checkout's, and /root/draft_new when there is one)
 #   gpu_session.sh eval OUT K SWEEP B   calibrate + evaluate all arms at K (sweep budgets SWEEP,
 #                                       '' for none; time budget B s); OUT/eval_kK.tgz
 #   gpu_session.sh suite OUT [PATHS]    the whole test suite on this GPU (unit_tests/run_gpu_ci.sh)
@@ -16,8 +22,9 @@
 #                                       throughput (WHAT=bench), or both (default)
 #   gpu_session.sh arms OUT NAME        in-process strict / usage / B = 8 arms at K = 3 and K = 2
 #                                       with the checkout's draft (OUT/arms_NAME_kK.json)
-#   gpu_session.sh budgets OUT K        one server, budgets 0 / usage / 8 in 3 interleaved rounds of all
-#                                       1319 questions: ASD's tok/s ratio to B = 0 (OUT/budgets_kK.json)
+#   gpu_session.sh budgets OUT K [CONC] [NQ] [BUDGETS]   one server, budgets (default 0 / usage / 8) in 3
+#                                       interleaved rounds of NQ questions (default all 1319) at concurrency CONC:
+#                                       ASD's tok/s ratio to B = 0 (OUT/budgets_kK_cCONC.json)
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
 #   gpu_session.sh graphs OUT          CUDA graph vs eager: the graph tests, then ms per decode step at
 #                                       batch 1 / 64 / 256, K = 0 and 3, and the 8B-shaped dummy model
@@ -30,11 +37,19 @@ set -uo pipefail
 TRAIN_FLAGS=(--mtp_mode eagle_with_att --init last_layer --unroll 4 --max_new_tokens 200
              --gen_batch_size 768 --epochs 8 --lr 1e-3 --batch_size 64 --max_gen_seconds 240
              --max_train_seconds 200 --device cuda)
+# the general mixture: 6000 user turns at 30% GSM8K -> 8571 prompts. The 240 s generation budget is shared
+# (user turns at most 40%, ~100 s at batch 768; the answers the rest, cut at the deadline), training 180 s,
+# held-out answers and top-1 ~30 s, model loads and engine starts ~60 s: about 8.5 minutes of a 10-minute call
+TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 6000 --gsm8k_fraction 0.3 --magpie_seed_mode batch
+                     --mtp_mode eagle_with_att --init last_layer --unroll 4 --max_new_tokens 200
+                     --gen_batch_size 768 --epochs 8 --lr 1e-3 --batch_size 64 --max_gen_seconds 240
+                     --max_train_seconds 180 --device cuda)
+DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
 CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|train|quality|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
+job=${1:?usage: gpu_session.sh data|train|train_general|quality|quality_general|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
 shift
 
 case "$job" in
@@ -73,6 +88,28 @@ train)
     # env.sh installs it in the checkout at the next call (not now: other jobs may be loading the draft)
     mkdir -p /root/draft_new && cp "$out"/draft/* /root/draft_new/
     tail -3 "$out/train.log"
+    ;;
+train_general)
+    out=${1:?OUT}; mkdir -p "$out/draft"
+    # the checkout's draft, before env.sh replaces it with this job's at the next call
+    [[ -d /root/draft_old || -f /root/draft_new/model.safetensors ]] || { mkdir -p /root/draft_old && cp "$DRAFT_DIR"/* /root/draft_old/; }
+    python -m lightllm.tools.train_mtp_draft --data .data/train.jsonl --out "$out/draft" "${TRAIN_GENERAL_FLAGS[@]}" \
+        > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
+    mkdir -p /root/draft_new && cp "$out"/draft/* /root/draft_new/
+    grep -E "prompt set:|generated|held-out |time budget|saved the draft" "$out/train.log" | cut -c 1-300
+    ;;
+quality_general)
+    out=${1:?OUT}; shift; mkdir -p "$out"
+    drafts=("$@")
+    if (( ${#drafts[@]} == 0 )); then
+        if [[ -d /root/draft_old ]]; then drafts=(/root/draft_old); else drafts=(default); fi
+        [[ -f /root/draft_new/model.safetensors ]] && drafts+=(/root/draft_new)
+    fi
+    python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 1 2 3 4 \
+        --draft_dir "${drafts[@]}" --out "$out/mtp_draft_quality_general.json" > "$out/quality_general.log" 2>&1
+    status=$?
+    tail -40 "$out/quality_general.log"
+    exit $status
     ;;
 quality)
     out=${1:?OUT}; mkdir -p "$out"
@@ -123,11 +160,12 @@ arms)
     done
     ;;
 budgets)
-    out=${1:?OUT}; k=${2:?K}; mkdir -p "$out"
-    python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step "$k" --budgets 0,2.0625,8 --rounds 3 \
-        --concurrency "$EVAL_CONCURRENCY" --max_new_tokens "$EVAL_NEW_TOKENS" --out "$out/budgets_k$k.json" \
-        > "$out/budgets_k$k.log" 2>&1
-    grep -E "^\||identical" "$out/budgets_k$k.log"
+    out=${1:?OUT}; k=${2:?K}; conc=${3:-$EVAL_CONCURRENCY}; nq=${4:-}; budgets=${5:-0,2.0625,8}; mkdir -p "$out"
+    name=budgets_k${k}_c$conc
+    python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step "$k" --budgets "$budgets" --rounds 3 \
+        --concurrency "$conc" ${nq:+--num_questions "$nq"} --max_new_tokens "$EVAL_NEW_TOKENS" \
+        --out "$out/$name.json" > "$out/$name.log" 2>&1
+    grep -E "^\||identical" "$out/$name.log"
     ;;
 profile)
     out=${1:?OUT}; mkdir -p "$out"
