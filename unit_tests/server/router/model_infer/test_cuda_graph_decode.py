@@ -10,16 +10,10 @@ import torch
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.offline_engine import OfflineEngine
 from unit_tests.devices import needs_cuda
+from unit_tests.server.router.model_infer.embedded_modes import MODES
 
 pytestmark = [needs_cuda, pytest.mark.slow]
 
-MTP = dict(mtp_mode="eagle_with_att", mtp_step=3)
-MODES = {
-    "plain": {},
-    "mtp": MTP,
-    "asd0": dict(MTP, mtp_asd_regret_budget=0.0),
-    "asd_usage": dict(MTP, mtp_asd_regret_budget=2.0625, mtp_asd_local_regret_ratio=0.25, mtp_asd_block_max_mismatch=2),
-}
 # 11 requests, at most 6 at once (a size between the captured 4 and 8); lengths differ, so the
 # batch shrinks through other sizes and waiting requests join while others decode.
 NUM_REQS = 11

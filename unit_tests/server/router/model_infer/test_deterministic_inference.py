@@ -9,15 +9,11 @@ import torch
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.offline_engine import OfflineEngine
 from unit_tests.devices import needs_cuda
+from unit_tests.server.router.model_infer.embedded_modes import MODES as EMBEDDED_MODES
 
 pytestmark = [needs_cuda, pytest.mark.slow]
 
-MTP = dict(mtp_mode="eagle_with_att", mtp_step=3)
-MODES = {
-    "plain": {},
-    "mtp": MTP,
-    "asd0": dict(MTP, mtp_asd_regret_budget=0.0),
-}
+MODES = {m: EMBEDDED_MODES[m] for m in ("plain", "mtp", "asd0")}
 NUM_REQS = 11
 RUNNING = 6  # between the captured 4 and 8; requests join and finish mid-run
 ENGINE = dict(running_max_req_size=RUNNING, max_req_total_len=512, max_total_token_num=8192,
