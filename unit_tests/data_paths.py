@@ -1,25 +1,15 @@
 """Paths the tests share: the repository root, and where GSM8K is.
 
-GSM8K is read from ``$LIGHTLLM_GSM8K_DIR`` when set, else from ``../shared/data/gsm8k``
-beside the checkout (resolved from the repository root). Tests that need it skip when
-neither has it.
+GSM8K is read from ``$LIGHTLLM_GSM8K_DIR`` when set (even to a folder that does not
+exist: a wrong setting is not silently replaced), else from ``../shared/data/gsm8k``
+beside the checkout (``lightllm.tools.prompts.gsm8k_path``). Tests that need it skip
+when neither has it.
 """
 import os
 
+from lightllm.tools.prompts import GSM8K_DIR_ENV, gsm8k_path
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K_DIR_ENV = "LIGHTLLM_GSM8K_DIR"
-BESIDE_CHECKOUT_GSM8K_DIR = os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data", "gsm8k"))
-
-
-def gsm8k_dir() -> str:
-    """``$LIGHTLLM_GSM8K_DIR`` when set (even to a folder that does not exist: a wrong
-    setting is not silently replaced), else the folder beside the checkout."""
-    return os.environ.get(GSM8K_DIR_ENV) or BESIDE_CHECKOUT_GSM8K_DIR
-
-
-def gsm8k_path(split: str) -> str:
-    """``{split}.jsonl`` in gsm8k_dir() (it may not exist)."""
-    return os.path.join(gsm8k_dir(), f"{split}.jsonl")
 
 
 def require_gsm8k(split: str) -> str:
@@ -40,7 +30,7 @@ def embedded_gsm8k_prompts(num_questions: int):
     import pytest
     from transformers import AutoTokenizer
 
-    from lightllm.tools.train_mtp_draft import build_prompt_ids
+    from lightllm.tools.prompts import chat_prompt_ids
     from lightllm.utils.embedded_model import default_draft_dir_for, get_default_model_dir
 
     model_dir = get_default_model_dir()
@@ -50,4 +40,4 @@ def embedded_gsm8k_prompts(num_questions: int):
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(path) as f:
         questions = [json.loads(line)["question"] for line in f][:num_questions]
-    return model_dir, tok, build_prompt_ids(tok, questions)
+    return model_dir, tok, chat_prompt_ids(tok, questions)

@@ -1,34 +1,23 @@
 """General training prompts without a dataset: ask the target model for user turns.
 
-Magpie (Xu et al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting
-Aligned LLMs with Nothing", arXiv:2406.08464): an instruction-tuned model given only
-its chat template's text up to where a user message begins writes a plausible user
-message. Sampled at a moderate temperature, those messages are varied prompts of the
-kinds the model was tuned on; the target then answers them (train_mtp_draft.py).
+Magpie (Xu et al. 2024, arXiv:2406.08464): an instruction-tuned model given its chat
+template's text up to where a user message begins writes a plausible user message.
+Sampled at a moderate temperature these are varied prompts; the target then answers
+them (train_mtp_draft.py).
 
 Vocabulary:
-  user-turn prefix  the template's text up to the first character of a user message,
-                    derived by rendering a sentinel user message and cutting at it
-                    (``user_turn_prefix``); a system turn is kept as the template
-                    renders it by default, or replaced by ``system_prompt``.
-  end of turn       the template's text right after a user message (stripped to its
-                    first special token, else its first line): the stop sequence.
-  raw turn          one sampled user message: text, and whether it reached the end of
-                    turn (``ended``) or hit max_new_tokens (overlong).
-  prompt record     {"kind", "source", "prompt"}: one line of a prompt-set JSONL file.
+  user-turn prefix  the template's text up to a user message's first character, found by
+                    rendering a sentinel message (``user_turn_prefix``)
+  end of turn       the template's marker right after a user message: the stop sequence
+  raw turn          one sampled user message, and whether it reached the end of turn
+  prompt record     {"kind", "source", "prompt"}: one line of a prompt-set JSONL file
 
-Reproducibility (``MagpieConfig.seed_mode``):
-  request  every request carries its own seed (``request_seed``); the engine derives each
-           draw from the request's seed and output position, so a request's text does not
-           depend on which other requests share its batch. The engine then seeds one
-           generator per row per step (host work that grows with the batch).
-  batch    the process's generators are seeded once per round (``torch.manual_seed``) and
-           the requests draw from them: the same run repeats on the same device with the same
-           batch size, and sampling costs nothing extra. In-process engine only (--tp 1).
+Seeds (``MagpieConfig.seed_mode``): ``request`` gives every request its own seed, so its
+text does not depend on its batch (the engine then seeds a generator per row per step);
+``batch`` seeds the generators once per round: repeatable on the same device and batch
+size, and free (in-process engine only, --tp 1).
 
-CLI:
-    python -m lightllm.tools.magpie_prompts --count 256 --out prompts.jsonl \\
-        [--model_dir DIR] [--temperature T] [--top_p P] [--seed S] [--device cpu|cuda]
+    python -m lightllm.tools.magpie_prompts --count 256 --out prompts.jsonl [--seed_mode batch]
 """
 import argparse
 import dataclasses
@@ -41,7 +30,10 @@ import re
 import time
 import unicodedata
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from lightllm.tools.client import free_device_memory, model_dir_or_embedded
+from lightllm.tools.prompts import REPO
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +45,18 @@ DEFAULT_MAX_NEW_TOKENS = 96  # a user turn longer than this is dropped as overlo
 DEFAULT_OVERSAMPLE = 1.6  # requests per wanted prompt in the first round (filtering drops some)
 MAX_ROUNDS = 8  # sampling rounds before giving up on reaching --count
 # Request i of a run draws with seeds (offset(run seed) + i * SEED_STRIDE + position) mod 2**SEED_BITS:
-# disjoint across the requests of a run (position < SEED_STRIDE, i < MAX_REQUESTS_PER_RUN). 32 bits,
-# because CPU generators (mt19937) keep only a seed's low 32 bits: seeds 2**32 apart draw the same.
+# disjoint across a run's requests (position < SEED_STRIDE, i < MAX_REQUESTS_PER_RUN). 32 bits,
+# because CPU generators (mt19937) keep only a seed's low 32 bits.
 SEED_BITS = 32
 SEED_STRIDE = 1 << 10
 MAX_REQUESTS_PER_RUN = 1 << (SEED_BITS - 10)
-SEED_MODES = ("request", "batch")  # see the module docstring
+SEED_MODES = ("request", "batch")
 GEN_RUNNING_MAX_REQ_SIZE = 256  # requests decoded together
 GEN_BATCH_MAX_TOKENS = 8192  # prompt tokens per prefill step
 
 # Tags in the style of <|im_start|>, <|eot_id|>, <|user|>: never part of a real user message
 GENERIC_TAG_PATTERN = re.compile(r"<\|[^<>|\s]{1,40}\|>")
-ENDED_FINISH_REASONS = ("eos", "stop")  # the engine's FinishReason values that mean "reached the end of turn"
+ENDED_FINISH_REASONS = ("eos", "stop")  # the engine's finish reasons that mean "reached the end of turn"
 
 # prompt kinds and sources of a prompt set
 KIND_GENERAL = "general"
@@ -74,8 +66,7 @@ SOURCE_GSM8K = "gsm8k_train"
 PROMPT_RECORD_KEYS = ("kind", "source", "prompt")
 
 # the held-out set (benchmarks/data/README.md): never used for training
-DEFAULT_HELDOUT_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "benchmarks", "data", "heldout_prompts.jsonl")
+DEFAULT_HELDOUT_PATH = os.path.join(REPO, "benchmarks", "data", "heldout_prompts.jsonl")
 
 
 # --------------------------------------------------------------------------- the template's user-turn prefix
@@ -84,13 +75,13 @@ DEFAULT_HELDOUT_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirn
 @dataclass(frozen=True)
 class UserTurnPrefix:
     text: str  # the template's text up to where a user message begins
-    end_of_turn: str  # the template's marker right after a user message (the stop sequence)
-    end_of_turn_ids: Tuple[int, ...]  # its token ids
-    tags: Tuple[str, ...]  # strings no clean user message contains (special tokens, the turn markers)
+    end_of_turn: str  # the marker right after a user message (the stop sequence)
+    end_of_turn_ids: Tuple[int, ...]
+    tags: Tuple[str, ...]  # strings no clean user message contains (special tokens, turn markers)
 
 
 def render_with_sentinel(tokenizer, system_prompt: Optional[str] = None) -> str:
-    """The chat template rendered for one user turn whose content is SENTINEL (no generation prompt)."""
+    """The chat template over one user turn whose content is SENTINEL (no generation prompt)."""
     messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     messages.append({"role": "user", "content": SENTINEL})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
@@ -100,16 +91,15 @@ def render_with_sentinel(tokenizer, system_prompt: Optional[str] = None) -> str:
 
 
 def special_token_strings(tokenizer) -> List[str]:
-    """The tokenizer's special and added tokens (e.g. <|im_start|>), longest first."""
+    """The tokenizer's special and added tokens, longest first."""
     tokens = set(getattr(tokenizer, "all_special_tokens", []) or [])
-    get_added = getattr(tokenizer, "get_added_vocab", None)
-    if get_added is not None:
-        tokens.update(get_added())
+    if hasattr(tokenizer, "get_added_vocab"):
+        tokens.update(tokenizer.get_added_vocab())
     return sorted((t for t in tokens if t and t.strip()), key=lambda t: (-len(t), t))
 
 
 def end_of_turn_marker(suffix: str, specials: Sequence[str]) -> str:
-    """The end-of-turn marker in the text after a user message: its leading special token, else its first line."""
+    """The leading special token of the text after a user message, else its first line."""
     stripped = suffix.strip()
     for tok in specials:
         if stripped.startswith(tok):
@@ -121,19 +111,14 @@ def end_of_turn_marker(suffix: str, specials: Sequence[str]) -> str:
 
 
 def user_turn_prefix(tokenizer, system_prompt: Optional[str] = None) -> UserTurnPrefix:
-    """Derive the user-turn prefix, end-of-turn marker and tags from ``tokenizer``'s chat template.
-
-    ``system_prompt`` None: the system turn the template renders by default (SmolLM2's
-    "You are a helpful AI assistant named SmolLM, ..."), none if it renders none."""
-    rendered = render_with_sentinel(tokenizer, system_prompt)
-    prefix, suffix = rendered.split(SENTINEL)
+    """The prefix, end-of-turn marker and tags of ``tokenizer``'s chat template; ``system_prompt``
+    None keeps the system turn the template renders by default (SmolLM2 renders one)."""
+    prefix, suffix = render_with_sentinel(tokenizer, system_prompt).split(SENTINEL)
     specials = special_token_strings(tokenizer)
     eot = end_of_turn_marker(suffix, specials)
-    eot_ids = tuple(tokenizer.encode(eot, add_special_tokens=False))
-    # the user header: the prefix after the previous turn's end (the whole prefix without one)
-    header = prefix.rsplit(eot, 1)[-1].strip()
+    header = prefix.rsplit(eot, 1)[-1].strip()  # the user header: after the previous turn's end
     tags = tuple(dict.fromkeys([*specials, eot] + ([header] if header else [])))
-    return UserTurnPrefix(text=prefix, end_of_turn=eot, end_of_turn_ids=eot_ids, tags=tags)
+    return UserTurnPrefix(prefix, eot, tuple(tokenizer.encode(eot, add_special_tokens=False)), tags)
 
 
 # --------------------------------------------------------------------------- cleaning (pure)
@@ -153,7 +138,7 @@ class FilterConfig:
 @dataclass(frozen=True)
 class RawTurn:
     text: str  # decoded with special tokens kept, end-of-turn marker removed
-    ended: bool  # reached the end of turn (False: hit max_new_tokens)
+    ended: bool  # reached the end of turn (False: max_new_tokens or the time budget)
 
 
 # why a raw turn was dropped (FilterResult.dropped keys), in the order they are checked
@@ -173,7 +158,7 @@ class FilterResult:
 
 
 def normalize_prompt(text: str) -> str:
-    """The key for duplicate and held-out checks: NFKC, case-folded, punctuation dropped, spaces collapsed."""
+    """The key of duplicate and held-out checks: NFKC, case-folded, punctuation dropped, spaces collapsed."""
     text = unicodedata.normalize("NFKC", text).casefold()
     return " ".join(re.sub(r"[\W_]+", " ", text).split())
 
@@ -193,16 +178,12 @@ def drop_reason(turn: RawTurn, tags: Sequence[str], cfg: FilterConfig) -> Option
         return DROP_TAG
     if len(text) < cfg.min_chars or len(text.split()) < cfg.min_words:
         return DROP_SHORT
-    if len(text) > cfg.max_chars:
-        return DROP_LONG
-    return None
+    return DROP_LONG if len(text) > cfg.max_chars else None
 
 
 def filter_user_turns(turns: Sequence[RawTurn], tags: Sequence[str], cfg: FilterConfig = FilterConfig(),
                       seen: Sequence[str] = ()) -> FilterResult:
-    """Strip and drop empty, short, overlong, tagged and duplicate turns (first occurrence kept).
-
-    ``seen``: normalised texts already kept (earlier rounds); a turn matching one is a duplicate."""
+    """The stripped turns that pass ``drop_reason`` and are new (not in ``seen``, normalised keys)."""
     result = FilterResult(kept=[])
     keys = set(seen)
     for turn in turns:
@@ -234,6 +215,7 @@ class MagpieConfig:
     oversample: float = DEFAULT_OVERSAMPLE
     max_rounds: int = MAX_ROUNDS
     gen_batch_size: int = GEN_RUNNING_MAX_REQ_SIZE  # the engine's running_max_req_size
+    max_seconds: Optional[float] = None  # time budget: no round starts after it, unfinished turns are aborted
     filter: FilterConfig = FilterConfig()
 
     def __post_init__(self):
@@ -258,48 +240,57 @@ class MagpieConfig:
 
 
 def request_seed(run_seed: int, request_index: int) -> int:
-    """The engine seed of one request: its draws never share a seed with another request of the run;
-    each run seed starts at its own pseudo-random offset."""
+    """One request's engine seed: no draw shares a seed with another request of the run."""
     if not 0 <= request_index < MAX_REQUESTS_PER_RUN:
         raise ValueError(f"request_index must be in [0, {MAX_REQUESTS_PER_RUN})")
     offset = random.Random(run_seed).getrandbits(SEED_BITS)
     return (offset + request_index * SEED_STRIDE) % (1 << SEED_BITS)
 
 
+def abort_all_after(deadline: Optional[float]) -> Optional[Callable]:
+    """An engine ``on_step`` callback that aborts every unfinished request once ``time.monotonic()``
+    passes ``deadline`` (None: no callback)."""
+    if deadline is None:
+        return None
+
+    def on_step(router) -> None:
+        if time.monotonic() > deadline:
+            for req in list(router.running) + list(router.queue.waiting):
+                router.abort(req.req_id)
+
+    return on_step
+
+
 def strip_end_of_turn(token_ids: Sequence[int], end_of_turn_ids: Sequence[int],
                       eos_token_ids: Sequence[int]) -> List[int]:
     """Token ids without the trailing end-of-turn marker or eos token the engine stopped at."""
-    ids = list(token_ids)
-    n = len(end_of_turn_ids)
+    ids, n = list(token_ids), len(end_of_turn_ids)
     if n and ids[-n:] == list(end_of_turn_ids):
         return ids[:-n]
-    if ids and ids[-1] in eos_token_ids:
-        return ids[:-1]
-    return ids
+    return ids[:-1] if ids and ids[-1] in eos_token_ids else ids
 
 
 def sample_user_turns(engine, tokenizer, prefix: UserTurnPrefix, cfg: MagpieConfig, first_index: int, n: int,
-                      eos_token_ids: Sequence[int], progress: bool = False) -> List[RawTurn]:
-    """Requests first_index .. first_index + n - 1 of the run: the prefix, sampled to the end of turn.
-
-    ``engine``: an OfflineEngine whose max_req_total_len fits the prefix + max_new_tokens."""
+                      eos_token_ids: Sequence[int], progress: bool = False, on_step=None) -> List[RawTurn]:
+    """Requests first_index .. first_index + n - 1 of the run: the prefix, sampled to the end of turn."""
     from lightllm.server.core.objs.sampling_params import SamplingParams
 
     prefix_ids = tokenizer.encode(prefix.text, add_special_tokens=False)  # the template carries its own BOS
-    stop = [list(prefix.end_of_turn_ids)]
     if cfg.seed_mode == "batch":
         import torch
 
         torch.manual_seed(request_seed(cfg.seed, first_index))  # every device's generator, once per round
+    stop = [list(prefix.end_of_turn_ids)]
     params = [dataclasses.replace(SamplingParams.from_request(cfg.sampling_params(i)), stop_token_ids=stop)
               for i in range(first_index, first_index + n)]
-    results = engine.generate([prefix_ids] * n, params, eos_token_ids=list(eos_token_ids), progress=progress)
+    results = engine.generate([prefix_ids] * n, params, eos_token_ids=list(eos_token_ids), progress=progress,
+                              on_step=on_step)
     turns = []
     for r in results:
         if r.finish_reason == "error":
             raise RuntimeError(f"the engine failed a request: {r.error}")
-        ids = strip_end_of_turn(r.token_ids, prefix.end_of_turn_ids, eos_token_ids)
-        text = tokenizer.decode(ids, skip_special_tokens=False)
+        text = tokenizer.decode(strip_end_of_turn(r.token_ids, prefix.end_of_turn_ids, eos_token_ids),
+                                skip_special_tokens=False)
         ended = r.finish_reason in ENDED_FINISH_REASONS
         if prefix.end_of_turn in text:  # a plain-text marker tokenised otherwise in context than alone
             text, ended = text.split(prefix.end_of_turn, 1)[0], True
@@ -309,7 +300,7 @@ def sample_user_turns(engine, tokenizer, prefix: UserTurnPrefix, cfg: MagpieConf
 
 @dataclass
 class MagpieResult:
-    prompts: List[str]  # exactly cfg.count unless max_rounds ran out
+    prompts: List[str]  # exactly cfg.count unless max_rounds or the time budget ran out
     requests: int  # user turns sampled in all
     rounds: int
     dropped: Dict[str, int]  # by reason, over all rounds
@@ -317,24 +308,30 @@ class MagpieResult:
     prefix: UserTurnPrefix
 
     def records(self) -> List["PromptRecord"]:
-        return [PromptRecord(KIND_GENERAL, SOURCE_MAGPIE, p) for p in self.prompts]
+        return as_records(self.prompts, KIND_GENERAL, SOURCE_MAGPIE)
+
+    def stats(self) -> Dict:
+        """What training_info.json records: counts and time, not the prompts."""
+        return {"prompts": len(self.prompts), "requests": self.requests, "rounds": self.rounds,
+                "dropped": dict(self.dropped), "seconds": self.seconds}
 
 
 def collect_prompts(engine, tokenizer, prefix: UserTurnPrefix, cfg: MagpieConfig, eos_token_ids: Sequence[int],
                     progress: bool = False) -> MagpieResult:
-    """Sample rounds of user turns until ``cfg.count`` survive the filter (or ``cfg.max_rounds`` ran out)."""
+    """Rounds of user turns until ``cfg.count`` survive the filter, ``cfg.max_rounds`` or the time budget ran out."""
     start = time.monotonic()
+    deadline = None if cfg.max_seconds is None else start + cfg.max_seconds
     kept: List[str] = []
     dropped = {r: 0 for r in DROP_REASONS}
     requests = rounds = 0
-    while len(kept) < cfg.count and rounds < cfg.max_rounds:
-        missing = cfg.count - len(kept)
+    while len(kept) < cfg.count and rounds < cfg.max_rounds and (deadline is None or time.monotonic() < deadline):
         # later rounds ask for the missing share at the yield seen so far (at least the oversample rate)
         rate = max(cfg.oversample, requests / len(kept)) if kept else cfg.oversample * (2 ** rounds)
-        n = min(MAX_REQUESTS_PER_RUN - requests, math.ceil(missing * rate))
+        n = min(MAX_REQUESTS_PER_RUN - requests, math.ceil((cfg.count - len(kept)) * rate))
         if n == 0:
             break
-        turns = sample_user_turns(engine, tokenizer, prefix, cfg, requests, n, eos_token_ids, progress)
+        turns = sample_user_turns(engine, tokenizer, prefix, cfg, requests, n, eos_token_ids, progress,
+                                  abort_all_after(deadline))
         got = filter_user_turns(turns, prefix.tags, cfg.filter, seen=[normalize_prompt(p) for p in kept])
         kept.extend(got.kept)
         for r, c in got.dropped.items():
@@ -343,17 +340,12 @@ def collect_prompts(engine, tokenizer, prefix: UserTurnPrefix, cfg: MagpieConfig
         rounds += 1
     if len(kept) < cfg.count:
         logger.warning("magpie: %d of %d prompts after %d rounds", len(kept), cfg.count, rounds)
-    return MagpieResult(prompts=kept[: cfg.count], requests=requests, rounds=rounds, dropped=dropped,
-                        seconds=time.monotonic() - start, prefix=prefix)
+    return MagpieResult(kept[: cfg.count], requests, rounds, dropped, time.monotonic() - start, prefix)
 
 
 def generate_magpie_prompts(model_dir: str, cfg: MagpieConfig, device: Optional[str] = None,
                             dtype: Optional[str] = None, progress: bool = False, tokenizer=None) -> MagpieResult:
-    """``cfg.count`` user prompts written by the model in ``model_dir`` (the project's OfflineEngine:
-    batched, CUDA graphs on GPU). Same model, config and device: the same prompts."""
-    import gc
-
-    import torch
+    """``cfg.count`` user prompts written by the model in ``model_dir`` (one OfflineEngine, freed after)."""
     from transformers import AutoTokenizer
 
     from lightllm.server.core.objs.start_args_type import StartArgs
@@ -366,14 +358,11 @@ def generate_magpie_prompts(model_dir: str, cfg: MagpieConfig, device: Optional[
                      batch_max_tokens=max(GEN_BATCH_MAX_TOKENS, max_len))
     engine = OfflineEngine(args, device=device, dtype=dtype)
     try:
-        result = collect_prompts(engine, tokenizer, prefix, cfg, engine.eos_token_ids(), progress)
+        return collect_prompts(engine, tokenizer, prefix, cfg, engine.eos_token_ids(), progress)
     finally:
         engine.close()
-    del engine  # free its KV pool before the caller loads another model
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return result
+        del engine  # its KV pool goes before the caller loads another model
+        free_device_memory()
 
 
 # --------------------------------------------------------------------------- prompt sets
@@ -392,15 +381,13 @@ def as_records(prompts: Sequence[str], kind: str, source: str) -> List[PromptRec
 
 def write_prompt_set(path: str, records: Sequence[PromptRecord]) -> None:
     """One {"kind", "source", "prompt"} JSON object per line (UTF-8)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(asdict(r), ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in records)
 
 
 def read_prompt_set(path: str) -> List[PromptRecord]:
-    """The records of a prompt-set file (extra keys are ignored; a missing key is an error)."""
+    """The records of a prompt-set file, in order (extra keys ignored, a missing key is an error)."""
     records = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -419,11 +406,8 @@ def mix_counts(num_general: int, num_gsm8k: int, gsm8k_fraction: float, n: Optio
     if not 0.0 <= gsm8k_fraction <= 1.0:
         raise ValueError(f"gsm8k_fraction must be in [0, 1], got {gsm8k_fraction}")
     if n is None:
-        limits = []
-        if gsm8k_fraction < 1.0:
-            limits.append(num_general / (1.0 - gsm8k_fraction))
-        if gsm8k_fraction > 0.0:
-            limits.append(num_gsm8k / gsm8k_fraction)
+        limits = [num_general / (1.0 - gsm8k_fraction)] if gsm8k_fraction < 1.0 else []
+        limits += [num_gsm8k / gsm8k_fraction] if gsm8k_fraction > 0.0 else []
         n = math.floor(min(limits) + 1e-9)
     n_gsm8k = round(gsm8k_fraction * n)
     n_general = n - n_gsm8k
@@ -435,8 +419,8 @@ def mix_counts(num_general: int, num_gsm8k: int, gsm8k_fraction: float, n: Optio
 
 def mix_prompts(general: Sequence[PromptRecord], gsm8k: Sequence[PromptRecord], gsm8k_fraction: float,
                 n: Optional[int], seed: int) -> List[PromptRecord]:
-    """A seeded mixture: round(gsm8k_fraction * n) GSM8K prompts, the rest general, each drawn without
-    replacement, shuffled together. ``n`` None: as many as the pools allow at that fraction."""
+    """round(gsm8k_fraction * n) GSM8K prompts and the rest general, each drawn without replacement,
+    shuffled together (seeded). ``n`` None: as many as the pools allow at that fraction."""
     n_general, n_gsm8k = mix_counts(len(general), len(gsm8k), gsm8k_fraction, n)
     rng = random.Random(seed)
     mixed = rng.sample(list(general), n_general) + rng.sample(list(gsm8k), n_gsm8k)
@@ -472,9 +456,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--top_p", type=float, default=d.top_p)
     p.add_argument("--max_new_tokens", type=int, default=d.max_new_tokens, help="longer user turns are dropped")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--seed_mode", default=d.seed_mode, choices=SEED_MODES,
-                   help="request: one seed per request (batch-independent); batch: seed the generators per round "
-                        "(faster at large batches)")
+    p.add_argument("--seed_mode", default=d.seed_mode, choices=SEED_MODES, help="see the module docstring")
     p.add_argument("--system_prompt", default=None, help="replaces the template's default system turn")
     p.add_argument("--gen_batch_size", type=int, default=d.gen_batch_size, help="requests decoded together")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
@@ -486,13 +468,9 @@ def main(argv: Optional[Sequence[str]] = None) -> MagpieResult:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     a = make_parser().parse_args(argv)
     cfg = MagpieConfig(count=a.count, temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens,
-                       seed=a.seed, seed_mode=a.seed_mode,
-                       system_prompt=a.system_prompt, gen_batch_size=a.gen_batch_size)
-    model_dir = a.model_dir
-    if model_dir is None:
-        from lightllm.utils.embedded_model import get_default_model_dir
-
-        model_dir = get_default_model_dir()
+                       seed=a.seed, seed_mode=a.seed_mode, system_prompt=a.system_prompt,
+                       gen_batch_size=a.gen_batch_size)
+    model_dir = a.model_dir or model_dir_or_embedded(None)
     result = generate_magpie_prompts(model_dir, cfg, device=a.device, progress=True)
     write_prompt_set(a.out, result.records())
     dropped = ", ".join(f"{k} {v}" for k, v in result.dropped.items() if v)

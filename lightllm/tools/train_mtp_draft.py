@@ -32,12 +32,22 @@ The shipped draft (lightllm/drafts/...) was trained with last_layer on an H200
 (all 7473 train questions, 904 steps of 64): held-out top-1 0.68 / 0.62 / 0.60 / 0.57
 (its training_info.json).
 
+Prompts (``--prompt_source``): ``gsm8k`` (the GSM8K train questions, in file order),
+``magpie`` (user turns the target writes itself, lightllm/tools/magpie_prompts.py), ``mix``
+(both, ``--gsm8k_fraction`` of them GSM8K, seeded shuffle) or ``file`` (a prompt set written
+by an earlier run, replayed exactly). The set used is always written (``--prompt_set_out``);
+a prompt of the held-out set (``--heldout``) refuses the run. ``--max_gen_seconds`` covers
+both generation phases: sampling user turns gets at most MAGPIE_TIME_SHARE of it, the
+answers the rest.
+
 CLI:
-    python -m lightllm.tools.train_mtp_draft --data train.jsonl --out DIR \\
-        [--model_dir DIR] [--mtp_mode eagle_with_att] [--unroll 4] [--num_questions N] ...
+    python -m lightllm.tools.train_mtp_draft --out DIR [--prompt_source mix --magpie_count N \\
+        --gsm8k_fraction F] [--data train.jsonl] [--model_dir DIR] [--unroll 4] ...
 
 The output dir holds config.json + model.safetensors (bf16, loadable with
-``--mtp_draft_model_dir``) and training_info.json.
+``--mtp_draft_model_dir``), training_info.json (the recipe, prompt counts, Magpie stats,
+held-out top-1 per depth by prompt kind; paths relative to the repo or as $ENV_VAR/...)
+and the prompt set.
 """
 import argparse
 import copy
@@ -47,8 +57,9 @@ import math
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -57,8 +68,11 @@ from tqdm import tqdm
 
 from lightllm.models.llama_mtp.train_module import DRAFT_SAFETENSORS, MTPDraftTrainModule
 from lightllm.server.core.objs.start_args_type import MTP_MODES
+from lightllm.tools import magpie_prompts as magpie
 from lightllm.tools.client import generate_offline, model_dir_or_embedded
-from lightllm.tools.prompts import chat_prompt_ids, load_gsm8k
+from lightllm.tools.magpie_prompts import KIND_MATH, SOURCE_GSM8K, PromptRecord, abort_all_after, as_records
+from lightllm.tools.prompts import GSM8K_DIR_ENV, REPO, chat_prompt_ids, gsm8k_path, load_gsm8k
+from lightllm.utils.embedded_model import CACHE_DIR_ENV, get_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +89,13 @@ TRAINING_INFO_FILENAME = "training_info.json"
 DRAFT_FILE_MODE = 0o644  # the draft may ship as package data: readable by everyone
 LR_SCHEDULES = ("cosine", "linear")
 DEFAULT_INIT_STD = 0.02  # when the target config has no initializer_range
+PROMPT_SOURCES = ("gsm8k", "magpie", "mix", "file")
+PROMPT_SET_FILENAME = "prompt_set.jsonl"  # in --out unless --prompt_set_out
+DEFAULT_GSM8K_FRACTION = 0.3  # --prompt_source mix: the share of GSM8K questions
+MAGPIE_TIME_SHARE = 0.4  # of --max_gen_seconds at most for sampling user turns; the answers get the rest
+NON_MATH = "non_math"  # the held-out metrics over every kind but math together
+OUTSIDE_REPO = "<outside the repo>"  # training_info.json's stand-in for a machine's folder
+PATH_FLAGS = ("data", "out", "model_dir", "prompt_set", "prompt_set_out", "heldout")  # recorded portably
 
 
 # --------------------------------------------------------------------------- config and data
@@ -468,10 +489,6 @@ def _fmt(m: DepthMetrics) -> str:
 
 # --------------------------------------------------------------------------- data: prompts and answers
 
-build_prompt_ids = chat_prompt_ids  # the name unit_tests/data_paths.py imports
-
-
-
 def generate_answers(model_dir: str, prompts: Sequence[List[int]], max_new_tokens: int,
                      eos_token_ids: Optional[Sequence[int]] = None, device: Optional[str] = None,
                      dtype: Optional[str] = None, progress: bool = True,
@@ -488,27 +505,14 @@ def generate_answers(model_dir: str, prompts: Sequence[List[int]], max_new_token
     args = StartArgs(model_dir=model_dir, running_max_req_size=running_max_req_size, max_req_total_len=max_len,
                      batch_max_tokens=max(GEN_BATCH_MAX_TOKENS, max_len))
     params = [{"max_new_tokens": max_new_tokens, "ignore_eos": False}] * len(prompts)
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
     results, _ = generate_offline(args, prompts, params, device=device, dtype=dtype, eos_token_ids=eos_token_ids,
-                                  progress=progress, on_step=_abort_all_after(max_seconds))
+                                  progress=progress, on_step=abort_all_after(deadline))
     seqs = [TrainSequence(list(p) + list(r.token_ids), len(p)) for p, r in zip(prompts, results) if r.token_ids]
     if len(seqs) < len(prompts):
         logger.warning("time budget: %d of %d prompts got no answer and are dropped", len(prompts) - len(seqs),
                        len(prompts))
     return seqs
-
-
-def _abort_all_after(max_seconds: Optional[float]):
-    """An ``on_step`` callback that aborts every unfinished request once ``max_seconds`` have passed."""
-    if max_seconds is None:
-        return None
-    deadline = time.monotonic() + max_seconds
-
-    def on_step(router) -> None:
-        if time.monotonic() > deadline:
-            for req in list(router.running) + list(router.queue.waiting):
-                router.abort(req.req_id)
-
-    return on_step
 
 
 def load_target(model_dir: str, device) -> nn.Module:
@@ -553,26 +557,132 @@ def training_info(result: TrainResult, cfg: TrainConfig, extra: Dict) -> Dict:
     }
 
 
+# --------------------------------------------------------------------------- prompt sets and the held-out set
+
+
+class HeldoutOverlapError(ValueError):
+    """A training prompt is in the held-out set: the run is refused."""
+
+
+def portable_path(path: Optional[str]) -> Optional[str]:
+    """``path`` as training_info.json records it, never absolute: under $LIGHTLLM_GSM8K_DIR or the
+    model cache as ``$VAR/rest``, in or beside the checkout relative to the repository, else
+    OUTSIDE_REPO/its name."""
+    if not path:
+        return path
+    full = os.path.abspath(path)
+    roots = ((GSM8K_DIR_ENV, os.environ.get(GSM8K_DIR_ENV)), (CACHE_DIR_ENV, get_cache_dir()),
+             (None, os.path.dirname(REPO)))
+    for var, root in roots:
+        root = root and os.path.abspath(root)
+        if root and os.path.commonpath([full, root]) == root:
+            rel = os.path.relpath(full, root)
+            return os.path.join("$" + var, rel) if var else os.path.relpath(full, REPO)
+    return os.path.join(OUTSIDE_REPO, os.path.basename(full))
+
+
+def check_heldout(records: Sequence[PromptRecord], heldout_path: Optional[str]) -> List[Dict]:
+    """The held-out rows (none without a path); raises HeldoutOverlapError if a training prompt is one."""
+    if not heldout_path:
+        return []
+    rows = magpie.load_heldout(heldout_path)
+    hits = magpie.heldout_overlap([r.prompt for r in records], [h["prompt"] for h in rows])
+    if hits:
+        raise HeldoutOverlapError(
+            f"refusing to train: {len(hits)} training prompt(s) are in the held-out set {heldout_path}, e.g. "
+            f"{records[hits[0]].prompt[:120]!r} (a {records[hits[0]].source} prompt); drop them from the prompt set")
+    return rows
+
+
+def magpie_config(a: argparse.Namespace, max_seconds: Optional[float]) -> "magpie.MagpieConfig":
+    return magpie.MagpieConfig(count=a.magpie_count, temperature=a.magpie_temperature, top_p=a.magpie_top_p,
+                               max_new_tokens=a.magpie_max_new_tokens, seed=a.seed, seed_mode=a.magpie_seed_mode,
+                               gen_batch_size=a.gen_batch_size, max_seconds=max_seconds)
+
+
+def build_prompt_set(a: argparse.Namespace, model_dir: str, device: str,
+                     magpie_seconds: Optional[float]) -> Tuple[List[PromptRecord], Optional["magpie.MagpieResult"]]:
+    """The training prompts of ``--prompt_source`` (at most --num_prompts) and the Magpie result, if sampled."""
+    if a.prompt_source == "file":
+        return magpie.read_prompt_set(a.prompt_set)[: a.num_prompts], None
+    gsm8k = []
+    if a.prompt_source in ("gsm8k", "mix"):
+        questions = load_gsm8k(gsm8k_path("train", a.data), a.num_questions)
+        gsm8k = as_records([q.question for q in questions], KIND_MATH, SOURCE_GSM8K)
+    if a.prompt_source == "gsm8k":
+        return gsm8k[: a.num_prompts], None
+    sampled = magpie.generate_magpie_prompts(model_dir, magpie_config(a, magpie_seconds), device=device,
+                                             progress=True)
+    general = sampled.records()
+    if a.prompt_source == "magpie":
+        return general[: a.num_prompts], sampled
+    return magpie.mix_prompts(general, gsm8k, a.gsm8k_fraction, a.num_prompts, a.seed), sampled
+
+
+def heldout_answers(model_dir: str, tokenizer, rows: Sequence[Dict], max_new_tokens: int, device: str,
+                    batch_size: int) -> Dict[str, List[TrainSequence]]:
+    """The target's greedy answers to the held-out prompts, by kind (no time budget)."""
+    prompts = chat_prompt_ids(tokenizer, [r["prompt"] for r in rows])
+    kind_of = {tuple(p): r["kind"] for p, r in zip(prompts, rows)}
+    by_kind: Dict[str, List[TrainSequence]] = {}
+    for s in generate_answers(model_dir, prompts, max_new_tokens, device=device,
+                              running_max_req_size=min(batch_size, len(prompts))):
+        by_kind.setdefault(kind_of[tuple(s.token_ids[: s.prompt_len])], []).append(s)
+    return by_kind
+
+
+def heldout_by_kind(module: MTPDraftTrainModule, target: nn.Module, by_kind: Dict[str, List[TrainSequence]],
+                    cfg: TrainConfig, device) -> Dict[str, Dict]:
+    """Per kind (and NON_MATH): sequences and teacher-forced top-1 / loss per depth on the target's answers."""
+    head = TargetHead(target)
+    groups = dict(sorted(by_kind.items()))
+    groups[NON_MATH] = [s for kind, seqs in groups.items() if kind != KIND_MATH for s in seqs]
+    return {kind: {"sequences": len(seqs), **asdict(evaluate(module, target, head, seqs, cfg, device))}
+            for kind, seqs in groups.items() if seqs}
+
+
+# --------------------------------------------------------------------------- CLI
+
+
 def make_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
+    m = magpie.MagpieConfig()
     p = argparse.ArgumentParser(description="Train an MTP draft for a target model by self-distillation.")
-    p.add_argument("--data", required=True, help="GSM8K-style train.jsonl (one {'question': ...} per line)")
     p.add_argument("--out", required=True, help="output draft dir")
+    p.add_argument("--prompt_source", default="gsm8k", choices=PROMPT_SOURCES)
+    p.add_argument("--data", default=None, help="GSM8K train jsonl (default: $LIGHTLLM_GSM8K_DIR/train.jsonl or "
+                                                "../shared/data/gsm8k beside the checkout)")
+    p.add_argument("--num_questions", type=int, default=None, help="the first N GSM8K questions (default: all)")
+    p.add_argument("--num_prompts", type=int, default=None,
+                   help="training prompts in all (default: every prompt of the source; mix: as many as the pools "
+                        "allow at --gsm8k_fraction)")
+    p.add_argument("--gsm8k_fraction", type=float, default=DEFAULT_GSM8K_FRACTION, help="mix: share of GSM8K")
+    p.add_argument("--magpie_count", type=int, default=m.count, help="user turns kept after filtering")
+    p.add_argument("--magpie_temperature", type=float, default=m.temperature)
+    p.add_argument("--magpie_top_p", type=float, default=m.top_p)
+    p.add_argument("--magpie_max_new_tokens", type=int, default=m.max_new_tokens, help="longer user turns are dropped")
+    p.add_argument("--magpie_seed_mode", default="batch", choices=magpie.SEED_MODES,
+                   help="batch: seed once per round (fast at large batches); request: a seed per request")
+    p.add_argument("--prompt_set", default=None, help="--prompt_source file: a prompt set to replay")
+    p.add_argument("--prompt_set_out", default=None, help=f"where the prompt set used is written "
+                                                          f"(default: OUT/{PROMPT_SET_FILENAME})")
+    p.add_argument("--heldout", default=magpie.DEFAULT_HELDOUT_PATH,
+                   help="held-out prompts: refuse to train on them, report top-1 by kind on them ('' for none)")
     p.add_argument("--model_dir", default=None, help="target HF model dir (default: the embedded SmolLM2)")
     p.add_argument("--mtp_mode", default=d.mtp_mode, choices=MTP_MODES)
     p.add_argument("--init", default=d.init, choices=list(INIT_SCHEMES), help="initialisation of the draft module")
     p.add_argument("--unroll", type=int, default=d.unroll, help="K: depths unrolled per training batch")
-    p.add_argument("--num_questions", type=int, default=None, help="the first N questions (default: all)")
     p.add_argument("--max_new_tokens", type=int, default=256, help="length limit of the target's answers")
     p.add_argument("--gen_batch_size", type=int, default=GEN_RUNNING_MAX_REQ_SIZE,
-                   help="requests the engine decodes together while generating the answers")
+                   help="requests the engine decodes together while generating")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--lr_schedule", default=d.lr_schedule, choices=LR_SCHEDULES)
     p.add_argument("--batch_size", type=int, default=d.batch_size, help="sequences per optimiser step")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="training, Magpie sampling and mixing")
     p.add_argument("--max_gen_seconds", type=float, default=None,
-                   help="abort the answer generation after this many seconds (partial answers are kept)")
+                   help="time budget of both generation phases (Magpie at most "
+                        f"{MAGPIE_TIME_SHARE:.0%}); unfinished answers are cut, partial answers kept")
     p.add_argument("--max_train_seconds", type=float, default=None,
                    help="training time budget in seconds: the LR schedule decays by steps or time, whichever is "
                         "further along, and training stops (and saves) when it ends")
@@ -580,9 +690,19 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = make_parser()
+    a = p.parse_args(argv)
+    if (a.prompt_source == "file") != (a.prompt_set is not None):
+        p.error("--prompt_set goes with --prompt_source file, and file needs it")
+    if a.prompt_set_out is None:
+        a.prompt_set_out = os.path.join(a.out, PROMPT_SET_FILENAME)
+    return a
+
+
 def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    a = make_parser().parse_args(argv)
+    a = parse_args(argv)
     cfg = TrainConfig(mtp_mode=a.mtp_mode, init=a.init, unroll=a.unroll, epochs=a.epochs, lr=a.lr,
                       lr_schedule=a.lr_schedule, batch_size=a.batch_size, seed=a.seed,
                       max_train_seconds=a.max_train_seconds)
@@ -590,33 +710,75 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     if torch.device(device).type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 draft
     t0 = time.monotonic()
+    seconds = {}
     model_dir = a.model_dir or model_dir_or_embedded(None)
     from transformers import AutoTokenizer
 
-    questions = [q.question for q in load_gsm8k(a.data, a.num_questions)]
-    prompts = chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), questions)
-    logger.info("%d questions; generating the target's answers (max_new_tokens %d)", len(prompts), a.max_new_tokens)
-    t_gen = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    gen_budget = a.max_gen_seconds
+    magpie_budget = None if gen_budget is None else MAGPIE_TIME_SHARE * gen_budget
+    records, sampled = build_prompt_set(a, model_dir, device, magpie_budget)
+    seconds["prompts"] = time.monotonic() - t0
+    magpie.write_prompt_set(a.prompt_set_out, records)
+    logger.info("prompt set: %d prompts (%s) in %.1f s, written to %s", len(records),
+                dict(Counter(r.source for r in records)), seconds["prompts"], a.prompt_set_out)
+    heldout_rows = check_heldout(records, a.heldout)
+
+    # the answers get what the user turns left of the generation budget (their engine's start included)
+    answer_budget = None if gen_budget is None else max(0.0, gen_budget - (seconds["prompts"] if sampled else 0.0))
+    logger.info("generating the target's answers (max_new_tokens %d, budget %s s)", a.max_new_tokens, answer_budget)
+    t = time.monotonic()
+    prompts = chat_prompt_ids(tokenizer, [r.prompt for r in records])
+    kind_of = {}
+    for p, r in zip(prompts, records):
+        kind_of.setdefault(tuple(p), r.kind)
     seqs = generate_answers(model_dir, prompts, a.max_new_tokens, device=device,
-                            running_max_req_size=a.gen_batch_size, max_seconds=a.max_gen_seconds)
-    t_gen = time.monotonic() - t_gen
+                            running_max_req_size=a.gen_batch_size, max_seconds=answer_budget)
+    seconds["generate"] = time.monotonic() - t
     answer_tokens = sum(len(s.token_ids) - s.prompt_len for s in seqs)
-    logger.info("generated %d answer tokens in %.1f s", answer_tokens, t_gen)
-    result = train_draft(load_target(model_dir, device), seqs, cfg, device)
+    logger.info("generated %d answer tokens for %d prompts in %.1f s", answer_tokens, len(seqs), seconds["generate"])
+    heldout_seqs = {}
+    if heldout_rows:
+        t = time.monotonic()
+        heldout_seqs = heldout_answers(model_dir, tokenizer, heldout_rows, a.max_new_tokens, device, a.gen_batch_size)
+        seconds["heldout_generate"] = time.monotonic() - t
+        logger.info("held-out answers in %.1f s", seconds["heldout_generate"])
+
+    target = load_target(model_dir, device)
+    result = train_draft(target, seqs, cfg, device)
+    seconds["train"] = result.seconds
+    by_kind = None
+    if heldout_seqs:
+        t = time.monotonic()
+        by_kind = heldout_by_kind(result.module, target, heldout_seqs, cfg, device)
+        seconds["heldout_eval"] = time.monotonic() - t
+        for kind, m in by_kind.items():
+            logger.info("held-out %-12s top1 by depth [%s]", kind, " ".join(f"{x:.3f}" for x in m["top1_by_depth"]))
+    seconds["total"] = time.monotonic() - t0
     info = training_info(result, cfg, {
-        "data_path": os.path.abspath(a.data),
-        "model_dir": model_dir,
-        "num_questions": len(questions),
+        "recipe": {k: portable_path(v) if k in PATH_FLAGS else v for k, v in vars(a).items()},
+        "prompt_source": a.prompt_source,
+        "data_path": portable_path(gsm8k_path("train", a.data)) if a.prompt_source in ("gsm8k", "mix") else None,
+        "model_dir": portable_path(model_dir),
+        "prompt_set": portable_path(a.prompt_set_out),
+        "num_prompts": len(records),
+        "prompts_by_kind": dict(Counter(r.kind for r in records)),
+        "prompts_by_source": dict(Counter(r.source for r in records)),
+        "answered_by_kind": dict(Counter(kind_of[tuple(s.token_ids[: s.prompt_len])] for s in seqs)),
         "num_answered": len(seqs),
+        "magpie": {**asdict(magpie_config(a, magpie_budget)), **sampled.stats()} if sampled else None,
         "gen_batch_size": a.gen_batch_size,
         "max_new_tokens": a.max_new_tokens,
         "answer_tokens": answer_tokens,
         "prompt_tokens": sum(s.prompt_len for s in seqs),
         "device": device,
-        "seconds": {"generate": t_gen, "train": result.seconds, "total": time.monotonic() - t0},
+        "seconds": seconds,
+        "heldout_path": portable_path(a.heldout) if a.heldout else None,
+        "heldout_by_kind": by_kind,
     })
     save_outputs(result, a.out, info)
-    logger.info("saved the draft to %s (%.1f s in all)", a.out, time.monotonic() - t0)
+    logger.info("saved the draft to %s (%.1f s in all: %s)", a.out, seconds["total"],
+                ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     return result
 
 

@@ -213,7 +213,7 @@ class ScriptedEngine:
     def __init__(self, tok, script):
         self.tok, self.script, self.calls = tok, script, []
 
-    def generate(self, prompts, params, eos_token_ids=(), progress=False):
+    def generate(self, prompts, params, eos_token_ids=(), progress=False, on_step=None):
         self.calls.append(len(prompts))
         out = []
         for sp in params:

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -227,3 +228,146 @@ def test_packaged_draft_location():
     path = embedded_model.EMBEDDED_DRAFT_DIRS["eagle_with_att"]
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(embedded_model.__file__)))
     assert path == os.path.join(pkg_root, "drafts", EMBEDDED_MODEL_NAME, "eagle_with_att")
+
+
+# ---- prompt sources, the prompt set, the held-out set and training_info (tiny Llama, CPU) ----
+
+from lightllm.tools import magpie_prompts as mp  # noqa: E402
+from unit_tests.tools.test_magpie_prompts import tiny_tokenizer, user_turn_prefix  # noqa: E402
+
+MAGPIE_PROMPTS = [f"w{10 + i} w{40 + i} w{70 + i} w{100 + i}" for i in range(12)]
+GSM8K_QUESTIONS = [f"w{130 + i} w{160 + i} w{190 + i}" for i in range(10)]
+HELDOUT_ROWS = [{"id": "code-1", "kind": "code", "prompt": "w220 w221 w222", "source": "test"},
+                {"id": "writing-1", "kind": "writing", "prompt": "w223 w224 w225 w226", "source": "test"},
+                {"id": "math-1", "kind": "math", "prompt": "w227 w228", "source": "test"}]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(one_thread, tmp_path_factory):
+    """A tiny target with a chat-template tokenizer, a GSM8K train file and a held-out file."""
+    from unit_tests.models.tiny_checkpoints import tiny_model
+
+    root = tmp_path_factory.mktemp("train_sources")
+    model = tiny_model("llama", root)
+    tiny_tokenizer().save_pretrained(model.model_dir)
+    data = _write_jsonl(root / "train.jsonl", [{"question": q, "answer": "#### 1"} for q in GSM8K_QUESTIONS])
+    heldout = _write_jsonl(root / "heldout.jsonl", HELDOUT_ROWS)
+    return root, model.model_dir, data, heldout
+
+
+@pytest.fixture
+def fake_magpie(monkeypatch):
+    """Magpie sampling replaced by MAGPIE_PROMPTS (the sampler has its own tests); records its config."""
+    seen = []
+
+    def fake(model_dir, cfg, device=None, progress=False):
+        seen.append(cfg)
+        return mp.MagpieResult(MAGPIE_PROMPTS[: cfg.count], requests=cfg.count + 3, rounds=1,
+                               dropped={**{r: 0 for r in mp.DROP_REASONS}, mp.DROP_OVERLONG: 3}, seconds=0.25,
+                               prefix=user_turn_prefix(tiny_tokenizer()))
+
+    monkeypatch.setattr(mp, "generate_magpie_prompts", fake)
+    return seen
+
+
+def _argv(tiny_run, out, *extra):
+    root, model_dir, data, heldout = tiny_run
+    return ["--out", str(out), "--model_dir", model_dir, "--data", data, "--heldout", heldout,
+            "--max_new_tokens", "6", "--unroll", "2", "--epochs", "1", "--batch_size", "4", "--gen_batch_size", "8",
+            "--device", "cpu", *extra]
+
+
+def _strings(obj):
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in _strings(v)]
+    if isinstance(obj, list):
+        return [s for v in obj for s in _strings(v)]
+    return [obj] if isinstance(obj, str) else []
+
+
+def test_prompt_sources_select_and_mix(tiny_run, fake_magpie):
+    root = tiny_run[0]
+    a = tool.parse_args(_argv(tiny_run, root / "o"))
+    assert a.prompt_source == "gsm8k" and a.prompt_set_out == str(root / "o" / tool.PROMPT_SET_FILENAME)
+    records, sampled = tool.build_prompt_set(a, "unused", "cpu", None)
+    assert [r.prompt for r in records] == GSM8K_QUESTIONS and sampled is None and not fake_magpie  # file order
+    a = tool.parse_args(_argv(tiny_run, root / "o", "--num_questions", "4"))
+    assert [r.prompt for r in tool.build_prompt_set(a, "unused", "cpu", None)[0]] == GSM8K_QUESTIONS[:4]
+    a = tool.parse_args(_argv(tiny_run, root / "o", "--prompt_source", "magpie", "--magpie_count", "5"))
+    records, sampled = tool.build_prompt_set(a, "unused", "cpu", 7.0)
+    assert [r.prompt for r in records] == MAGPIE_PROMPTS[:5] and {r.source for r in records} == {mp.SOURCE_MAGPIE}
+    cfg = fake_magpie[-1]
+    assert (cfg.count, cfg.seed_mode, cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.max_seconds) == (
+        5, "batch", 1.0, 0.95, 96, 7.0)
+    # mix: 12 general and 10 GSM8K at 0.4 -> as many as the pools allow: 20 (12 + 8)
+    a = tool.parse_args(_argv(tiny_run, root / "o", "--prompt_source", "mix", "--magpie_count", "12",
+                              "--gsm8k_fraction", "0.4"))
+    records, _ = tool.build_prompt_set(a, "unused", "cpu", None)
+    assert Counter(r.source for r in records) == {mp.SOURCE_MAGPIE: 12, mp.SOURCE_GSM8K: 8}
+    a = tool.parse_args(_argv(tiny_run, root / "o", "--prompt_source", "mix", "--magpie_count", "12",
+                              "--gsm8k_fraction", "0.25", "--num_prompts", "8"))
+    records, _ = tool.build_prompt_set(a, "unused", "cpu", None)
+    assert Counter(r.kind for r in records) == {mp.KIND_GENERAL: 6, mp.KIND_MATH: 2}
+    with pytest.raises(SystemExit):
+        tool.parse_args(_argv(tiny_run, root / "o", "--prompt_source", "file"))  # needs --prompt_set
+
+
+def test_mix_run_writes_a_replayable_prompt_set_and_training_info(tiny_run, fake_magpie, tmp_path):
+    first = tmp_path / "mix"
+    tool.main(_argv(tiny_run, first, "--prompt_source", "mix", "--magpie_count", "9", "--gsm8k_fraction", "0.25",
+                    "--num_prompts", "12", "--max_gen_seconds", "100"))
+    records = mp.read_prompt_set(str(first / tool.PROMPT_SET_FILENAME))
+    assert Counter(r.source for r in records) == {mp.SOURCE_MAGPIE: 9, mp.SOURCE_GSM8K: 3}
+    assert fake_magpie[-1].max_seconds == pytest.approx(tool.MAGPIE_TIME_SHARE * 100)
+    info = json.loads((first / TRAINING_INFO_FILENAME).read_text())
+    assert info["prompt_source"] == "mix" and info["num_prompts"] == 12
+    assert info["prompts_by_source"] == {"magpie": 9, "gsm8k_train": 3}
+    assert info["prompts_by_kind"] == {"general": 9, "math": 3} and sum(info["answered_by_kind"].values()) == 12
+    assert info["recipe"]["gsm8k_fraction"] == 0.25 and info["recipe"]["magpie_count"] == 9
+    assert info["magpie"]["prompts"] == 9 and info["magpie"]["dropped"]["overlong"] == 3
+    assert info["magpie"]["seed_mode"] == "batch"
+    assert set(info["seconds"]) >= {"prompts", "generate", "heldout_generate", "train", "heldout_eval", "total"}
+    by_kind = info["heldout_by_kind"]
+    assert set(by_kind) == {"code", "writing", "math", tool.NON_MATH}
+    assert by_kind[tool.NON_MATH]["sequences"] == 2 and by_kind["math"]["sequences"] == 1
+    assert all(len(m["top1_by_depth"]) == 2 for m in by_kind.values())
+    # no absolute machine path anywhere
+    paths = _strings(info)
+    assert not [s for s in paths if os.path.isabs(s) or str(tmp_path) in s or str(tiny_run[0]) in s]
+    assert info["recipe"]["out"] == os.path.join(tool.OUTSIDE_REPO, "mix")
+    # replay: the same prompts in the same order
+    again = tmp_path / "again"
+    tool.main(_argv(tiny_run, again, "--prompt_source", "file", "--prompt_set",
+                    str(first / tool.PROMPT_SET_FILENAME)))
+    assert mp.read_prompt_set(str(again / tool.PROMPT_SET_FILENAME)) == records
+    info2 = json.loads((again / TRAINING_INFO_FILENAME).read_text())
+    assert info2["magpie"] is None and info2["prompts_by_source"] == info["prompts_by_source"]
+    assert info2["answer_tokens"] == info["answer_tokens"]
+
+
+def test_a_heldout_prompt_in_the_training_set_refuses_the_run(tiny_run, tmp_path, monkeypatch):
+    bad = [mp.PromptRecord("general", "magpie", "w1 w2 w3"),
+           mp.PromptRecord("general", "magpie", "  W223 w224, w225 w226!")]  # held-out writing-1, normalised
+    mp.write_prompt_set(str(tmp_path / "bad.jsonl"), bad)
+    monkeypatch.setattr(tool, "generate_answers", lambda *a, **k: pytest.fail("generated despite the overlap"))
+    with pytest.raises(tool.HeldoutOverlapError, match="1 training prompt"):
+        tool.main(_argv(tiny_run, tmp_path / "o", "--prompt_source", "file", "--prompt_set",
+                        str(tmp_path / "bad.jsonl")))
+    assert mp.read_prompt_set(str(tmp_path / "o" / tool.PROMPT_SET_FILENAME)) == bad  # written for inspection
+
+
+def test_portable_path(monkeypatch, tmp_path):
+    monkeypatch.setenv(tool.GSM8K_DIR_ENV, str(tmp_path / "gsm8k"))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    assert tool.portable_path(str(tmp_path / "gsm8k" / "train.jsonl")) == "$LIGHTLLM_GSM8K_DIR/train.jsonl"
+    assert tool.portable_path(str(tmp_path / "cache" / "models" / "M")) == "$LIGHTLLM_CACHE_DIR/models/M"
+    assert tool.portable_path(os.path.join(tool.REPO, "benchmarks", "x.jsonl")) == "benchmarks/x.jsonl"
+    assert tool.portable_path(None) is None
+    beside = os.path.join(os.path.dirname(tool.REPO), "shared", "data", "gsm8k", "train.jsonl")
+    assert tool.portable_path(beside) == "../shared/data/gsm8k/train.jsonl"
+    assert tool.portable_path(str(tmp_path / "elsewhere")) == os.path.join(tool.OUTSIDE_REPO, "elsewhere")
