@@ -95,7 +95,7 @@ DEFAULT_GSM8K_FRACTION = 0.3  # --prompt_source mix: the share of GSM8K question
 MAGPIE_TIME_SHARE = 0.4  # of --max_gen_seconds at most for sampling user turns; the answers get the rest
 NON_MATH = "non_math"  # the held-out metrics over every kind but math together
 OUTSIDE_REPO = "<outside the repo>"  # training_info.json's stand-in for a machine's folder
-PATH_FLAGS = ("data", "out", "model_dir", "prompt_set", "prompt_set_out", "heldout")  # recorded portably
+PATH_FLAGS = ("data", "out", "model_dir", "prompt_set", "prompt_set_out", "heldout", "init_from")  # recorded portably
 
 
 # --------------------------------------------------------------------------- config and data
@@ -107,6 +107,7 @@ class TrainConfig:
 
     mtp_mode: str = "eagle_with_att"
     init: str = "last_layer"  # a name in INIT_SCHEMES
+    init_from: Optional[str] = None  # a draft dir to fine-tune instead (overrides init)
     unroll: int = 4  # K: depths trained per batch
     epochs: int = 1
     lr: float = 1e-3
@@ -302,6 +303,11 @@ INIT_SCHEMES = {"last_layer": init_from_last_layer, "random": init_random}
 
 def new_draft_module(target: nn.Module, cfg: TrainConfig, first_batch: Batch, device) -> MTPDraftTrainModule:
     """A fresh module for ``cfg.mtp_mode`` on ``device``, initialised with ``cfg.init``."""
+    if cfg.init_from is not None:
+        module = MTPDraftTrainModule.load_draft(copy.deepcopy(target.config), cfg.init_from).float().to(device)
+        if module.with_attention != cfg.with_attention or len(module.mtp) != cfg.num_modules:
+            raise ValueError(f"--init_from {cfg.init_from}: its draft does not fit --mtp_mode {cfg.mtp_mode}")
+        return module
     module = MTPDraftTrainModule(copy.deepcopy(target.config), cfg.with_attention, cfg.num_modules).to(device)
     INIT_SCHEMES[cfg.init](module, target, first_batch)
     return module
@@ -544,7 +550,7 @@ def save_outputs(result: TrainResult, out_dir: str, info: Dict) -> None:
 def training_info(result: TrainResult, cfg: TrainConfig, extra: Dict) -> Dict:
     return {
         **extra,
-        "config": asdict(cfg),
+        "config": dict(asdict(cfg), init_from=portable_path(cfg.init_from)),
         "depth_loss_weights": cfg.depth_weights,
         "steps": result.steps,
         "stopped_early": result.stopped_early,
@@ -671,6 +677,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_dir", default=None, help="target HF model dir (default: the embedded SmolLM2)")
     p.add_argument("--mtp_mode", default=d.mtp_mode, choices=MTP_MODES)
     p.add_argument("--init", default=d.init, choices=list(INIT_SCHEMES), help="initialisation of the draft module")
+    p.add_argument("--init_from", default=None, help="fine-tune this draft dir instead of a fresh module")
     p.add_argument("--unroll", type=int, default=d.unroll, help="K: depths unrolled per training batch")
     p.add_argument("--max_new_tokens", type=int, default=256, help="length limit of the target's answers")
     p.add_argument("--gen_batch_size", type=int, default=GEN_RUNNING_MAX_REQ_SIZE,
@@ -703,7 +710,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     a = parse_args(argv)
-    cfg = TrainConfig(mtp_mode=a.mtp_mode, init=a.init, unroll=a.unroll, epochs=a.epochs, lr=a.lr,
+    cfg = TrainConfig(mtp_mode=a.mtp_mode, init=a.init, init_from=a.init_from, unroll=a.unroll, epochs=a.epochs, lr=a.lr,
                       lr_schedule=a.lr_schedule, batch_size=a.batch_size, seed=a.seed,
                       max_train_seconds=a.max_train_seconds)
     device = resolve_device(a.device)

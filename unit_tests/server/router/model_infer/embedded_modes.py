@@ -6,3 +6,22 @@ MODES = {
     "asd0": dict(MTP, mtp_asd_regret_budget=0.0),
     "asd_usage": dict(MTP, mtp_asd_regret_budget=2.0625, mtp_asd_local_regret_ratio=0.25, mtp_asd_block_max_mismatch=2),
 }
+
+
+def run_embedded(args, prompts):
+    """Generate on CUDA in bf16 (request i: 24 + 9 i new tokens, ignore_eos), then free the engine.
+    Returns (results, whether CUDA graphs were captured)."""
+    import gc
+
+    import torch
+
+    from lightllm.server.offline_engine import OfflineEngine
+
+    eng = OfflineEngine(args, device="cuda", dtype="bfloat16")
+    params = [{"max_new_tokens": 24 + 9 * i, "ignore_eos": True} for i in range(len(prompts))]
+    res = eng.generate(prompts, params)
+    captured = eng.backend.decode_step.graphs is not None
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res, captured

@@ -2,15 +2,13 @@
 plain, strict MTP, ASD B = 0 and ASD at the usage setting, with batches on and between the
 captured sizes and requests joining and finishing mid-run. Also, with graphs on, strict MTP
 equals plain decoding and B = 0 equals strict. Runs in the GPU CI (skips without CUDA)."""
-import gc
 
 import pytest
 import torch
 
 from lightllm.server.core.objs.start_args_type import StartArgs
-from lightllm.server.offline_engine import OfflineEngine
 from unit_tests.devices import needs_cuda
-from unit_tests.server.router.model_infer.embedded_modes import MODES
+from unit_tests.server.router.model_infer.embedded_modes import MODES, run_embedded
 
 pytestmark = [needs_cuda, pytest.mark.slow]
 
@@ -31,15 +29,7 @@ def _prompts():
 
 
 def _run(mode: str, graphs: bool):
-    args = StartArgs(**MODES[mode], **ENGINE, disable_cudagraph=not graphs)
-    eng = OfflineEngine(args, device="cuda", dtype="bfloat16")
-    prompts = _prompts()
-    params = [{"max_new_tokens": 24 + 9 * i, "ignore_eos": True} for i in range(len(prompts))]
-    res = eng.generate(prompts, params)
-    captured = eng.backend.decode_step.graphs is not None
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
+    res, captured = run_embedded(StartArgs(**MODES[mode], **ENGINE, disable_cudagraph=not graphs), _prompts())
     return [(r.token_ids, r.logprobs) for r in res], captured
 
 

@@ -1,15 +1,12 @@
 """--enable_deterministic_inference on the embedded model in bf16, CUDA graphs on: strict MTP is
 token-identical to plain decoding, ASD B = 0 to strict, and a request decodes the same tokens
 alone as in a batch. Runs in the GPU CI (skips without CUDA)."""
-import gc
 
 import pytest
-import torch
 
 from lightllm.server.core.objs.start_args_type import StartArgs
-from lightllm.server.offline_engine import OfflineEngine
 from unit_tests.devices import needs_cuda
-from unit_tests.server.router.model_infer.embedded_modes import MODES as EMBEDDED_MODES
+from unit_tests.server.router.model_infer.embedded_modes import MODES as EMBEDDED_MODES, run_embedded
 
 pytestmark = [needs_cuda, pytest.mark.slow]
 
@@ -32,13 +29,7 @@ def _prompts():
 
 def _run(mode: str, prompts, deterministic: bool = True, **extra):
     args = StartArgs(**MODES[mode], **dict(ENGINE, enable_deterministic_inference=deterministic, **extra))
-    eng = OfflineEngine(args, device="cuda", dtype="bfloat16")
-    params = [{"max_new_tokens": 24 + 9 * i, "ignore_eos": True} for i in range(len(prompts))]
-    res = eng.generate(prompts, params)
-    captured = eng.backend.decode_step.graphs is not None
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
+    res, captured = run_embedded(args, prompts)
     return [r.token_ids for r in res], [r.logprobs for r in res], captured
 
 
