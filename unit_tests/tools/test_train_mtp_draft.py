@@ -100,6 +100,22 @@ def test_last_layer_init_copies_the_last_layer_and_is_identity_on_the_hidden_hal
         assert torch.equal(m.eh_proj.weight[:, h:], scale * torch.eye(h))
 
 
+def test_init_from_a_draft_dir_starts_from_its_weights(one_thread, tmp_path):
+    from safetensors.torch import load_file
+
+    hf = build_hf_model("llama", seed=1)
+    src = MTPDraftTrainModule(hf.config, with_attention=True, num_modules=1)
+    tool.init_random(src, hf, None)
+    src.save_draft(str(tmp_path / "src"))
+    cfg = dataclasses.replace(TRAIN_CFG, init_from=str(tmp_path / "src"))
+    mod = tool.new_draft_module(hf, cfg, None, "cpu")
+    mod.save_draft(str(tmp_path / "again"))
+    saved, again = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("src", "again"))
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
+    with pytest.raises(ValueError, match="does not fit"):
+        tool.new_draft_module(hf, dataclasses.replace(cfg, mtp_mode="eagle_no_att"), None, "cpu")
+
+
 def test_random_init_is_small_normal_with_unit_norms(one_thread):
     hf = build_hf_model("llama", seed=1)
     batch = collate([TrainSequence(list(range(1, 12)), 4)], "cpu")
