@@ -71,7 +71,7 @@ from lightllm.server.core.objs.start_args_type import MTP_MODES
 from lightllm.tools import magpie_prompts as magpie
 from lightllm.tools.client import generate_offline, model_dir_or_embedded
 from lightllm.tools.magpie_prompts import KIND_MATH, SOURCE_GSM8K, PromptRecord, abort_all_after, as_records
-from lightllm.tools.prompts import GSM8K_DIR_ENV, REPO, chat_prompt_ids, gsm8k_path, load_gsm8k
+from lightllm.tools.prompts import GSM8K_BESIDE_CHECKOUT, GSM8K_DIR_ENV, REPO, chat_prompt_ids, gsm8k_path, load_gsm8k
 from lightllm.utils.embedded_model import CACHE_DIR_ENV, get_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,8 @@ PROMPT_SET_FILENAME = "prompt_set.jsonl"  # in --out unless --prompt_set_out
 DEFAULT_GSM8K_FRACTION = 0.3  # --prompt_source mix: the share of GSM8K questions
 MAGPIE_TIME_SHARE = 0.4  # of --max_gen_seconds at most for sampling user turns; the answers get the rest
 NON_MATH = "non_math"  # the held-out metrics over every kind but math together
+# The data folder beside the checkout (``../shared/data``), recorded relative to the repository.
+DATA_BESIDE_CHECKOUT = os.path.dirname(os.path.abspath(GSM8K_BESIDE_CHECKOUT))
 OUTSIDE_REPO = "<outside the repo>"  # training_info.json's stand-in for a machine's folder
 PATH_FLAGS = ("data", "out", "model_dir", "prompt_set", "prompt_set_out", "heldout", "init_from")  # recorded portably
 
@@ -572,13 +574,13 @@ class HeldoutOverlapError(ValueError):
 
 def portable_path(path: Optional[str]) -> Optional[str]:
     """``path`` as training_info.json records it, never absolute: under $LIGHTLLM_GSM8K_DIR or the
-    model cache as ``$VAR/rest``, in or beside the checkout relative to the repository, else
-    OUTSIDE_REPO/its name."""
+    model cache as ``$VAR/rest``, in the checkout or the data folder beside it relative to the
+    repository, else OUTSIDE_REPO/its name."""
     if not path:
         return path
     full = os.path.abspath(path)
     roots = ((GSM8K_DIR_ENV, os.environ.get(GSM8K_DIR_ENV)), (CACHE_DIR_ENV, get_cache_dir()),
-             (None, os.path.dirname(REPO)))
+             (None, REPO), (None, DATA_BESIDE_CHECKOUT))
     for var, root in roots:
         root = root and os.path.abspath(root)
         if root and os.path.commonpath([full, root]) == root:
