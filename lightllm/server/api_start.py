@@ -40,6 +40,9 @@ def validate_start_args(args: StartArgs) -> StartArgs:
     _validate_mtp(args)
     _validate_asd(args)
     _validate_parallel(args)
+    if args.enable_deterministic_inference:
+        _need(resolve_device_and_dtype(args)[0] == "cuda", "--enable_deterministic_inference",
+              "needs a CUDA device (its kernels are Triton); CPU decoding is fp32 torch")
     if args.model_dir is not None:
         _need(os.path.isfile(os.path.join(args.model_dir, "config.json")), "--model_dir",
               f"{args.model_dir!r} is not a Hugging Face model dir (no config.json)")
@@ -211,9 +214,6 @@ def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[
         if found < len(ranks):
             raise RuntimeError(f"--tp {args.tp} over --nnodes {args.nnodes} needs {len(ranks)} GPUs on this node, "
                                f"found {found}")
-    elif args.enable_deterministic_inference:
-        raise RuntimeError("--enable_deterministic_inference needs a CUDA device (its kernels are Triton); "
-                           "CPU decoding is fp32 torch")
     ctx = mp.get_context("spawn")
     is_driver_node = ranks[0] == 0
     in_q, out_q = (ctx.Queue(), ctx.Queue()) if is_driver_node else (None, None)

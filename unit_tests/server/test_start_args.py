@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lightllm.server.api_start import StartArgsError, validate_start_args
 from lightllm.server.core.objs.start_args_type import StartArgs
@@ -41,7 +42,9 @@ def test_good_flags_resolve_defaults(tmp_path):
         (["--port", "abc"], "argument --port: invalid int value"),
         (["--mtp_asd_regret_budget", "1.0"], "error: --mtp_asd_regret_budget: needs an enabled --mtp_mode"),
         (["--data_type", "int3"], "argument --data_type: invalid choice"),
-    ],
+    ] + ([] if torch.cuda.is_available() else [
+        (["--enable_deterministic_inference"], "error: --enable_deterministic_inference: needs a CUDA device"),
+    ]),
 )
 def test_cli_bad_flag_exits_without_traceback(tmp_path, argv, needle):
     cmd = [sys.executable, "-m", "lightllm.server.api_server", "--model_dir", fake_model_dir(tmp_path), *argv]

@@ -3,7 +3,6 @@ token's logits are bitwise the same whether it is prefilled in one chunk, in two
 one token at a time, or decoded as an MTP row behind other rows, and they match the default
 kernels' logits up to summation order. (The bf16 end-to-end check is a GPU test:
 unit_tests/server/router/model_infer/test_deterministic_inference.py.)"""
-import dataclasses
 
 import pytest
 import torch
@@ -82,7 +81,3 @@ def test_needs_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         ab.get_layer_ops("auto", torch.device("cpu"), deterministic=True)
     assert ab.get_layer_ops("auto", torch.device("cpu")).linear is torch.nn.functional.linear
-
-
-def test_start_args_flag_reaches_the_model():
-    assert "deterministic_inference" in {f.name for f in dataclasses.fields(ModelKvArgs)}
