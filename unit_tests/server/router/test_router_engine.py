@@ -84,3 +84,19 @@ def test_kv_pool_exhaustion_requests_wait(tiny):
     assert max(max_running) < 6
     for i, p in enumerate(prompts):
         assert res[i].token_ids == hf_greedy(hf, p, 20)
+
+
+def test_step_clock_counts_decode_steps_apart(tiny):
+    """The engine's clock (StepTiming): prefill chunks and decode steps both count as batch steps;
+    the decode clock counts only the decode steps (one per new token after the first, here)."""
+    prompt = random_prompts(tiny.hf.config.vocab_size, 1, range(40, 41), seed=7)[0]
+    chunk, new_tokens = 16, 6
+    eng = make_engine(tiny.model_dir, max_req_total_len=96, batch_max_tokens=chunk, max_total_token_num=400)
+    eng.router.take_timing()
+    eng.generate([prompt], [{"max_new_tokens": new_tokens, "ignore_eos": True}])
+    t = eng.router.take_timing()
+    prefill_steps = -(-len(prompt) // chunk)
+    assert t.decode_steps == new_tokens - 1
+    assert t.steps == prefill_steps + t.decode_steps
+    assert t.decode_batch_reqs == t.decode_steps and t.batch_reqs == t.steps  # one request throughout
+    assert 0 < t.decode_seconds < t.seconds
