@@ -232,7 +232,7 @@ class RouterManager:
         for req in done:
             self._finish(req)
             self.running.remove(req)
-        self.timing.add(time.perf_counter() - t0, batch_reqs, decode=not getattr(self.backend, "last_step_prefilled", False))
+        self.timing.add(time.perf_counter() - t0, batch_reqs, decode=not self.backend.last_step_prefilled)
         return updates + step_updates
 
     @property

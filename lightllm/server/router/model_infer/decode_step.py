@@ -183,7 +183,8 @@ class DecodeStep:
         self.b_req_mtp_start_loc = torch.arange(0, self.max_rows, k1, dtype=torch.int32, device=dev)
         self._mtp_offsets_host = torch.arange(k1, dtype=torch.int64)
         self.first_tokens = torch.full((self.max_rows,), PAD_TOKEN_ID, dtype=torch.int64, device=dev)
-        self._relaxed_mask = torch.zeros((self.max_rows,), dtype=torch.int32, device=dev)  # ASD verify's out
+        # ASD verify's relaxed-row output (strict verification has none)
+        self._relaxed_mask = torch.zeros((self.max_rows,), dtype=torch.int32, device=dev) if asd is not None else None
         max_packed = HostStepResult.packed_size(self.max_rows, max_reqs, asd is not None)
         self._packed_host = torch.zeros((max_packed,), dtype=torch.float64, pin_memory=on_gpu)
         self._copy_done = torch.cuda.Event() if on_gpu else None
