@@ -60,6 +60,7 @@ def validate_start_args(args: StartArgs) -> StartArgs:
         batch_max_tokens=args.batch_max_tokens or args.max_req_total_len,
         mtp_draft_model_dir=_resolve_draft_dirs(args, model_dir),
     )
+    _validate_dspark(resolved)
     _validate_heads(resolved)
     k = resolved.mtp_step
     if resolved.max_total_token_num is not None:
@@ -83,9 +84,25 @@ def _validate_mtp(args: StartArgs) -> None:
         n = len(args.mtp_draft_model_dir)
         _need(n in (1, args.mtp_step), "--mtp_draft_model_dir",
               f"vanilla mode chains --mtp_step ({args.mtp_step}) modules: give 1 or {args.mtp_step} dirs, got {n}")
-    if args.mtp_draft_model_dir and args.mtp_mode.startswith("eagle"):
+    if args.mtp_draft_model_dir and args.mtp_mode.startswith(("eagle", "dspark")):
         _need(len(args.mtp_draft_model_dir) == 1, "--mtp_draft_model_dir",
-              f"eagle mode reuses one module: give exactly 1 dir, got {len(args.mtp_draft_model_dir)}")
+              f"{args.mtp_mode} mode uses one draft: give exactly 1 dir, got {len(args.mtp_draft_model_dir)}")
+
+
+def _validate_dspark(args: StartArgs) -> None:
+    """A dspark draft dir, K within its block, one rank."""
+    if args.mtp_mode != "dspark":
+        return
+    from lightllm.models.dspark.config import DSparkConfig
+
+    d = args.mtp_draft_model_dir[0]
+    try:
+        cfg = DSparkConfig.load(d)
+    except (ValueError, TypeError, KeyError) as e:
+        raise StartArgsError(f"--mtp_draft_model_dir: {d!r} is not a dspark draft: {e}") from None
+    _need(args.mtp_step <= cfg.max_mtp_step, "--mtp_step",
+          f"must be <= block_size - 1 = {cfg.max_mtp_step} for the dspark draft {d!r}, got {args.mtp_step}")
+    _need(args.tp == 1 and args.dp == 1, "--tp", f"--mtp_mode dspark runs on one rank (--tp 1 --dp 1), got --tp {args.tp}")
 
 
 def _resolve_draft_dirs(args: StartArgs, model_dir: str):

@@ -24,6 +24,8 @@ class GenResult:
     logprobs: List[float] = field(default_factory=list)
     finish_reason: Optional[str] = None
     accept_lens: List[int] = field(default_factory=list)  # committed tokens per decode step
+    # per decode step, the confidences of the K drafts it verified (drafts that report them)
+    draft_confidences: List[List[float]] = field(default_factory=list)
     mtp_accepted_token_num: int = 0
     asd_relaxed_token_num: int = 0
     asd_regret_spent: float = 0.0
@@ -106,6 +108,8 @@ class OfflineEngine:
                 r.logprobs.extend(u.logprobs)
                 if u.accept_len:
                     r.accept_lens.append(u.accept_len)
+                if u.draft_confidence is not None:
+                    r.draft_confidences.append(u.draft_confidence)
                 u.copy_totals_to(r)
                 if u.finish_reason is not None:
                     bar.update(1)

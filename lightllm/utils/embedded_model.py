@@ -93,10 +93,8 @@ def default_model_dir_path() -> str:
 
 # Drafts trained for the embedded model (lightllm/tools/train_mtp_draft.py), shipped as package data:
 # --mtp_mode -> draft dir. A dir that is not there yet (not trained / not packaged) counts as absent.
-EMBEDDED_DRAFT_DIRS = {
-    "eagle_with_att": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                   "drafts", EMBEDDED_MODEL_NAME, "eagle_with_att"),
-}
+_DRAFTS_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafts", EMBEDDED_MODEL_NAME)
+EMBEDDED_DRAFT_DIRS = {mode: os.path.join(_DRAFTS_ROOT, mode) for mode in ("eagle_with_att", "dspark")}
 
 
 def default_draft_dir_for(model_dir: str, mtp_mode: str) -> str | None:

@@ -6,7 +6,7 @@ embedding (``_init_position_embedding`` / ``_fill_position_embeddings``).
 import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +113,8 @@ class TpPartBaseModel:
         self.tp_shard.check(kvargs.model_dir)
         self._init_weights()
         self._microbatch_streams: Optional[List[Any]] = None
+        # Decoder layers whose outputs a draft reads (set once at start-up, before graph capture).
+        self.aux_layer_ids: Tuple[int, ...] = ()
         self.mem_manager = MemoryManager(
             size=kvargs.max_total_token_num,
             dtype=self.dtype,
@@ -183,10 +185,20 @@ class TpPartBaseModel:
     def forward(self, model_input: ModelInput) -> ModelOutput:
         infer_state = self._infer_state(model_input, self.parallel.comm(0))
         hidden = self.embed(infer_state.input_ids, infer_state.comm)  # [num_new_tokens, hidden]
-        for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
+        aux = []
+        for i, (layer_infer, layer_weight) in enumerate(zip(self.layers_infer, self.trans_layers_weight)):
             hidden = layer_infer.forward(hidden, layer_weight, infer_state)
+            if i in self.aux_layer_ids:
+                aux.append(hidden)
         logits = self.compute_logits(hidden[infer_state.last_token_index], infer_state.comm)  # [batch, vocab]
-        return ModelOutput(logits=logits, hidden_states=hidden)
+        return ModelOutput(logits=logits, hidden_states=hidden, aux_hidden_states=self._cat_aux(aux))
+
+    def _cat_aux(self, aux: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The asked layers' outputs side by side, in ``aux_layer_ids`` order (None if none asked)."""
+        if not self.aux_layer_ids:
+            return None
+        by_layer = dict(zip(sorted(self.aux_layer_ids), aux))
+        return torch.cat([by_layer[i] for i in self.aux_layer_ids], dim=-1)
 
     @torch.no_grad()
     def forward_microbatches(self, inputs: Sequence[ModelInput]) -> List[ModelOutput]:
@@ -201,15 +213,18 @@ class TpPartBaseModel:
             with _on_stream(streams[i]):
                 states.append(self._infer_state(model_input, self.parallel.comm(i)))
                 hidden.append(self.embed(states[i].input_ids, states[i].comm))
-        for layer_infer, layer_weight in zip(self.layers_infer, self.trans_layers_weight):
+        aux = [[] for _ in inputs]
+        for layer, (layer_infer, layer_weight) in enumerate(zip(self.layers_infer, self.trans_layers_weight)):
             for i, infer_state in enumerate(states):
                 with _on_stream(streams[i]):
                     hidden[i] = layer_infer.forward(hidden[i], layer_weight, infer_state)
+                    if layer in self.aux_layer_ids:
+                        aux[i].append(hidden[i])
         outs = []
         for i, infer_state in enumerate(states):
             with _on_stream(streams[i]):
                 logits = self.compute_logits(hidden[i][infer_state.last_token_index], infer_state.comm)
-            outs.append(ModelOutput(logits=logits, hidden_states=hidden[i]))
+                outs.append(ModelOutput(logits=logits, hidden_states=hidden[i], aux_hidden_states=self._cat_aux(aux[i])))
         if streams[0] is not None:
             main = torch.cuda.current_stream(self.device)
             for s in streams:
@@ -217,6 +232,8 @@ class TpPartBaseModel:
             for out in outs:  # made on a side stream, used on the main one: keep their memory until then
                 out.logits.record_stream(main)
                 out.hidden_states.record_stream(main)
+                if out.aux_hidden_states is not None:
+                    out.aux_hidden_states.record_stream(main)
         return outs
 
     def _streams_for(self, n: int) -> List[Any]:

@@ -35,3 +35,5 @@ class ModelInput:
 class ModelOutput:
     logits: torch.Tensor  # [batch, vocab] fp32: last new token of each item
     hidden_states: torch.Tensor  # [num_new_tokens, hidden] last layer output, before final norm
+    # [num_new_tokens, len(aux_layer_ids) * hidden]: outputs of the layers a draft asked for
+    aux_hidden_states: Optional[torch.Tensor] = None

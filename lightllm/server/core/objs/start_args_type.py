@@ -2,7 +2,8 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-MTP_MODES = ("vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att")
+# "dspark": one block draft pass (docs/dspark.md); the others: DeepSeek-V3-style MTP depths
+MTP_MODES = ("vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att", "dspark")
 
 
 @dataclass

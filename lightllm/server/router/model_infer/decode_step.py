@@ -84,28 +84,35 @@ class HostStepResult:
     accept_len: List[int]  # [num_reqs]
     relaxed: Optional[List[bool]] = None  # [real rows], ASD only
     spent: Optional[List[float]] = None  # [num_reqs] ASD ledger after the step, ASD only
+    confidence: Optional[List[List[float]]] = None  # [num_reqs][K] the verified drafts' confidences
 
     @staticmethod
-    def pack(ids, logprobs, accept_len, relaxed=None, spent=None) -> torch.Tensor:
+    def pack(ids, logprobs, accept_len, relaxed=None, spent=None, confidence=None) -> torch.Tensor:
         """One float64 tensor (exact for token ids, fp32 values and flags)."""
         parts = [ids, logprobs, accept_len] + ([relaxed, spent] if relaxed is not None else [])
+        parts += [confidence] if confidence is not None else []
         return torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
 
     @classmethod
-    def unpack(cls, packed: torch.Tensor, num_rows: int, num_reqs: int, asd: bool) -> "HostStepResult":
+    def unpack(cls, packed: torch.Tensor, num_rows: int, num_reqs: int, asd: bool,
+               conf_width: int = 0) -> "HostStepResult":
+        """``conf_width``: K when the draft reports confidences, else 0."""
         v = packed.tolist()
         ids = [int(x) for x in v[:num_rows]]
         lps = v[num_rows:2 * num_rows]
-        acc_end = 2 * num_rows + num_reqs
-        acc = [int(x) for x in v[2 * num_rows:acc_end]]
-        if not asd:
-            return cls(ids, lps, acc)
-        relaxed = [x != 0.0 for x in v[acc_end:acc_end + num_rows]]
-        return cls(ids, lps, acc, relaxed, v[acc_end + num_rows:acc_end + num_rows + num_reqs])
+        end = 2 * num_rows + num_reqs
+        out = cls(ids, lps, [int(x) for x in v[2 * num_rows:end]])
+        if asd:
+            out.relaxed = [x != 0.0 for x in v[end:end + num_rows]]
+            out.spent = v[end + num_rows:end + num_rows + num_reqs]
+            end += num_rows + num_reqs
+        if conf_width:
+            out.confidence = [v[end + r * conf_width:end + (r + 1) * conf_width] for r in range(num_reqs)]
+        return out
 
     @staticmethod
-    def packed_size(num_rows: int, num_reqs: int, asd: bool) -> int:
-        return 2 * num_rows + num_reqs + ((num_rows + num_reqs) if asd else 0)
+    def packed_size(num_rows: int, num_reqs: int, asd: bool, conf_width: int = 0) -> int:
+        return 2 * num_rows + num_reqs + ((num_rows + num_reqs) if asd else 0) + num_reqs * conf_width
 
 
 @dataclass
@@ -114,6 +121,7 @@ class ReqCommit:
 
     tokens: List[int]
     logprobs: List[float]
+    draft_confidence: Optional[List[float]] = None  # [K] confidences of the drafts verified this step
 
 
 def commit_step(
@@ -140,7 +148,8 @@ def commit_step(
         req.kv_len += kept
         req.slots.extend(slots[start:start + kept])
         free_slots.extend(slots[start + kept:start + k1])
-        commits.append(ReqCommit(host.ids[start:start + kept], host.logprobs[start:start + kept]))
+        conf = host.confidence[r] if host.confidence is not None else None
+        commits.append(ReqCommit(host.ids[start:start + kept], host.logprobs[start:start + kept], conf))
     return commits, free_slots
 
 
@@ -152,7 +161,7 @@ class DecodeStep:
         model,
         req_to_next_token_ids: torch.Tensor,  # [max_req + 1, W] int64
         params_manager,
-        draft,  # DraftProposer or None
+        draft,  # a proposer (mtp_speculative/draft.py) or None
         mtp_step: int,
         asd: Optional[AsdConfig],
         max_reqs: int,  # most requests one decode forward holds (padding included)
@@ -183,9 +192,17 @@ class DecodeStep:
         self.b_req_mtp_start_loc = torch.arange(0, self.max_rows, k1, dtype=torch.int32, device=dev)
         self._mtp_offsets_host = torch.arange(k1, dtype=torch.int64)
         self.first_tokens = torch.full((self.max_rows,), PAD_TOKEN_ID, dtype=torch.int64, device=dev)
+        # accept length per request for the draft (padding requests: 1)
+        self._accept_len = torch.ones((max_reqs,), dtype=torch.int32, device=dev)
+        # [max_req + 1, K] confidences of each request's pending drafts (drafts that report them)
+        self.conf_width = mtp_step if draft is not None and draft.has_confidence else 0
+        self.req_to_draft_conf = (
+            torch.zeros((self.req_manager.HOLD_REQUEST_ID + 1, mtp_step), dtype=torch.float32, device=dev)
+            if self.conf_width else None
+        )
         # ASD verify's relaxed-row output (strict verification has none)
         self._relaxed_mask = torch.zeros((self.max_rows,), dtype=torch.int32, device=dev) if asd is not None else None
-        max_packed = HostStepResult.packed_size(self.max_rows, max_reqs, asd is not None)
+        max_packed = HostStepResult.packed_size(self.max_rows, max_reqs, asd is not None, self.conf_width)
         self._packed_host = torch.zeros((max_packed,), dtype=torch.float64, pin_memory=on_gpu)
         self._copy_done = torch.cuda.Event() if on_gpu else None
         self.graphs: Optional[CudaGraphSet] = None
@@ -272,10 +289,18 @@ class DecodeStep:
         rows.model_input = self.model_input(rows)
         return self.model.forward(rows.model_input)
 
-    def _propose(self, rows: DecodeRows, out: ModelOutput) -> torch.Tensor:
+    def _propose(self, rows: DecodeRows, out: ModelOutput) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.graphs is not None and ("draft", rows.graph_size) in self.graphs:
             return self.graphs.replay(("draft", rows.graph_size))
-        return self.draft.propose(rows.model_input, out.hidden_states, self.first_tokens[:rows.num_rows])
+        return self._run_draft(rows.model_input, out, rows.num_rows)
+
+    def _run_draft(self, model_input: ModelInput, out: ModelOutput, num_rows: int):
+        return self.draft.propose(model_input, out, self.first_tokens[:num_rows], self._accept_len)
+
+    def set_draft_confidence(self, req_idx: torch.Tensor, conf: Optional[torch.Tensor]) -> None:
+        """Confidences [n, K] of the drafts just written for requests ``req_idx`` (prefill)."""
+        if conf is not None and self.req_to_draft_conf is not None:
+            self.req_to_draft_conf[req_idx.long()] = conf
 
     def _capture_graphs(self) -> None:
         """Target (and draft) graph per ladder size, captured over HOLD rows only."""
@@ -289,9 +314,7 @@ class DecodeStep:
                 ("target", size), lambda: (lambda m: (m, self.model.forward(m)))(self._model_input(num_rows, 1))
             )
             if self.draft is not None:
-                self.graphs.capture(
-                    ("draft", size), lambda: self.draft.propose(mi, out.hidden_states, self.first_tokens[:num_rows])
-                )
+                self.graphs.capture(("draft", size), lambda: self._run_draft(mi, out, num_rows))
 
         capture_ladder(self.graphs, self.ladder.sizes, capture_one)
 
@@ -325,11 +348,10 @@ class DecodeStep:
         # Log-probs after verification: a relaxed row reports the token it commits.
         logprobs = token_logprobs(s.processed_logits, next_ids)
         with_asd = self.mtp_step > 0 and asd is not None
-        if with_asd:
-            spent = self.params_manager.req_to_asd_cum_regret[b_req_idx[::k1].long()]
-            packed = HostStepResult.pack(next_ids, logprobs, accept_len, relaxed, spent)
-        else:
-            packed = HostStepResult.pack(next_ids, logprobs, accept_len)
+        req_rows = b_req_idx[::k1].long()  # [n]
+        spent = self.params_manager.req_to_asd_cum_regret[req_rows] if with_asd else None
+        conf = self.req_to_draft_conf[req_rows] if self.conf_width else None  # drafts verified now
+        packed = HostStepResult.pack(next_ids, logprobs, accept_len, relaxed if with_asd else None, spent, conf)
         host = self._packed_host[:packed.shape[0]]
         host.copy_(packed, non_blocking=True)
         if self._copy_done is not None:
@@ -338,14 +360,18 @@ class DecodeStep:
         if self.mtp_step > 0:
             self.first_tokens[:real].copy_(next_ids)
             self.first_tokens[real:rows.num_rows].fill_(PAD_TOKEN_ID)
-            all_next = self._propose(rows, out)
+            self._accept_len[:n].copy_(accept_len)
+            self._accept_len[n:].fill_(1)
+            all_next, new_conf = self._propose(rows, out)
+            if self.conf_width:
+                self.req_to_draft_conf[req_rows] = new_conf[:n]
             scatter = mtp_scatter_next_token_ids if next_ids.is_cuda else mtp_scatter_next_token_ids_torch
             scatter(self.req_to_next_token_ids, rows.b_req_mtp_start_loc, all_next[:real], b_req_idx, accept_len)
         else:
             self.req_to_next_token_ids[b_req_idx.long(), 0] = next_ids
         if self._copy_done is not None:
             self._copy_done.synchronize()
-        return HostStepResult.unpack(host, real, n, with_asd)
+        return HostStepResult.unpack(host, real, n, with_asd, self.conf_width)
 
     def _verify_record(self, rows, target_ids, next_ids, logits, accept_len) -> VerifyStepRecord:
         k, real = rows.mtp_step, rows.num_real_rows

@@ -6,7 +6,7 @@ the modes only differ in how rows are laid out and run.
 import logging
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,7 @@ class ReqStepUpdate:
     asd_relaxed_token_num: int
     asd_regret_spent: float
     accept_len: int = 0  # 0 for prefill steps
+    draft_confidence: Optional[List[float]] = None  # [K] confidences of the drafts verified this step
     error: Optional[str] = None  # set with finish_reason "error": why the worker failed the request
 
     def copy_totals_to(self, target) -> None:
@@ -59,7 +60,8 @@ CPU_DEFAULT_KV_TOKENS = 16384  # CPU default KV pool when --max_total_token_num 
 GPU_KV_MEMORY_FRACTION = 0.5  # share of free GPU memory the default KV pool may take
 
 
-def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_step: int, attn_tp_size: int = 1) -> int:
+def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_step: int, attn_tp_size: int = 1,
+                                draft_kv_layers: Optional[int] = None) -> int:
     """--max_total_token_num, or a default: enough for every request at full length,
     bounded by free memory (CUDA) or a fixed size (CPU), never below one full request."""
     if args.max_total_token_num is not None:
@@ -73,8 +75,9 @@ def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_st
 
         arch = TransformerArch.from_hf_config(AutoConfig.from_pretrained(args.resolved_model_dir))
         elem = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
-        # target layers plus one draft KV buffer per MTP depth
-        per_token = (arch.num_layers + mtp_step) * 2 * (arch.kv_heads // attn_tp_size) * arch.head_dim * elem
+        # target layers plus the draft's KV buffers (one per MTP depth unless the draft says)
+        draft_layers = mtp_step if draft_kv_layers is None else draft_kv_layers
+        per_token = (arch.num_layers + draft_layers) * 2 * (arch.kv_heads // attn_tp_size) * arch.head_dim * elem
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         limit = int(GPU_KV_MEMORY_FRACTION * free / per_token)
     else:
@@ -89,14 +92,16 @@ class ModeBackend:
         # This rank's place among tensor / data parallel ranks (docs/parallel.md).
         self.parallel = parallel if parallel is not None else single_rank_context(device)
         self.mtp_step = args.mtp_step if args.mtp_mode else 0
+        draft_kv_layers, extra_positions = draft_cache_needs(args)
         kvargs = ModelKvArgs(
             model_dir=args.resolved_model_dir,
             # every rank schedules with the same pool size (each sized its own from free memory)
             max_total_token_num=self.parallel.min_over_ranks(
-                resolve_max_total_token_num(args, device, dtype, self.mtp_step, self.parallel.attn_tp_size)
+                resolve_max_total_token_num(args, device, dtype, self.mtp_step, self.parallel.attn_tp_size,
+                                            draft_kv_layers)
             ),
             max_req_num=args.running_max_req_size,
-            max_seq_length=args.max_req_total_len + self.mtp_step + 1,
+            max_seq_length=args.max_req_total_len + self.mtp_step + 1 + extra_positions,
             data_type=dtype,
             device=device,
             load_format=args.load_format,
@@ -114,13 +119,13 @@ class ModeBackend:
             (args.running_max_req_size + 1, MTP_TABLE_WIDTH), NO_DRAFT_TOKEN_ID, dtype=torch.int64, device=device
         )
         self.draft = None  # MTP draft proposer
+        # DP micro-batches may pad one request more than the running maximum (the ladder never does)
+        max_step_reqs = args.running_max_req_size + 1
         if self.mtp_step:
-            from lightllm.models.llama_mtp.model import LlamaMTPDraftModel
-            from lightllm.server.router.model_infer.mtp_speculative.draft import DraftProposer
+            from lightllm.server.router.model_infer.mtp_speculative.draft import make_draft_proposer
 
-            self.draft = DraftProposer(
-                LlamaMTPDraftModel(args.mtp_draft_model_dir, args.mtp_mode, self.mtp_step, self.model)
-            )
+            self.draft = make_draft_proposer(args.mtp_mode, args.mtp_draft_model_dir, self.mtp_step, self.model,
+                                             max_step_reqs)
         # padding rows gather their input token from the HOLD row
         self.req_to_next_token_ids[self.req_manager.HOLD_REQUEST_ID] = PAD_TOKEN_ID
         self.asd_config = None
@@ -136,8 +141,7 @@ class ModeBackend:
         ladder, use_graphs = decode_graph_plan(args, torch.device(device), self.parallel)
         self.decode_step = DecodeStep(
             self.model, self.req_to_next_token_ids, self.params_manager, self.draft, self.mtp_step,
-            # DP micro-batches may pad one request more than the running maximum (the ladder never does)
-            self.asd_config, max_reqs=args.running_max_req_size + 1, ladder=ladder, use_graphs=use_graphs,
+            self.asd_config, max_reqs=max_step_reqs, ladder=ladder, use_graphs=use_graphs,
         )
 
     @property
@@ -232,8 +236,9 @@ class ModeBackend:
         if self.draft is not None:
             proposed = self.draft.propose_after_prefill(reqs, model_input, out, b_ready, first_tokens)
             if proposed is not None:
-                req_idx, drafts = proposed
+                req_idx, drafts, conf = proposed
                 self.req_to_next_token_ids[req_idx, 1:self.mtp_step + 1] = drafts
+                self.decode_step.set_draft_confidence(req_idx, conf)
         return updates
 
     def _first_tokens(self, reqs: List[InferReq], out: ModelOutput, item_ids: List[int]):
@@ -257,7 +262,7 @@ class ModeBackend:
             return None
         return (req.params.seed + len(req.output_ids) + mtp_index) % SEED_MODULUS
 
-    def _update(self, req: InferReq, toks, lps, accept_len: int) -> ReqStepUpdate:
+    def _update(self, req: InferReq, toks, lps, accept_len: int, draft_confidence=None) -> ReqStepUpdate:
         return ReqStepUpdate(
             req_id=req.req_id,
             token_ids=toks,
@@ -268,6 +273,7 @@ class ModeBackend:
             asd_relaxed_token_num=req.asd_relaxed_token_num,
             asd_regret_spent=req.asd_regret_spent,
             accept_len=accept_len,
+            draft_confidence=draft_confidence,
             error=req.error,
         )
 
@@ -308,7 +314,19 @@ class ModeBackend:
         if free_slots:
             self.mem_manager.free(free_slots)
         self._update_penalties(rows.reqs, [c.tokens for c in commits])
-        return [self._update(req, c.tokens, c.logprobs, accept_len=len(c.tokens)) for req, c in zip(rows.reqs, commits)]
+        return [self._update(req, c.tokens, c.logprobs, len(c.tokens), c.draft_confidence)
+                for req, c in zip(rows.reqs, commits)]
+
+
+def draft_cache_needs(args: StartArgs) -> Tuple[Optional[int], int]:
+    """(KV buffers of the draft or None for one per depth, extra request-table positions):
+    a dspark draft has one buffer per draft layer and writes its block past the anchor."""
+    if args.mtp_mode != "dspark":
+        return None, 0
+    from lightllm.models.dspark.config import DSparkConfig
+
+    cfg = DSparkConfig.load(args.mtp_draft_model_dir[0])
+    return cfg.num_hidden_layers, cfg.block_size
 
 
 def decode_graph_plan(args: StartArgs, device: torch.device, parallel: ParallelContext):

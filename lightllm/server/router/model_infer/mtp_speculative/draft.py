@@ -1,6 +1,14 @@
 """Draft proposals: the K draft depths after prefill and after each verify step.
 
-The proposer returns proposals; the decode step (``DecodeStep``) owns the tables they go to."""
+A proposer returns proposals; the decode step (``DecodeStep``) owns the tables they go to.
+Every proposer has the same two calls (``make_draft_proposer`` picks one per --mtp_mode):
+
+    propose(model_input, out, first_tokens, accept_len) -> (all_next [rows, K+1], conf)
+    propose_after_prefill(reqs, model_input, out, chunk_starts, first_tokens)
+        -> None or (req_idx [done], drafts [done, K], conf)
+
+``conf`` is None or the proposals' confidences, one row per request: [requests, K] fp32.
+"""
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -12,6 +20,8 @@ UNKNOWN_TOKEN = -1  # prefill: the next token of this position is not known yet
 
 
 class DraftProposer:
+    has_confidence = False  # proposals come without confidences
+
     def __init__(self, draft_model: LlamaMTPDraftModel):
         self.model = draft_model
         self.mtp_step = draft_model.mtp_step
@@ -20,13 +30,17 @@ class DraftProposer:
         return torch.argmax(self.model.target.compute_logits(hidden), dim=-1)
 
     @torch.no_grad()
-    def propose(self, model_input: ModelInput, hidden: torch.Tensor, first_tokens: torch.Tensor) -> torch.Tensor:
+    def propose(
+        self, model_input: ModelInput, out: ModelOutput, first_tokens: torch.Tensor, accept_len: torch.Tensor
+    ) -> Tuple[torch.Tensor, None]:
         """The K draft depths over every decode row (no host sync, CUDA-graph safe).
 
-        hidden: [rows, hidden] the target's last layer; first_tokens: [rows] int64, each row's
-        verified token (padding rows: any valid id). Returns [rows, K+1]: the verified token,
-        then the K greedy proposals after it; the caller keeps each request's last committed row."""
+        out.hidden_states: [rows, hidden] the target's last layer; first_tokens: [rows] int64, each
+        row's verified token (padding rows: any valid id); accept_len: unused (every row drafts).
+        Returns [rows, K+1]: the verified token, then the K greedy proposals after it; the caller
+        keeps each request's last committed row."""
         k = self.mtp_step
+        hidden = out.hidden_states
         all_next = torch.empty((hidden.shape[0], k + 1), dtype=torch.int64, device=hidden.device)
         all_next[:, 0] = first_tokens
         tok = first_tokens
@@ -34,7 +48,7 @@ class DraftProposer:
             hidden = self.model.forward_depth(depth, model_input, hidden, tok)
             tok = self._greedy(hidden)
             all_next[:, depth + 1] = tok
-        return all_next
+        return all_next, None
 
     @torch.no_grad()
     def propose_after_prefill(
@@ -80,4 +94,15 @@ class DraftProposer:
             return None
         last_rows = torch.tensor([item_rows[i][0] + item_rows[i][1] - 1 for i in done], device=dev)
         req_idx = torch.tensor([reqs[i].req_idx for i in done], device=dev)
-        return req_idx, torch.stack([p[last_rows] for p in proposals], dim=1)  # [done, K]
+        return req_idx, torch.stack([p[last_rows] for p in proposals], dim=1), None  # [done, K]
+
+
+def make_draft_proposer(mtp_mode: str, draft_dirs: List[str], mtp_step: int, target, max_reqs: int):
+    """The one registry of draft modes: dspark drafts a block, the MTP modes draft depth by depth.
+    ``max_reqs``: most requests one decode step holds, padding included."""
+    if mtp_mode == "dspark":
+        from lightllm.models.dspark.model import DSparkDraftModel
+        from lightllm.server.router.model_infer.mtp_speculative.dspark import DSparkProposer
+
+        return DSparkProposer(DSparkDraftModel(draft_dirs[0], mtp_step, target, max_reqs))
+    return DraftProposer(LlamaMTPDraftModel(draft_dirs, mtp_mode, mtp_step, target))

@@ -1,0 +1,56 @@
+"""config.json of a DSpark block draft (Hugging Face-style, our own ``model_type``).
+
+The math both the engine (``model.py``) and the training module (``train_module.py``)
+implement is written out in docs/dspark.md ("Checkpoint and math")."""
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import List
+
+DSPARK_MODEL_TYPE = "dspark"
+DSPARK_SAFETENSORS = "model.safetensors"
+
+
+@dataclass
+class DSparkConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int
+    num_hidden_layers: int  # draft decoder layers
+    block_size: int  # anchor + (block_size - 1) mask positions; --mtp_step <= block_size - 1
+    mask_token_id: int  # input token of the mask positions
+    markov_rank: int  # rank of the Markov head (0: no Markov head)
+    target_layer_ids: List[int] = field(default_factory=list)  # target layers whose outputs form the context
+    qk_norm: bool = False  # Qwen3 targets
+    model_type: str = DSPARK_MODEL_TYPE
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if self.num_hidden_layers < 1 or self.markov_rank < 0:
+            raise ValueError("num_hidden_layers must be >= 1 and markov_rank >= 0")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary ({self.vocab_size})")
+
+    @property
+    def max_mtp_step(self) -> int:
+        return self.block_size - 1
+
+    @classmethod
+    def load(cls, draft_dir: str) -> "DSparkConfig":
+        with open(os.path.join(draft_dir, "config.json")) as f:
+            raw = json.load(f)
+        if raw.get("model_type") != DSPARK_MODEL_TYPE:
+            raise ValueError(f"{draft_dir}: model_type must be {DSPARK_MODEL_TYPE!r}, got {raw.get('model_type')!r}")
+        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+
+    def save(self, draft_dir: str) -> None:
+        os.makedirs(draft_dir, exist_ok=True)
+        with open(os.path.join(draft_dir, "config.json"), "w") as f:
+            json.dump(asdict(self), f, indent=2)
