@@ -13,6 +13,14 @@ step of B over those of B = 0 is the speed-up ASD would give if its steps cost w
 do: nearly free of timing noise (outputs are deterministic; only admission follows the
 client's timing), while ms / batch step shows whether the steps do cost the same.
 
+The arms admit differently, so their decode batches differ and a longer decode step may only
+be a larger batch. /metrics also files decode steps by batch size (the CUDA graph ladder size
+they pad to; the exact count on CPU), so the equal-batch step ratio (``step_ratio_equal_batch``)
+compares like with like: in each round, for every batch size both B and B = 0 decoded at, the
+ratio of their mean decode step times, averaged with B = 0's step counts at each size as
+weights; then the median over rounds. ``equal_batch_coverage`` is the share of B = 0's decode
+steps at the sizes the average covers.
+
 g and m are server flags (one value per run: `--local_ratio`, `--max_mismatch`), as in
 the usage setting (g = 0.25, m = 2). Compared with a server without ASD, B = 0 pays the
 ASD verify kernel (about 2 us per step, docs/results.md section 6).
@@ -27,8 +35,9 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
@@ -48,11 +57,38 @@ from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
     warm_up,
     wave_server_flags,
 )
+from lightllm.server.metrics import DECODE_BATCH_LABEL, ServerMetrics  # noqa: E402
 from lightllm.tools.prompts import chat_prompt_texts, load_gsm8k, solve_turns  # noqa: E402
-from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
-from lightllm.utils.server_launcher import scrape  # noqa: E402
+from lightllm.tools.report import MISSING, Column, render_table, write_json  # noqa: E402
+from lightllm.utils.server_launcher import MetricsPage, scrape  # noqa: E402
 
 BASELINE_BUDGET = 0.0
+EQUAL_BATCH_DEFINITION = (
+    "step_ratio_equal_batch: per round, for each decode batch size (CUDA graph ladder size; exact count on CPU) "
+    "that both B and B = 0 decoded at, mean ms per decode step of B over that of B = 0, averaged with weights = "
+    "B = 0's decode steps at that size; median over rounds. equal_batch_coverage: B = 0's decode steps at those "
+    "sizes over all its decode steps, pooled over rounds.")
+
+
+def _counter_sample(metric) -> str:
+    """The page's sample name of a ServerMetrics counter."""
+    return metric.describe()[0].name + "_total"
+
+
+_METRICS = ServerMetrics()  # for the metric names only: never served
+# (seconds, steps, decoded requests) of the decode steps of one batch size, label DECODE_BATCH_LABEL
+DECODE_CLOCK_BY_BATCH = tuple(_counter_sample(m) for m in (
+    _METRICS.decode_step_seconds_by_batch, _METRICS.decode_steps_by_batch, _METRICS.decode_step_requests_by_batch))
+
+
+def decode_clock_by_batch(page: MetricsPage) -> List[List[float]]:
+    """[batch, seconds, steps, decoded requests] per batch size with steps on ``page`` (a /metrics
+    delta), by batch size."""
+    seconds_name, steps_name, reqs_name = DECODE_CLOCK_BY_BATCH
+    label = DECODE_BATCH_LABEL
+    batches = sorted(int(dict(labels)[label]) for (name, labels), v in page.samples.items() if name == steps_name and v > 0)
+    return [[b, page.value(seconds_name, **{label: str(b)}), int(page.value(steps_name, **{label: str(b)})),
+             int(page.value(reqs_name, **{label: str(b)}))] for b in batches]
 
 
 @dataclass
@@ -71,6 +107,8 @@ class Wave:
     decode_s: float = 0.0
     decode_steps: int = 0
     decode_reqs: int = 0
+    # the decode clock by batch size: [batch, seconds, steps, decoded requests] (decode_clock_by_batch)
+    decode_by_batch: List[List[float]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,6 +138,9 @@ class BudgetRow:
     ms_per_decode_step: float  # decode steps only
     mean_decode_batch: float
     decode_step_vs_b0: float  # median over rounds of ms / decode step, B over B = 0 in the same round
+    step_ratio_equal_batch: float  # median over rounds of equal_batch_step_ratio (EQUAL_BATCH_DEFINITION)
+    step_ratio_equal_batch_rounds: List[float]
+    equal_batch_coverage: float  # B = 0's decode steps at the batch sizes compared / all, pooled over rounds
 
 
 def round_orders(budgets: Sequence[float], rounds: int) -> List[List[float]]:
@@ -125,6 +166,10 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
         decode_steps = max(1, sum(w.decode_steps for w in ws))
         step_ratios = [_decode_ms(w) / _decode_ms(base[w.round]) for w in ws
                        if w.round in base and w.decode_steps and base[w.round].decode_steps]
+        paired = [(w, base[w.round]) for w in ws if w.round in base]
+        equal = [equal_batch_step_ratio(w, b0) for w, b0 in paired]
+        equal_ratios = [r for r, _ in equal if r is not None]
+        b0_steps = sum(_steps(b0) for _, b0 in paired)
         rows.append(BudgetRow(b, len(ws), per_step, statistics.median(rates), min(rates), max(rates),
                               statistics.median(ratios), ratios, per_step / base_per_step - 1.0,
                               statistics.median(engine_ratios), engine_ratios,
@@ -132,8 +177,54 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
                               tokens_per_batch_step(ws) / base_per_batch_step,
                               1000 * sum(w.decode_s for w in ws) / decode_steps,
                               sum(w.decode_reqs for w in ws) / decode_steps,
-                              statistics.median(step_ratios) if step_ratios else float("nan")))
+                              statistics.median(step_ratios) if step_ratios else float("nan"),
+                              statistics.median(equal_ratios) if equal_ratios else float("nan"), equal_ratios,
+                              sum(n for _, n in equal) / b0_steps if b0_steps else float("nan")))
     return rows
+
+
+def _ms_by_batch(w: Wave) -> Dict[int, Tuple[float, int]]:
+    """Mean ms per decode step and the step count, by batch size."""
+    return {int(b): (1000 * s / n, int(n)) for b, s, n, _ in w.decode_by_batch if n}
+
+
+def _steps(w: Wave) -> int:
+    return sum(int(n) for _, _, n, _ in w.decode_by_batch)
+
+
+def equal_batch_step_ratio(w: Wave, b0: Wave) -> Tuple[Optional[float], int]:
+    """(the mean over the batch sizes both waves decoded at of ms per decode step of ``w`` over
+    ``b0``'s, weighted by ``b0``'s steps at each size, or None when they share none; those steps)."""
+    mine, base = _ms_by_batch(w), _ms_by_batch(b0)
+    shared = [b for b in base if b in mine]
+    weight = sum(base[b][1] for b in shared)
+    if not weight:
+        return None, 0
+    return sum(base[b][1] * mine[b][0] / base[b][0] for b in shared) / weight, weight
+
+
+def by_batch_rows(waves: Sequence[Wave], budgets: Sequence[float]) -> List[Dict[str, object]]:
+    """Per decode batch size, pooled over rounds: each budget's decode steps and ms per step."""
+    steps: Dict[Tuple[int, float], int] = defaultdict(int)  # by (batch size, budget)
+    seconds: Dict[Tuple[int, float], float] = defaultdict(float)
+    for w in waves:
+        for batch, s, n, _ in w.decode_by_batch:
+            steps[int(batch), w.budget] += int(n)
+            seconds[int(batch), w.budget] += s
+    rows = []
+    for batch in sorted({key[0] for key in steps}):
+        row: Dict[str, object] = {"batch": batch}
+        for b in budgets:
+            n = steps[batch, b]
+            row[f"steps_{b:g}"] = n
+            row[f"ms_{b:g}"] = 1000 * seconds[batch, b] / n if n else None
+        rows.append(row)
+    return rows
+
+
+def by_batch_table(budgets: Sequence[float]) -> List[Column]:
+    return [Column("batch", "decode batch size")] + [
+        c for b in budgets for c in (Column(f"steps_{b:g}", f"B = {b:g} steps"), Column(f"ms_{b:g}", "ms / step", ".2f"))]
 
 
 def _decode_ms(w: Wave) -> float:
@@ -155,7 +246,7 @@ def b0_rounds_identical(waves: Sequence[Wave]) -> bool:
 
 
 def _ratios(xs: Sequence[float]) -> str:
-    return ", ".join(f"{x:.3f}" for x in xs)
+    return ", ".join(f"{x:.3f}" for x in xs) or MISSING
 
 
 TABLE = (
@@ -169,6 +260,11 @@ TABLE = (
     Column("ms_per_decode_step", "ms / decode step", ".2f"), Column("mean_decode_batch", "decode batch", ".1f"),
     Column("decode_step_vs_b0", "decode step vs B = 0 (median of rounds)", ".3f", "x"),
     Column("step_cost_speedup_vs_b0", "speed-up at B = 0's step cost", ".3f", "x"),
+    Column("step_ratio_equal_batch",
+           "decode step vs B = 0 at equal batch (per batch size both hit, weights: B = 0's steps; median of rounds)",
+           ".3f", "x"),
+    Column("step_ratio_equal_batch_rounds", "per round", _ratios),
+    Column("equal_batch_coverage", "B = 0 steps covered", ".1%"),
 )
 
 
@@ -237,30 +333,38 @@ def main(argv=None) -> int:
                 grown = scrape(server.url) - before
                 engine_s, batch_steps, batch_reqs = (grown.value(n) for n in ENGINE_CLOCK)
                 decode_s, decode_steps, decode_reqs = (grown.value(n) for n in DECODE_CLOCK)
+                by_batch = decode_clock_by_batch(grown)
                 count = sum(x["count_output_tokens"] for x in res)
                 waves.append(Wave(
                     r, b, wall, count, count - sum(x["mtp_accepted_token_num"] for x in res),
                     sum(x["asd_relaxed_token_num"] for x in res), engine_s, int(batch_steps), int(batch_reqs),
                     [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None,
-                    decode_s, int(decode_steps), int(decode_reqs)))
+                    decode_s, int(decode_steps), int(decode_reqs), by_batch))
             if args.out:  # after every round: a run cut short keeps its finished rounds
                 write_results(args.out, args, flags, waves)
-    rows = summarize(waves, args.budgets)
-    print(render_table(rows, TABLE, markdown=True))
+    print_tables(waves, args.budgets)
     print(f"B = 0 waves token-identical across rounds: {b0_rounds_identical(waves)}")
     return 0
+
+
+def print_tables(waves: Sequence[Wave], budgets: Sequence[float]) -> None:
+    print(render_table(summarize(waves, budgets), TABLE, markdown=True))
+    by_batch = by_batch_rows(waves, budgets)
+    if by_batch:
+        print("\nDecode steps by batch size (pooled over rounds):")
+        print(render_table(by_batch, by_batch_table(budgets), markdown=True))
 
 
 def print_saved(path: str) -> int:
     with open(path) as f:
         saved = json.load(f)
     fields = set(Wave.__dataclass_fields__)
-    missing = fields - {"token_ids"} - set(saved["waves"][0])
+    missing = fields - {"token_ids", "decode_by_batch"} - set(saved["waves"][0])  # older runs: no batch sizes
     if missing:
         raise SystemExit(f"{path}: its waves lack {sorted(missing)} (written before the engine clock)")
     waves = [Wave(**{k: v for k, v in w.items() if k in fields}) for w in saved["waves"]]
     budgets = [float(b) for b in saved["args"]["budgets"]]
-    print(render_table(summarize(waves, budgets), TABLE, markdown=True))
+    print_tables(waves, budgets)
     print(f"B = 0 waves token-identical across rounds: {saved['b0_rounds_identical']}")
     return 0
 
@@ -268,7 +372,9 @@ def print_saved(path: str) -> int:
 def write_results(path: str, args, flags: List[str], waves: Sequence[Wave]) -> None:
     rows = summarize(waves, args.budgets)
     write_json(path, {"args": vars(args), "server_flags": flags, "rounds_done": 1 + max(w.round for w in waves),
+                      "definitions": {"step_ratio_equal_batch": EQUAL_BATCH_DEFINITION},
                       "b0_rounds_identical": b0_rounds_identical(waves), "rows": [asdict(r) for r in rows],
+                      "decode_by_batch": by_batch_rows(waves, args.budgets),
                       "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s,
                                  "engine_tokens_per_s": w.engine_tokens_per_s} for w in waves]}, indent=1)
 

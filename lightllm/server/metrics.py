@@ -6,6 +6,10 @@ from lightllm.common.constants import MTP_TABLE_WIDTH
 # accept_len of one request in one verify step is 1..MTP_TABLE_WIDTH (drafts + 1)
 ACCEPT_LEN_BUCKETS = tuple(range(1, MTP_TABLE_WIDTH + 1))
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Label of the decode clock by batch size: the CUDA graph ladder size the step's decoded requests
+# pad to (their exact count on CPU, or above the ladder), so at most the ladder's sizes or
+# --running_max_req_size values.
+DECODE_BATCH_LABEL = "batch"
 
 
 class ServerMetrics:
@@ -47,6 +51,18 @@ class ServerMetrics:
         self.decode_step_requests = Counter(
             "lightllm_decode_step_requests", "Running requests summed over decode steps", registry=r
         )
+        # the decode clock by decode batch size, so that two runs compare at equal batch
+        self.decode_step_seconds_by_batch = Counter(
+            "lightllm_decode_step_seconds_by_batch", "Router wall time inside decode steps, by decode batch size",
+            [DECODE_BATCH_LABEL], registry=r
+        )
+        self.decode_steps_by_batch = Counter(
+            "lightllm_decode_steps_by_batch", "Decode steps, by decode batch size", [DECODE_BATCH_LABEL], registry=r
+        )
+        self.decode_step_requests_by_batch = Counter(
+            "lightllm_decode_step_requests_by_batch", "Decoded requests summed over decode steps, by decode batch size",
+            [DECODE_BATCH_LABEL], registry=r
+        )
         self._steps = 0
         self._step_tokens = 0
 
@@ -66,6 +82,11 @@ class ServerMetrics:
         self.decode_step_seconds.inc(stats.timing.decode_seconds)
         self.decode_steps.inc(stats.timing.decode_steps)
         self.decode_step_requests.inc(stats.timing.decode_batch_reqs)
+        for batch, clock in stats.timing.decode_by_batch.items():
+            label = {DECODE_BATCH_LABEL: str(batch)}
+            self.decode_step_seconds_by_batch.labels(**label).inc(clock.seconds)
+            self.decode_steps_by_batch.labels(**label).inc(clock.steps)
+            self.decode_step_requests_by_batch.labels(**label).inc(clock.reqs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,11 @@ import os
 
 import pytest
 
+from lightllm.common.basemodel.cuda_graph import GraphLadder
+from lightllm.server.metrics import ServerMetrics
+from lightllm.server.router.manager import StepTiming, WorkerStats
 from lightllm.tools.report import render_table
+from lightllm.utils.server_launcher import MetricsPage
 from unit_tests.data_paths import require_gsm8k
 
 _spec = importlib.util.spec_from_file_location(
@@ -28,10 +32,13 @@ def test_parse_budgets():
             bench.parse_budgets(bad)
 
 
-def _wave(rnd, budget, wall_s, tokens, steps, relaxed=0, engine_s=1.0, batch_steps=1, batch_reqs=1, ids=None):
-    """Half of the engine's steps (and their time and requests) are decode steps."""
+def _wave(rnd, budget, wall_s, tokens, steps, relaxed=0, engine_s=1.0, batch_steps=1, batch_reqs=1, ids=None,
+          by_batch=()):
+    """Half of the engine's steps (and their time and requests) are decode steps; ``by_batch``:
+    (batch size, decode steps, ms per step) of the decode clock by batch size."""
     return Wave(rnd, budget, wall_s, tokens, steps, relaxed, engine_s, batch_steps, batch_reqs, ids,
-                engine_s / 2, batch_steps // 2, batch_reqs // 2)
+                engine_s / 2, batch_steps // 2, batch_reqs // 2,
+                [[b, n * ms / 1000, n, n * b] for b, n, ms in by_batch])
 
 
 def test_summarize_pairs_each_wave_with_its_rounds_b0():
@@ -59,9 +66,60 @@ def test_summarize_pairs_each_wave_with_its_rounds_b0():
     assert b0.decode_step_vs_b0 == 1.0 and b2.decode_step_vs_b0 == pytest.approx(1.25)
     table = render_table([b0, b2], bench.TABLE, markdown=True)
     assert ("| 2 | 3 | 2.466 | +23.3% | 120.0 | 55.0 | 130.0 | 1.200x | 1.200, 1.100, 1.300 | "
-            "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 116.67 | 27.5 | 1.250x | 1.500x |") in table
+            "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 116.67 | 27.5 | 1.250x | 1.500x | - |") in table
     with pytest.raises(ValueError, match="B = 0"):
         bench.summarize([_wave(0, 2.0, 1.0, 1, 1)], [2.0])
+
+
+def test_equal_batch_step_ratio_by_hand():
+    """Per round: B's mean decode step over B = 0's at each batch size both hit, weighted by B = 0's
+    steps there; median over rounds."""
+    waves = [
+        # round 0. B = 0: 10 steps at 32 (4 ms), 30 at 48 (5 ms), 5 at 64 (6 ms). B = 2: 4 at 32 (4.4 ms),
+        # 20 at 48 (5 ms), 3 at 16: sizes 32 and 48 shared, (10 * 1.1 + 30 * 1.0) / 40 = 1.025; 40 of 45 covered
+        _wave(0, 0.0, 1.0, 100, 50, by_batch=[(32, 10, 4.0), (48, 30, 5.0), (64, 5, 6.0)]),
+        _wave(0, 2.0, 1.0, 100, 50, by_batch=[(16, 3, 3.0), (32, 4, 4.4), (48, 20, 5.0)]),
+        # round 1: at 48 only, 5.5 ms against 5 ms: 1.1; 10 of 10 covered
+        _wave(1, 2.0, 1.0, 100, 50, by_batch=[(48, 10, 5.5)]), _wave(1, 0.0, 1.0, 100, 50, by_batch=[(48, 10, 5.0)]),
+        # round 2: no batch size in common: no ratio; 0 of 10 covered
+        _wave(2, 0.0, 1.0, 100, 50, by_batch=[(48, 10, 5.0)]), _wave(2, 2.0, 1.0, 100, 50, by_batch=[(64, 10, 6.0)]),
+    ]
+    assert bench.equal_batch_step_ratio(waves[1], waves[0]) == (pytest.approx(1.025), 40)
+    assert bench.equal_batch_step_ratio(waves[5], waves[4]) == (None, 0)
+    b0, b2 = bench.summarize(waves, [0.0, 2.0])
+    assert b0.step_ratio_equal_batch == 1.0 and b0.step_ratio_equal_batch_rounds == [1.0, 1.0, 1.0]
+    assert b0.equal_batch_coverage == 1.0
+    assert b2.step_ratio_equal_batch_rounds == pytest.approx([1.025, 1.1])
+    assert b2.step_ratio_equal_batch == pytest.approx(1.0625)  # median of the two rounds with a ratio
+    assert b2.equal_batch_coverage == pytest.approx(50 / 65)
+    rows = bench.by_batch_rows(waves, [0.0, 2.0])
+    assert [(r["batch"], r["steps_0"], r["steps_2"]) for r in rows] == [
+        (16, 0, 3), (32, 10, 4), (48, 50, 30), (64, 5, 10)]
+    assert rows[0]["ms_0"] is None and rows[2]["ms_2"] == pytest.approx((20 * 5.0 + 10 * 5.5) / 30)
+    table = render_table([b0, b2], bench.TABLE, markdown=True)
+    assert "weights: B = 0's steps" in table and "| 1.062x | 1.025, 1.100 | 76.9% |" in table
+    by_batch = render_table(rows, bench.by_batch_table([0.0, 2.0]), markdown=True)
+    assert "| 16 | 0 | - | 3 | 3.00 |" in by_batch
+
+
+def test_decode_clock_by_batch_from_the_servers_metrics():
+    """The router's clock by batch size, through ServerMetrics and /metrics deltas, read back."""
+    m = ServerMetrics()
+    timing = StepTiming()
+    timing.add(0.5, 10, decode=True, decoded_reqs=6)  # no ladder (CPU): filed at 6
+    timing.add(0.25, 10, decode=True, decoded_reqs=6)
+    m.observe_worker(WorkerStats(0, 10, 0, timing))
+    before = MetricsPage.parse(m.render().decode())
+    timing = StepTiming()
+    ladder = GraphLadder((1, 2, 4, 8))
+    timing.add(1.0, 10, decode=True, decoded_reqs=5, ladder=ladder)  # filed at 8
+    timing.add(0.125, 12, decode=True, decoded_reqs=6)
+    timing.add(2.0, 12, decode=False)  # a prefill step: not a decode step
+    m.observe_worker(WorkerStats(0, 10, 0, timing))
+    after = MetricsPage.parse(m.render().decode())
+    assert bench.decode_clock_by_batch(before) == [[6, 0.75, 2, 12]]
+    assert bench.decode_clock_by_batch(after - before) == [[6, 0.125, 1, 6], [8, 1.0, 1, 5]]
+    assert bench.decode_clock_by_batch(MetricsPage({})) == []
 
 
 def test_b0_rounds_identical():
@@ -86,6 +144,11 @@ def test_real_run_on_cpu(tmp_path, capsys):
     # the engine's clock: at least one batch step per committed token step of the longest request
     assert all(0 < w["engine_s"] <= w["wall_s"] and w["batch_steps"] >= 1 for w in waves)
     assert all(w["batch_reqs"] <= 3 * w["batch_steps"] for w in waves)
+    # the decode clock by batch size (exact counts on CPU) covers every decode step
+    assert all(sum(n for _, _, n, _ in w["decode_by_batch"]) == w["decode_steps"] for w in waves)
+    assert all(1 <= b <= 3 for w in waves for b, _, _, _ in w["decode_by_batch"])
+    assert rows[0.0]["step_ratio_equal_batch"] == 1.0 and rows[8.0]["step_ratio_equal_batch"] > 0
+    assert "step_ratio_equal_batch" in res["definitions"] and res["decode_by_batch"]
     capsys.readouterr()  # the run's own table
     assert bench.main(["--from_json", str(out)]) == 0
     table = capsys.readouterr().out

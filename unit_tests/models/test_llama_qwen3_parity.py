@@ -184,7 +184,8 @@ def test_greedy_generation_matches_hf_generate(hf_and_dir):
 
 @needs_triton_cpu
 def test_triton_decode_backend_matches_hf(hf_and_dir):
-    """The Triton decode kernel inside the model (interpreter on CPU), MTP and padding rows included."""
+    """The triton backend inside the model (interpreter on CPU): the decode kernel for decode rows, MTP
+    and padding rows included, and once per new token for the prefill."""
     hf_model, model_dir = hf_and_dir
     model = _engine(model_dir, decode_attention_backend="triton")
     driver = ModelDriver(model)
@@ -211,8 +212,9 @@ def test_kv_slots_are_returned_after_free(hf_and_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("data_type", ["float32", "bfloat16"])
 def test_cuda_forward_matches_hf(hf_and_dir, data_type):
-    """Prefill (one chunked item), decode with padding, MTP rows: SDPA prefill and Triton decode on CUDA.
-    The decode forwards must not synchronize with the host."""
+    """Prefill (one chunked item), decode with padding, MTP rows, with the CUDA default kernels
+    (Triton decode attention, and the same kernel per new token for prefill). The decode
+    forwards must not synchronize with the host."""
     hf_model, model_dir = hf_and_dir
     model = _engine(model_dir, data_type=data_type, device="cuda")
     driver = ModelDriver(model)

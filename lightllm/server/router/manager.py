@@ -18,9 +18,10 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
+from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.common.req_manager import ReqParamsError
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
@@ -62,6 +63,22 @@ class WorkerReady:
 
 
 @dataclass
+class BatchClock:
+    """Decode steps of one decode batch size."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    reqs: int = 0  # decoded requests summed over those steps
+
+
+def decode_batch_bucket(decoded_reqs: int, ladder: Optional[GraphLadder]) -> int:
+    """The decode batch size a step is filed under: the CUDA graph ladder size its requests pad
+    to, or their exact count (no ladder: CPU; or more requests than the ladder's largest size)."""
+    size = ladder.bucket_size(decoded_reqs) if ladder is not None else None
+    return decoded_reqs if size is None else size
+
+
+@dataclass
 class StepTiming:
     """Batch steps the driver ran since its last report: the engine's own clock."""
 
@@ -72,8 +89,12 @@ class StepTiming:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     decode_batch_reqs: int = 0
+    # decode steps by decode batch size (decode_batch_bucket of the requests they decoded)
+    decode_by_batch: Dict[int, BatchClock] = field(default_factory=dict)
 
-    def add(self, seconds: float, batch_reqs: int, decode: bool) -> None:
+    def add(self, seconds: float, batch_reqs: int, decode: bool, decoded_reqs: int = 0,
+            ladder: Optional[GraphLadder] = None) -> None:
+        """One step; a decode step that decoded ``decoded_reqs`` requests is also filed by batch size."""
         self.seconds += seconds
         self.steps += 1
         self.batch_reqs += batch_reqs
@@ -81,6 +102,11 @@ class StepTiming:
             self.decode_seconds += seconds
             self.decode_steps += 1
             self.decode_batch_reqs += batch_reqs
+            if decoded_reqs:
+                clock = self.decode_by_batch.setdefault(decode_batch_bucket(decoded_reqs, ladder), BatchClock())
+                clock.seconds += seconds
+                clock.steps += 1
+                clock.reqs += decoded_reqs
 
 
 @dataclass
@@ -109,6 +135,7 @@ class RouterManager:
         self._steps = 0
         self._step_tokens = 0
         self.timing = StepTiming()
+        self._ladder = backend.decode_step.ladder  # decode batch sizes of the step clock (None: exact)
         self._failed: List[ReqStepUpdate] = []  # updates of refused requests, sent with the next step
         self._step_failures = 0  # batch steps that raised in a row
 
@@ -232,7 +259,9 @@ class RouterManager:
         for req in done:
             self._finish(req)
             self.running.remove(req)
-        self.timing.add(time.perf_counter() - t0, batch_reqs, decode=not self.backend.last_step_prefilled)
+        decode = not self.backend.last_step_prefilled
+        self.timing.add(time.perf_counter() - t0, batch_reqs, decode,
+                        self.backend.last_decode_reqs if decode else 0, self._ladder)
         return updates + step_updates
 
     @property

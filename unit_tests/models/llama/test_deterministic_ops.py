@@ -23,7 +23,8 @@ NEW_TOKENS = 4
 
 def _deterministic(model):
     """The CUDA kernels' choice, on CPU (the interpreter runs them)."""
-    ops = ab.LayerOps(ab.batch_invariant_linear, ab._triton_per_token_attention, ab._triton_decode_attention)
+    triton = ab.ATTENTION_BACKENDS["triton"]
+    ops = ab.LayerOps(ab.batch_invariant_linear, triton.prefill, triton.decode)
     model.ops = ops
     for layer in model.layers_infer:
         layer.ops = ops

@@ -5,7 +5,7 @@ import threading
 import httpx
 import pytest
 
-from lightllm.utils.server_launcher import launch_server
+from lightllm.utils.server_launcher import launch_server, scrape
 
 CHAT_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -79,6 +79,7 @@ def test_completions_models_health_metrics(server):
 
 def test_batch_step_metrics_count_the_engine_steps(server):
     names = ("lightllm_batch_steps_total", "lightllm_batch_step_requests_total", "lightllm_batch_step_seconds_total")
+    before_page = scrape(server.url)
     before = {n: server.metric(n) for n in names}
     with server.client() as c:
         out = _gen(c, "1, 2, 3, 4,", max_new_tokens=6, ignore_eos=True)
@@ -88,6 +89,10 @@ def test_batch_step_metrics_count_the_engine_steps(server):
     assert delta["lightllm_batch_steps_total"] == 6
     assert delta["lightllm_batch_step_requests_total"] == 6
     assert delta["lightllm_batch_step_seconds_total"] > 0
+    grown = scrape(server.url) - before_page
+    assert grown.value("lightllm_decode_steps_by_batch_total", 0.0, batch="1") == 5
+    assert grown.value("lightllm_decode_step_requests_by_batch_total", 0.0, batch="1") == 5
+    assert grown.value("lightllm_decode_step_seconds_by_batch_total", 0.0, batch="1") > 0
 
 
 def test_concurrent_requests_each_get_their_own_answer(server):

@@ -1,6 +1,8 @@
 """Continuous batching on tiny random models: every request gets exactly transformers' answer."""
 import pytest
 
+from lightllm.common.basemodel.cuda_graph import GraphLadder
+from lightllm.server.router.manager import BatchClock, StepTiming, decode_batch_bucket
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
 
@@ -100,3 +102,34 @@ def test_step_clock_counts_decode_steps_apart(tiny):
     assert t.steps == prefill_steps + t.decode_steps
     assert t.decode_batch_reqs == t.decode_steps and t.batch_reqs == t.steps  # one request throughout
     assert 0 < t.decode_seconds < t.seconds
+    assert list(t.decode_by_batch) == [1] and t.decode_by_batch[1].steps == t.decode_steps
+
+
+def test_step_clock_by_decode_batch(tiny):
+    """Decode steps are also filed by how many requests they decoded (on CPU, no graph ladder:
+    the exact count): three requests prefilled together, finishing after 3, 5 and 8 tokens, decode
+    2 steps with 3 requests, 2 with 2 and 3 with 1."""
+    prompts = random_prompts(tiny.hf.config.vocab_size, 3, range(8, 12), seed=9)
+    eng = make_engine(tiny.model_dir, max_req_total_len=64, batch_max_tokens=64, max_total_token_num=400)
+    eng.router.take_timing()
+    eng.generate(prompts, [{"max_new_tokens": n, "ignore_eos": True} for n in (3, 5, 8)])
+    t = eng.router.take_timing()
+    assert {b: (c.steps, c.reqs) for b, c in t.decode_by_batch.items()} == {3: (2, 6), 2: (2, 4), 1: (3, 3)}
+    assert sum(c.steps for c in t.decode_by_batch.values()) == t.decode_steps == 7
+    assert sum(c.seconds for c in t.decode_by_batch.values()) == pytest.approx(t.decode_seconds)
+    assert all(c.seconds > 0 for c in t.decode_by_batch.values())
+
+
+def test_decode_batch_buckets_follow_the_graph_ladder():
+    ladder = GraphLadder.from_flags(64, 32, 16)  # 1, 2, 4, 8, 16, 32, 48, 64
+    assert [decode_batch_bucket(n, ladder) for n in (1, 3, 5, 32, 33, 49, 64, 65, 100)] == [
+        1, 4, 8, 32, 48, 64, 64, 65, 100]  # above the ladder (eager): the exact count
+    assert decode_batch_bucket(5, None) == 5
+    t = StepTiming()
+    t.add(0.5, 60, decode=False)  # a prefill step
+    t.add(0.25, 60, decode=True, decoded_reqs=40, ladder=ladder)
+    t.add(0.5, 60, decode=True, decoded_reqs=48, ladder=ladder)
+    t.add(0.125, 3, decode=True, decoded_reqs=3, ladder=ladder)
+    t.add(0.0625, 2, decode=True)  # a decode step that decoded nothing: not filed
+    assert (t.steps, t.decode_steps, t.decode_batch_reqs) == (5, 4, 125)
+    assert t.decode_by_batch == {48: BatchClock(0.75, 2, 88), 4: BatchClock(0.125, 1, 3)}

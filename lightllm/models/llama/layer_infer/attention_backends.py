@@ -1,16 +1,19 @@
 """The kernels a decoder layer calls, chosen once per model (``LayerOps``).
 
 Attention backends map (q [rows, q_heads, head_dim], k_cache, v_cache, infer_state,
-sm_scale) to [rows, q_heads, head_dim]. Decode attention is picked by name; prefill uses
-the torch path, except with deterministic inference (below).
+sm_scale) to [rows, q_heads, head_dim]. One name (``--decode_attention_backend``; ``auto``:
+triton on CUDA, torch elsewhere) picks prefill and decode attention together
+(``ATTENTION_BACKENDS``): ``torch`` runs the padded PyTorch attention for both, ``triton``
+the Triton decode kernel for decode and, for prefill, the same kernel once per new token
+(each new token is a decode row over its request's positions 0..its own).
 
-Deterministic inference (``--enable_deterministic_inference``, CUDA): every linear layer is
-the batch-invariant Triton GEMM and prefill attention runs the decode kernel once per new
-token, so a token's result does not depend on the rest of its batch, on prefill chunking,
-or on whether it was computed as a plain decode row or an MTP verify row.
+Deterministic inference (``--enable_deterministic_inference``, CUDA): the triton backend
+whatever the name, and every linear layer is the batch-invariant Triton GEMM, so a token's
+result does not depend on the rest of its batch, on prefill chunking, or on whether it was
+computed as a plain decode row or an MTP verify row.
 """
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,8 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, InferStateInfo
 # (x [..., in], weight [out, in], bias [out] or None) -> [..., out]
 LinearFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 AUTO_BACKEND = "auto"
+TORCH_BACKEND = "torch"
+TRITON_BACKEND = "triton"
 
 
 def _triton_decode_attention(
@@ -64,20 +69,27 @@ def _triton_per_token_attention(
     )
 
 
-DECODE_ATTENTION_BACKENDS: Dict[str, AttentionFn] = {
-    "torch": paged_attention_torch,
-    "triton": _triton_decode_attention,
+class AttentionPair(NamedTuple):
+    """The prefill and decode attention of one backend."""
+
+    prefill: AttentionFn
+    decode: AttentionFn
+
+
+ATTENTION_BACKENDS: Dict[str, AttentionPair] = {
+    TORCH_BACKEND: AttentionPair(paged_attention_torch, paged_attention_torch),
+    TRITON_BACKEND: AttentionPair(_triton_per_token_attention, _triton_decode_attention),
 }
 
 
-def get_decode_attention(name: str, device: torch.device) -> AttentionFn:
-    """``auto`` picks triton on CUDA and torch elsewhere."""
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto`` is triton on CUDA and torch elsewhere; an unknown name raises, listing the valid ones."""
     if name == AUTO_BACKEND:
-        name = "triton" if device.type == "cuda" else "torch"
-    if name not in DECODE_ATTENTION_BACKENDS:
-        valid = ", ".join([AUTO_BACKEND] + sorted(DECODE_ATTENTION_BACKENDS))
+        return TRITON_BACKEND if device.type == "cuda" else TORCH_BACKEND
+    if name not in ATTENTION_BACKENDS:
+        valid = ", ".join([AUTO_BACKEND] + sorted(ATTENTION_BACKENDS))
         raise ValueError(f"unknown decode attention backend {name!r}; valid names: {valid}")
-    return DECODE_ATTENTION_BACKENDS[name]
+    return name
 
 
 @dataclass(frozen=True)
@@ -90,8 +102,12 @@ class LayerOps:
 
 
 def get_layer_ops(decode_attention_backend: str, device: torch.device, deterministic: bool = False) -> LayerOps:
-    if not deterministic:
-        return LayerOps(F.linear, paged_attention_torch, get_decode_attention(decode_attention_backend, device))
-    if device.type != "cuda":
-        raise ValueError("deterministic inference needs a CUDA device (its kernels are Triton)")
-    return LayerOps(batch_invariant_linear, _triton_per_token_attention, _triton_decode_attention)
+    """Prefill and decode attention of the backend the name resolves to; deterministic inference
+    takes the triton pair and the batch-invariant linear layers (CUDA only)."""
+    name = resolve_attention_backend(decode_attention_backend, device)
+    if deterministic:
+        if device.type != "cuda":
+            raise ValueError("deterministic inference needs a CUDA device (its kernels are Triton)")
+        name = TRITON_BACKEND
+    attention = ATTENTION_BACKENDS[name]
+    return LayerOps(batch_invariant_linear if deterministic else F.linear, attention.prefill, attention.decode)

@@ -10,6 +10,7 @@ class ChunkedPrefillBackend(ModeBackend):
         super().__init__(args, device, dtype, parallel)
         self.batch_max_tokens = args.batch_max_tokens
         self.last_step_prefilled = False  # what run_step did last: prefill chunks or a decode step
+        self.last_decode_reqs = 0  # requests the last decode step decoded (the router's step clock)
 
     def run_step(self, running: List[InferReq]) -> List[ReqStepUpdate]:
         """One engine step. Prefill and decode alternate while both have work,
@@ -20,6 +21,7 @@ class ChunkedPrefillBackend(ModeBackend):
             self.last_step_prefilled = True
             return self.prefill_chunks(prefilling)
         self.last_step_prefilled = False
+        self.last_decode_reqs = len(decoding)
         return self.decode(decoding) if decoding else []
 
     def prefill_chunks(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:

@@ -1,0 +1,90 @@
+"""attention_backends: one backend name picks prefill and decode attention together, and the
+triton backend's prefill (the decode kernel once per new token; Triton's interpreter on CPU)
+matches the torch prefill on a chunked prefill with a ready cache, GQA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightllm.common.basemodel.batch_objs import ModelInput
+from lightllm.common.basemodel.infer_struct import InferStateInfo
+from lightllm.common.basemodel.layer_infer.torch_attention import paged_attention_torch
+from lightllm.common.kv_cache_mem_manager import MemoryManager
+from lightllm.common.req_manager import ReqManager
+from lightllm.models.llama.layer_infer import attention_backends as ab
+from lightllm.models.llama.triton_kernel.token_attention import TOKEN_BLOCK
+from unit_tests.devices import KERNEL_DEVICES
+
+NUM_SLOTS = 400
+MAX_SEQ_LEN = 192
+Q_HEADS, KV_HEADS, HEAD_DIM = 6, 2, 20  # GQA 3, head_dim not a power of two
+FP32_ATOL = 1e-5
+# (tokens already in the cache, new tokens) per item: a first chunk, later chunks whose
+# positions cross the kernel's block size, a one-token chunk, and a HOLD padding item
+# (DP prefill pads with these).
+ITEMS = ((0, 9), (TOKEN_BLOCK - 3, 7), (2 * TOKEN_BLOCK + 5, 1), (40, 30))
+HOLD_ITEM_TOKENS = 4
+
+
+def _chunked_prefill_case(device="cpu", seed=0):
+    """A prefill InferStateInfo over ITEMS plus a HOLD item, random K/V in every slot and random q."""
+    gen = torch.Generator().manual_seed(seed)
+    mem = MemoryManager(NUM_SLOTS, torch.float32, KV_HEADS, HEAD_DIM, 1, device)
+    mem.k_buffer.copy_(torch.randn(mem.k_buffer.shape, generator=gen))
+    mem.v_buffer.copy_(torch.randn(mem.v_buffer.shape, generator=gen))
+    reqs = ReqManager(len(ITEMS), MAX_SEQ_LEN, mem, device)
+    slots, req_idx, seq_len, ready = [], [], [], []
+    for ready_len, new in ITEMS:
+        r = reqs.alloc()
+        table = mem.alloc(ready_len + new)[torch.randperm(ready_len + new, generator=gen)]  # scattered slots
+        reqs.req_to_token_indexs[r, : ready_len + new] = table.to(device)
+        slots.append(table[ready_len:])
+        req_idx.append(r)
+        seq_len.append(ready_len + new)
+        ready.append(ready_len)
+    slots.append(torch.full((HOLD_ITEM_TOKENS,), mem.HOLD_SLOT, dtype=torch.int64))
+    req_idx.append(reqs.HOLD_REQUEST_ID)
+    seq_len.append(HOLD_ITEM_TOKENS)
+    ready.append(0)
+    seq_cpu, ready_cpu = torch.tensor(seq_len, dtype=torch.int32), torch.tensor(ready, dtype=torch.int32)
+    num_new = int((seq_cpu - ready_cpu).sum())
+    model_input = ModelInput(
+        batch_size=len(req_idx), total_token_num=int(seq_cpu.sum()), max_len_in_batch=int(seq_cpu.max()),
+        input_ids=torch.zeros(num_new, dtype=torch.int64), mem_indexes=torch.cat(slots),
+        b_req_idx=torch.tensor(req_idx, dtype=torch.int32), b_seq_len=seq_cpu, is_prefill=True,
+        b_ready_cache_len=ready_cpu, b_seq_len_cpu=seq_cpu, b_ready_cache_len_cpu=ready_cpu,
+    )
+    state = InferStateInfo.from_model_input(model_input, mem, reqs, torch.device(device))
+    q = torch.randn(num_new, Q_HEADS, HEAD_DIM, generator=gen).to(device)
+    return q, mem.k_buffer[0], mem.v_buffer[0], state
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_triton_prefill_matches_torch_prefill_on_chunks_with_a_ready_cache(device):
+    q, k_cache, v_cache, state = _chunked_prefill_case(device)
+    scale = HEAD_DIM**-0.5
+    triton_prefill = ab.ATTENTION_BACKENDS["triton"].prefill
+    assert triton_prefill is ab._triton_per_token_attention
+    got = triton_prefill(q, k_cache, v_cache, state, scale)
+    want = paged_attention_torch(q, k_cache, v_cache, state, scale)
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=FP32_ATOL)
+
+
+def test_one_name_picks_prefill_and_decode_attention():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object, no GPU needed
+    torch_pair = (paged_attention_torch, paged_attention_torch)
+    triton_pair = (ab._triton_per_token_attention, ab._triton_decode_attention)
+
+    def attention(ops):
+        return ops.prefill_attention, ops.decode_attention
+
+    assert attention(ab.get_layer_ops("auto", cpu)) == torch_pair
+    assert attention(ab.get_layer_ops("auto", cuda)) == triton_pair  # the CUDA default
+    assert attention(ab.get_layer_ops("torch", cuda)) == torch_pair
+    assert attention(ab.get_layer_ops("triton", cpu)) == triton_pair
+    for name, device in (("auto", cpu), ("auto", cuda), ("torch", cuda)):
+        assert ab.get_layer_ops(name, device).linear is F.linear
+    # deterministic inference: the triton pair whatever the name, batch-invariant linear layers
+    det = ab.get_layer_ops("torch", cuda, deterministic=True)
+    assert attention(det) == triton_pair and det.linear is ab.batch_invariant_linear
+    with pytest.raises(ValueError, match="valid names: auto, torch, triton"):
+        ab.get_layer_ops("flash", cuda)
