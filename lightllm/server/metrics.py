@@ -1,4 +1,6 @@
 """Prometheus metrics of the HTTP server (one registry per server)."""
+from typing import Optional, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lightllm.common.constants import MTP_TABLE_WIDTH
@@ -10,6 +12,9 @@ LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # pad to (their exact count on CPU, or above the ladder), so at most the ladder's sizes or
 # --running_max_req_size values.
 DECODE_BATCH_LABEL = "batch"
+# Draft depth (1..K) of a proposal, for drafts that report a confidence per proposal (dspark).
+DEPTH_LABEL = "depth"
+CONFIDENCE_BUCKETS = tuple(i / 10 for i in range(1, 11))
 
 
 class ServerMetrics:
@@ -63,10 +68,24 @@ class ServerMetrics:
             "lightllm_decode_step_requests_by_batch", "Decoded requests summed over decode steps, by decode batch size",
             [DECODE_BATCH_LABEL], registry=r
         )
+        # confidence of each verified draft by depth, next to how many were committed
+        self.draft_confidence = Histogram(
+            "lightllm_mtp_draft_confidence", "Confidence of each verified draft token, by depth", [DEPTH_LABEL],
+            buckets=CONFIDENCE_BUCKETS, registry=r
+        )
+        self.draft_depth_accepted = Counter(
+            "lightllm_mtp_draft_depth_accepted", "Verified draft tokens that were committed, by depth "
+            "(acceptance = this / lightllm_mtp_draft_confidence_count)", [DEPTH_LABEL], registry=r
+        )
         self._steps = 0
         self._step_tokens = 0
 
-    def observe_step(self, accept_len: int) -> None:
+    def observe_step(self, accept_len: int, draft_confidence: Optional[Sequence[float]] = None) -> None:
+        """One request's verify step; ``draft_confidence``: its K drafts' confidences, if reported."""
+        for depth, conf in enumerate(draft_confidence or (), start=1):
+            self.draft_confidence.labels(str(depth)).observe(conf)
+            if accept_len > depth:
+                self.draft_depth_accepted.labels(str(depth)).inc()
         self.mtp_accept_len.observe(accept_len)
         self._steps += 1
         self._step_tokens += accept_len

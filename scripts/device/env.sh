@@ -20,3 +20,8 @@ if [ -f /root/draft_new/model.safetensors ]; then
   cp /root/draft_new/config.json /root/draft_new/model.safetensors /root/draft_new/training_info.json \
     lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att/ && echo "env.sh: using the draft trained in this lease"
 fi
+if [ -f /root/dspark_new/model.safetensors ]; then
+  mkdir -p lightllm/drafts/SmolLM2-135M-Instruct/dspark
+  cp /root/dspark_new/config.json /root/dspark_new/model.safetensors /root/dspark_new/training_info.json \
+    lightllm/drafts/SmolLM2-135M-Instruct/dspark/ && echo "env.sh: using the dspark draft trained in this lease"
+fi

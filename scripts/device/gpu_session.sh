@@ -11,6 +11,12 @@
 #   gpu_session.sh train_general OUT    the general draft (Magpie user turns mixed with GSM8K train, one call
 #                                       of under 10 minutes); OUT/draft/ comes back and is installed as by train;
 #                                       the checkout's draft is kept in /root/draft_old first
+#   gpu_session.sh train_dspark OUT     the dspark block draft on the general draft's prompt set (one call of
+#                                       under 10 minutes); OUT/draft/ comes back and env.sh installs it as the
+#                                       checkout's dspark draft from the next call of this lease on
+#   gpu_session.sh quality_dspark OUT   tokens/step of the dspark draft on 200 test questions and the held-out
+#                                       prompts by kind, K = 1..BLOCK-1
+#   gpu_session.sh asd_dspark OUT       GSM8K test (all 1319), dspark K = 3: strict, B = 0, usage, and no MTP
 #   gpu_session.sh quality OUT          draft quality, 200 test questions, K = 1..4
 #   gpu_session.sh quality_general OUT [DRAFT...]  tokens/step on 200 test questions and the held-out prompts
 #                                       by kind, K = 1..4, for each draft (default: /root/draft_old or the
@@ -44,12 +50,17 @@ TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 6000 --gsm8k_fraction 0.
                      --mtp_mode eagle_with_att --init_from /root/draft_old --unroll 4 --max_new_tokens 200
                      --gen_batch_size 768 --epochs 10 --lr 5e-4 --batch_size 64 --max_gen_seconds 240
                      --max_train_seconds 180 --device cuda)
+# dspark: the general prompt set replayed (no user-turn sampling), answers ~120 s, training 200 s
+DSPARK_BLOCK=4
+TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz
+                    --block_size $DSPARK_BLOCK --draft_layers 2 --max_new_tokens 200 --gen_batch_size 768 --epochs 10
+                    --lr 1e-3 --batch_size 64 --max_gen_seconds 150 --max_train_seconds 200 --device cuda)
 DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
 CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|train|train_general|quality|quality_general|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
+job=${1:?usage: gpu_session.sh data|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
 shift
 
 case "$job" in
@@ -97,6 +108,31 @@ train_general)
         > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
     mkdir -p /root/draft_new && cp "$out"/draft/* /root/draft_new/
     grep -E "prompt set:|generated|held-out |time budget|saved the draft" "$out/train.log" | cut -c 1-300
+    ;;
+train_dspark)
+    out=${1:?OUT}; mkdir -p "$out/draft"
+    python -m lightllm.tools.train_mtp_draft --out "$out/draft" "${TRAIN_DSPARK_FLAGS[@]}" \
+        > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
+    mkdir -p /root/dspark_new && cp "$out"/draft/* /root/dspark_new/
+    grep -E "prompt set:|generated|held-out |time budget|saved the draft" "$out/train.log" | cut -c 1-300
+    ;;
+quality_dspark)
+    out=${1:?OUT}; mkdir -p "$out"
+    python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 \
+        --steps $(seq 1 $((DSPARK_BLOCK - 1))) --mtp_mode dspark --draft_dir default \
+        --out "$out/mtp_draft_quality_dspark.json" > "$out/quality_dspark.log" 2>&1
+    status=$?
+    tail -30 "$out/quality_dspark.log"
+    exit $status
+    ;;
+asd_dspark)
+    out=${1:?OUT}; mkdir -p "$out"
+    python -m lightllm.tools.eval_gsm8k --data .data/test.jsonl --out_dir "$out/eval_dspark" --mtp_mode dspark \
+        --mtp_step 3 --arms strict,asd_b0,asd_usage --sweep '' --with_baseline --concurrency "$EVAL_CONCURRENCY" \
+        --max_new_tokens "$EVAL_NEW_TOKENS" > "$out/eval_dspark.log" 2>&1
+    status=$?
+    tail -12 "$out/eval_dspark.log"
+    exit $status
     ;;
 quality_general)
     out=${1:?OUT}; shift; mkdir -p "$out"

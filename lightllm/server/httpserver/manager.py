@@ -135,7 +135,7 @@ class HttpServerManager:
         self.metrics.observe_worker(stats)
         for u in updates:
             if u.accept_len:
-                self.metrics.observe_step(u.accept_len)
+                self.metrics.observe_step(u.accept_len, u.draft_confidence)
             q = self._streams.get(u.req_id)
             if q is not None:
                 q.put_nowait(u)
