@@ -22,7 +22,7 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
 from lightllm.tools.client import USAGE, AsdSetting, generate_offline, model_dir_or_embedded  # noqa: E402 (after the path set-up)
-from lightllm.tools.prompts import chat_prompt_ids, gsm8k_path, load_gsm8k, solve_turns  # noqa: E402
+from lightllm.tools.prompts import chat_prompt_ids, gsm8k_parser, load_gsm8k, solve_turns  # noqa: E402
 from lightllm.tools.report import Column, render_table, tokens_per_step, write_json  # noqa: E402
 
 DEFAULT_ARMS = f"strict,{USAGE.budget:g}:{USAGE.local_ratio:g}:{USAGE.max_mismatch},8:0.25:2"
@@ -90,10 +90,8 @@ def render(results: List[ArmResult]) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None, help="GSM8K test jsonl (default: $LIGHTLLM_GSM8K_DIR or "
-                                                "../shared/data/gsm8k beside the checkout)")
-    p.add_argument("--num_questions", type=int, default=32)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                parents=[gsm8k_parser("test", num_questions=32)])
     p.add_argument("--max_new_tokens", type=int, default=160)
     p.add_argument("--mtp_step", type=int, default=3)
     p.add_argument("--arms", default=DEFAULT_ARMS)
@@ -120,7 +118,7 @@ def main(argv=None) -> None:
     if a.triton_on_cpu:
         use_triton_kernels_on_cpu()
     tok = AutoTokenizer.from_pretrained(model_dir_or_embedded(None))
-    prompts = chat_prompt_ids(tok, solve_turns(load_gsm8k(gsm8k_path("test", a.data), a.num_questions)))
+    prompts = chat_prompt_ids(tok, solve_turns(load_gsm8k(a.data, a.num_questions)))
     params = [{"max_new_tokens": a.max_new_tokens, "do_sample": False}] * len(prompts)
     results: List[ArmResult] = []
     running = a.running_max_req_size or len(prompts)

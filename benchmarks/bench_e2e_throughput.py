@@ -1,29 +1,20 @@
 """End-to-end throughput: the real server vs transformers' own generate, same model, prompts and dtype.
 
-For each server config (``--configs``; default: one config named ``engine``):
-
-1. start ``python -m lightllm.server.api_server`` (``launch_server``) with ``--server_args``
-   plus the config's own flags,
-2. warm it up (a short wave of requests, so Triton compilation is not timed),
-3. send ``--num_prompts`` prompts with at most ``--concurrency`` in flight (asyncio + httpx),
-   greedy, ``--max_new_tokens`` each (``--ignore_eos``: exactly that many),
-4. stop the server.
-
-Then, in the same run, ``transformers`` generates for the same prompts (AutoModelForCausalLM,
-the server's dtype: bf16 on CUDA, fp32 on CPU; greedy; batches of ``--hf_batch_size`` with left
-padding, prompts sorted by length so the baseline pays little padding; with ``--ignore_eos``
-min_new_tokens = max_new_tokens; a request's latency is its whole batch's time). The table
-shows every config and the baseline, with the ratio of output tokens/s to transformers and to
-the first config.
-
-Prompts: GSM8K test questions with the model's chat template applied client-side, or one
-prompt per line of ``--prompt_file`` (used as is). Output tokens are counted as the server
-reports them (``count_output_tokens``, an EOS included); the baseline counts generated tokens
-up to and including the first EOS.
+For each server config (``--configs``; default: one config named ``engine``): start
+``python -m lightllm.server.api_server`` with ``--server_args`` plus the config's own flags, warm
+it up (so Triton compilation is not timed), send ``--num_prompts`` prompts with at most
+``--concurrency`` in flight, greedy, ``--max_new_tokens`` each (``--ignore_eos``: exactly that
+many), stop it. Then ``transformers`` generates for the same prompts in the server's dtype, in
+batches of ``--hf_batch_size`` sorted by length (little padding: the baseline's best case; a
+request's latency is its whole batch's time). Ratios of output tokens/s are to transformers and
+to the first config. Prompts: GSM8K test questions in the model's chat template, or the lines of
+``--prompt_file`` as they are. Output tokens count an EOS, as the server does.
 
 "same text" columns are a sanity check, not a metric: the fraction of requests whose text
 equals the first config's (strict MTP must reproduce plain decoding) and transformers'
 (bf16 batch numerics can legitimately flip a near-tie, so < 1.0 on CUDA is normal).
+
+``--matrix``: the in-process engine against transformers over models x modes x batches.
 
     python benchmarks/bench_e2e_throughput.py --ignore_eos --out e2e.json \\
         --configs "plain=;mtp_k3=--mtp_mode eagle_with_att --mtp_step 3"
@@ -49,15 +40,9 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
 from lightllm.tools.client import USAGE, free_device_memory, generate_body, model_dir_or_embedded, send_timed, serve  # noqa: E402 (after the path set-up)
-from lightllm.tools.prompts import (  # noqa: E402
-    chat_prompt_ids,
-    chat_prompt_texts,
-    gsm8k_path,
-    load_gsm8k,
-    load_prompt_file,
-    take_cyclic,
-)
-from lightllm.tools.report import Column, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
+from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, gsm8k_path, load_gsm8k,  # noqa: E402
+                                    load_prompt_file, take_cyclic)
+from lightllm.tools.report import Column, ratio, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
 
 DEFAULT_CONFIG_NAME = "engine"
 HF_NAME = "transformers"
@@ -69,9 +54,6 @@ LLAMA3_8B_SHAPE = dict(
     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
     tie_word_embeddings=False, torch_dtype="bfloat16",
 )
-
-
-# --------------------------------------------------------------------------- pure parts
 
 
 @dataclass(frozen=True)
@@ -96,18 +78,13 @@ def write_dummy_model_dir(out_dir: str, shape: Dict[str, object], tokenizer_dir:
 
 
 def parse_configs(spec: Optional[str], shared_args: str = "") -> List[ServerConfig]:
-    """``"name=ARGS;name2=ARGS2"`` -> configs, each with ``shared_args`` first.
-
-    ``None`` or blank gives one config named ``engine`` with only the shared flags. ARGS may be
-    empty (``"plain="``). Names must be unique and non-empty.
-    """
+    """``"name=ARGS;name2=ARGS2"`` (ARGS may be empty: ``"plain="``) -> configs, each with ``shared_args``
+    first; ``None`` or blank: one config named ``engine`` with only the shared flags."""
     shared = tuple(shlex.split(shared_args or ""))
     if spec is None or not spec.strip():
         return [ServerConfig(DEFAULT_CONFIG_NAME, shared)]
     configs: List[ServerConfig] = []
-    for part in spec.split(";"):
-        if not part.strip():
-            continue  # tolerate a trailing ';'
+    for part in filter(str.strip, spec.split(";")):  # a trailing ';' is fine
         name, sep, args = part.partition("=")
         name = name.strip()
         if not sep:
@@ -147,14 +124,10 @@ def summarize(name: str, results: Sequence[RequestResult], wall_s: float) -> Dic
     accepted = sum(r.mtp_accepted_token_num for r in results)
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     row: Dict[str, object] = {
-        "name": name,
-        "num_requests": len(results),
-        "wall_s": wall_s,
-        "output_tokens": out_tokens,
-        "requests_per_s": len(results) / wall_s,
-        "output_tokens_per_s": out_tokens / wall_s,
-        "mean_output_tokens": out_tokens / len(results),
-        "mtp_accepted_tokens": accepted,
+        "name": name, "num_requests": len(results), "wall_s": wall_s, "output_tokens": out_tokens,
+        "requests_per_s": len(results) / wall_s, "output_tokens_per_s": out_tokens / wall_s,
+        "mean_output_tokens": out_tokens / len(results), "mtp_accepted_tokens": accepted,
+        "prompt_tokens": sum(r.prompt_tokens for r in results),
         "tokens_per_step": tokens_per_step(out_tokens, accepted),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
     }
@@ -163,32 +136,23 @@ def summarize(name: str, results: Sequence[RequestResult], wall_s: float) -> Dic
     return row
 
 
-def add_ratios_to_baseline_and_first(rows: List[Dict[str, object]], baseline: Dict[str, object],
+def add_ratios_to_baseline_and_first(rows: List[Dict[str, object]], baseline: Optional[Dict[str, object]],
                                      key: str = "output_tokens_per_s") -> None:
-    """Set ``vs_<baseline>`` (each row / baseline) and ``vs_first`` (each row / rows[0]) in place."""
-    first = rows[0][key]
+    """Set ``vs_first`` (each row / rows[0]) and, with a baseline, ``vs_<baseline>`` (each row / baseline) in place."""
     for row in rows:
-        row[f"vs_{baseline['name']}"] = row[key] / baseline[key] if baseline[key] else None
-        row["vs_first"] = row[key] / first if first else None
+        if baseline is not None:
+            row[f"vs_{baseline['name']}"] = ratio(row[key], baseline[key])
+        row["vs_first"] = ratio(row[key], rows[0][key])
 
 
 TABLE_COLUMNS = [
-    Column("name", "config", ""),
-    Column("requests_per_s", "req/s", ".2f"),
+    Column("name", "config"), Column("requests_per_s", "req/s", ".2f"),
     Column("output_tokens_per_s", "out tok/s", ".1f"),
-    Column("latency_p50_s", "p50 s", ".2f"),
-    Column("latency_p90_s", "p90 s", ".2f"),
-    Column("latency_p99_s", "p99 s", ".2f"),
-    Column("ttft_mean_s", "TTFT s", ".3f"),
-    Column("tokens_per_step", "tok/step", ".2f"),
-    Column("same_text_as_first", "same txt 1st", ".2f"),
-    Column("same_text_as_hf", "same txt HF", ".2f"),
-    Column(f"vs_{HF_NAME}", "x HF", ".2f"),
+    *(Column(f"latency_p{q}_s", f"p{q} s", ".2f") for q in PERCENTILES), Column("ttft_mean_s", "TTFT s", ".3f"),
+    Column("tokens_per_step", "tok/step", ".2f"), Column("same_text_as_first", "same txt 1st", ".2f"),
+    Column("same_text_as_hf", "same txt HF", ".2f"), Column(f"vs_{HF_NAME}", "x HF", ".2f"),
     Column("vs_first", "x 1st", ".2f"),
 ]
-
-
-# ------------------------------------------------------------------ the engine: a real server process, driven over HTTP
 
 
 def _result(timed) -> RequestResult:
@@ -225,9 +189,6 @@ def run_engine(config: ServerConfig, prompts: List[str], args, log_dir: str) -> 
     return row, results
 
 
-# --------------------------------------------------------------------------- the baseline: transformers' generate
-
-
 def run_transformers(model_dir: str, device: str, dtype_name: str, prompts: List[str], args,
                      eos_ids: List[int]) -> Tuple[dict, List[RequestResult]]:
     import torch
@@ -236,37 +197,25 @@ def run_transformers(model_dir: str, device: str, dtype_name: str, prompts: List
 
     dtype = getattr(torch, dtype_name)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    tok.padding_side = "left"
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    gen_cfg = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens if args.ignore_eos else 0,
-        do_sample=False, pad_token_id=pad_id, eos_token_id=eos_ids,
-    )
+    greedy = dict(do_sample=False, pad_token_id=pad_id, eos_token_id=eos_ids)
+    gen_cfg = GenerationConfig(max_new_tokens=args.max_new_tokens,
+                               min_new_tokens=args.max_new_tokens if args.ignore_eos else 0, **greedy)
     # the server tokenizes with add_special_tokens=True: the same ids here
     ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))  # little padding: the baseline's best case
     batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
 
-    def generate(batch: List[int], cfg) -> "torch.Tensor":
-        enc = tok.pad({"input_ids": [ids[i] for i in batch]}, padding=True, return_tensors="pt").to(device)
-        with torch.inference_mode():
-            out = model.generate(**enc, generation_config=cfg)
-        return out[:, enc["input_ids"].shape[1]:]
-
     # warm-up: CUDA context, cuBLAS handles, allocator
-    generate(batches[0], GenerationConfig(max_new_tokens=2, min_new_tokens=0, do_sample=False,
-                                          pad_token_id=pad_id, eos_token_id=eos_ids))
-    _sync()
+    warm_cfg = GenerationConfig(max_new_tokens=2, min_new_tokens=0, **greedy)
+    _hf_generate(model, [ids[i] for i in batches[0]], pad_id, generation_config=warm_cfg)
     results: List[Optional[RequestResult]] = [None] * len(prompts)
     eos = set(eos_ids)
     bar = tqdm(total=len(prompts), desc=HF_NAME, unit="req", leave=False)
     t0 = time.perf_counter()
     for batch in batches:
-        tb = time.perf_counter()
-        new = generate(batch, gen_cfg)
-        _sync()
-        lat = time.perf_counter() - tb
+        new, lat = _hf_generate(model, [ids[i] for i in batch], pad_id, generation_config=gen_cfg)
         for row, i in enumerate(batch):
             toks = new[row].tolist()
             first_eos = None if args.ignore_eos else next((j for j, t in enumerate(toks) if t in eos), None)
@@ -283,12 +232,9 @@ def run_transformers(model_dir: str, device: str, dtype_name: str, prompts: List
     row["tokens_per_step"] = None
     row["batch_size"] = args.hf_batch_size
     print(f"[{HF_NAME}] {len(prompts)} prompts in {wall:.2f}s, {row['output_tokens_per_s']:.1f} out tok/s", flush=True)
-    model = None  # the last reference (generate's closure shares it)
+    model = None  # the last reference
     free_device_memory()
     return row, results
-
-
-# --------------------------------------------------------------------------- the model and the prompts
 
 
 def resolve_model_and_dtype(configs: List[ServerConfig], device: str) -> Tuple[str, str]:
@@ -317,8 +263,7 @@ def build_prompts(args, model_dir: str) -> List[str]:
     return chat_prompt_texts(AutoTokenizer.from_pretrained(model_dir), take_cyclic(questions, args.num_prompts))
 
 
-# ----------------------------------- the in-process matrix (--matrix): engine vs transformers per model, mode and batch
-
+# --matrix: the in-process engine against transformers per model, mode and batch
 MATRIX_MODES = {
     "plain": {},
     "mtp3": dict(mtp_mode="eagle_with_att", mtp_step=3),
@@ -333,7 +278,6 @@ MATRIX_BATCHES = {"embedded": {"plain": (1, 64, 256), "mtp3": (1, 64), "asd_usag
 # Each cell's engine waves cover at least this many distinct prompts (batch 1: one per wave),
 # so a cell's tokens per step is not one prompt's.
 MIN_TIMED_PROMPTS = 16
-MATRIX_COLUMNS = ("model", "mode", "batch", "engine_tok_s", "hf_tok_s", "tokens_per_step", "step_ms")
 
 
 @dataclass
@@ -382,7 +326,8 @@ def _engine_wave(eng, prompts, max_new_tokens: int) -> Wave:
                 sum(len(r.accept_lens) for r in res), sum(sum(r.accept_lens) for r in res))
 
 
-def _hf_wave(model, prompts, max_new_tokens: int, pad_id: int) -> Wave:
+def _hf_generate(model, prompts: Sequence[List[int]], pad_id: int, **kwargs) -> Tuple["torch.Tensor", float]:
+    """Greedy ``model.generate`` over the left-padded prompts: the new tokens and the seconds they took."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -391,10 +336,14 @@ def _hf_wave(model, prompts, max_new_tokens: int, pad_id: int) -> Wave:
     _sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id, **kwargs)
     _sync()
-    return Wave(int(out.shape[0]) * (int(out.shape[1]) - width), time.perf_counter() - t0)
+    return out[:, width:], time.perf_counter() - t0
+
+
+def _hf_wave(model, prompts, max_new_tokens: int, pad_id: int) -> Wave:
+    new, seconds = _hf_generate(model, prompts, pad_id, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+    return Wave(new.numel(), seconds)
 
 
 def run_matrix(args) -> List[dict]:
@@ -469,9 +418,8 @@ def add_matrix_ratios(rows: List[dict]) -> List[dict]:
     plain = {(r["model"], r["batch"]): r for r in rows if r["mode"] == "plain"}
     for r in rows:
         base = plain.get((r["model"], r["batch"]), {})
-        hf, eng = base.get("hf_tok_s"), base.get("engine_tok_s")
-        r["vs_hf"] = r["engine_tok_s"] / hf if hf else None
-        r["vs_plain"] = r["engine_tok_s"] / eng if eng else None
+        r["vs_hf"] = ratio(r["engine_tok_s"], base.get("hf_tok_s"))
+        r["vs_plain"] = ratio(r["engine_tok_s"], base.get("engine_tok_s"))
     return rows
 
 
@@ -552,7 +500,6 @@ def main(argv=None) -> int:
     for config in configs:
         row, results = run_engine(config, prompts, args, log_dir)
         texts[config.name] = [r.text for r in results]
-        row["prompt_tokens"] = sum(r.prompt_tokens for r in results)
         if args.ignore_eos and any(r.output_tokens != args.max_new_tokens for r in results):
             print(f"WARNING [{config.name}]: --ignore_eos but some requests did not generate "
                   f"{args.max_new_tokens} tokens: {dict(Counter(str(r.output_tokens) for r in results))}", flush=True)
@@ -566,7 +513,6 @@ def main(argv=None) -> int:
         eos_ids = load_eos_token_ids(model_dir, AutoTokenizer.from_pretrained(model_dir))
         hf_row, hf_results = run_transformers(model_dir, device, dtype, prompts, args, eos_ids)
         texts[HF_NAME] = [r.text for r in hf_results]
-        hf_row["prompt_tokens"] = sum(r.prompt_tokens for r in hf_results)
         for row in rows:
             if row["prompt_tokens"] != hf_row["prompt_tokens"]:
                 print(f"WARNING [{row['name']}]: server saw {row['prompt_tokens']} prompt tokens, "
@@ -577,10 +523,7 @@ def main(argv=None) -> int:
     for row in table_rows:
         row["same_text_as_first"] = same_fraction(texts[row["name"]], texts[first])
         row["same_text_as_hf"] = same_fraction(texts[row["name"]], texts[HF_NAME]) if hf_row else None
-    add_ratios_to_baseline_and_first(table_rows, hf_row or rows[0])
-    if not hf_row:
-        for row in table_rows:
-            row.pop(f"vs_{first}", None)
+    add_ratios_to_baseline_and_first(table_rows, hf_row)
 
     print()
     print(render_table(table_rows, TABLE_COLUMNS))

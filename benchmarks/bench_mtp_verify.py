@@ -1,17 +1,12 @@
-"""Kernel benchmark: strict MTP verify vs ASD verify vs a greedy sample step.
+"""Kernel benchmark: strict MTP verify (mtp_verify) vs ASD verify (mtp_asd_verify, reads two logits per
+mismatched row) vs a greedy sample step (torch.argmax over the same logits, what a decode step already pays).
 
-For each (requests, K): a batch of requests * (K + 1) rows of bf16 logits over a
-151936-token vocabulary (Qwen), greedy targets (the row argmax), and drafts that match
-the target with probability --match-prob. Timed on the GPU:
-
-- strict: mtp_verify
-- asd:    mtp_asd_verify (reads two logits per mismatched row)
-- argmax: torch.argmax over the same logits, what a greedy decode step already pays
-
-Each call is timed alone with CUDA events while the GPU is held busy by a spin kernel,
-so host launch overhead is not counted (it is reported apart, as *_host_us). L2 is
-flushed before every call. The ASD kernel rewrites next_token_ids and the ledger in
-place: both are restored before each call, outside the timed region.
+For each (requests, K): a batch of requests * (K + 1) rows of bf16 logits over a 151936-token
+vocabulary (Qwen), greedy targets (the row argmax), and drafts that match the target with
+probability --match-prob. Each call is timed alone with CUDA events while the GPU is held busy by
+a spin kernel, so host launch overhead is not counted (it is reported apart, as *_host_us). L2 is
+flushed before every call. The ASD kernel rewrites next_token_ids and the ledger in place: both
+are restored before each call, outside the timed region.
 
     python benchmarks/bench_mtp_verify.py --out mtp_verify.json
 """
@@ -132,17 +127,8 @@ def bench_one(num_reqs: int, num_drafts: int, args, gen: torch.Generator) -> dic
         return mtp_verify(x["req_to_next_token_ids"], x["b_req_mtp_start_loc"], ids, x["b_req_idx"])
 
     def asd():
-        return mtp_asd_verify(
-            x["req_to_next_token_ids"],
-            x["b_req_mtp_start_loc"],
-            ids,
-            x["b_req_idx"],
-            x["logits"],
-            ledger,
-            x["budget"],
-            args.ratio,
-            args.max_mismatch,
-        )
+        return mtp_asd_verify(x["req_to_next_token_ids"], x["b_req_mtp_start_loc"], ids, x["b_req_idx"], x["logits"],
+                              ledger, x["budget"], args.ratio, args.max_mismatch)
 
     def argmax():
         return x["logits"].argmax(dim=-1)
@@ -156,16 +142,12 @@ def bench_one(num_reqs: int, num_drafts: int, args, gen: torch.Generator) -> dic
     asd_len = asd()[0].float().mean().item()
 
     row = {
-        "requests": num_reqs,
-        "K": num_drafts,
-        "batch_rows": num_reqs * (num_drafts + 1),
+        "requests": num_reqs, "K": num_drafts, "batch_rows": num_reqs * (num_drafts + 1),
         "strict_us": gpu_time_us(strict, no_restore, args.iters, args.warmup),
         "asd_us": gpu_time_us(asd, restore, args.iters, args.warmup),
         "argmax_us": gpu_time_us(argmax, no_restore, args.iters, args.warmup),
-        "strict_host_us": host_time_us(strict, args.iters),
-        "asd_host_us": host_time_us(asd, args.iters),
-        "strict_mean_accept_len": strict_len,
-        "asd_mean_accept_len": asd_len,
+        "strict_host_us": host_time_us(strict, args.iters), "asd_host_us": host_time_us(asd, args.iters),
+        "strict_mean_accept_len": strict_len, "asd_mean_accept_len": asd_len,
     }
     row["asd_over_strict"] = row["asd_us"] / row["strict_us"]
     row["asd_over_argmax"] = row["asd_us"] / row["argmax_us"]
@@ -188,12 +170,7 @@ def main():
         sys.exit(f"--num-drafts values must be in 1..{MAX_MTP_STEP}")
     if args.ratio < 0 or math.isnan(args.ratio):
         sys.exit("--ratio must be >= 0 (inf = unset)")
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress bar is optional
-
-        def tqdm(it, **_):
-            return it
+    from tqdm import tqdm
 
     gen = torch.Generator(device=DEVICE).manual_seed(args.seed)
     sizes = [(r, k) for r in args.requests for k in args.num_drafts]
@@ -203,15 +180,10 @@ def main():
     import triton
 
     result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "vocab": args.vocab,
-        "dtype": args.dtype,
-        "match_prob": args.match_prob,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "vocab": args.vocab, "dtype": args.dtype, "match_prob": args.match_prob,
         "asd": {"budget": args.budget, "local_regret_ratio": args.ratio, "block_max_mismatch": args.max_mismatch},
-        "iters": args.iters,
-        "timing": "median GPU time per call, CUDA events, L2 flushed, host overhead excluded",
+        "iters": args.iters, "timing": "median GPU time per call, CUDA events, L2 flushed, host overhead excluded",
         "rows": rows,
     }
     write_json(args.out, result)

@@ -1,25 +1,8 @@
-"""Hostile-client run (issue 13): throw every hostile request of the issue at a live server
-while a few normal clients keep working, then check the server is healthy and lost nothing.
-
-Probes, by the issue's item numbers (5, SIGKILL of the API server, and the worker-death
-watchdog end the server, so they live in unit_tests only):
-
-1. values the engine cannot hold (top_k 2**31, temperature / repetition_penalty /
-   asd_regret_budget 1e39, seed 2**64 and 2**64-1): 400 naming the field, server alive;
-2. values that made log-probs non-finite (temperature / repetition_penalty 1e-50, a 1e308
-   bias): 400; the edges of the ranges: 200 with strict JSON (no NaN) and finite log-probs;
-3. 8 non-streaming clients that hang up: all aborted (KV freed) within about a second;
-4. a 20 MB body and a 9 MB chunked one: 413 at once; /health answers while an ~8 MB prompt
-   is tokenized;
-6. streams hold back a possible stop string: streamed text == final text, stream token
-   events == the non-streamed tokens;
-7. counts end at the stop: the fewest tokens whose text covers the kept text;
-8. a lone surrogate and 100k-deep JSON: 400;
-9. OpenAI: max_completion_tokens, stream_options.include_usage, unsupported logprobs /
-   echo / best_of, a bogus role, errors naming the client's fields.
-
-Meanwhile ``--concurrency`` ordinary clients send requests until the probes end (at least ``--normal``); at the end /health
-must be 200, no normal request failed, and no request still holds KV.
+"""Hostile-client run (issue 13): throw every hostile request of the issue at a live server while
+``--concurrency`` ordinary clients keep working (until the probes end, at least ``--normal``
+requests), then check that /health is 200, no ordinary request failed and no request still holds
+KV. The probes (``_probes``) go by the issue's item numbers; item 5 (SIGKILL of the API server)
+and the worker-death watchdog end the server, so they live in unit_tests only.
 
     python benchmarks/hostile_client.py --url http://127.0.0.1:8123 --out hostile.json
     python benchmarks/hostile_client.py --server_args "--mtp_mode eagle_with_att --mtp_step 3"
@@ -60,6 +43,7 @@ BIG_PROMPT_CHARS = 7_500_000  # under an 8 MiB body limit, far over any --max_re
 DEEP_NESTING = 100_000
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?"
 CHAT_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = CHAT_PROMPT.format(QUESTION)
 
 
 @dataclass
@@ -119,14 +103,16 @@ def _gen(params) -> Dict:
     return {"inputs": "hi", "parameters": {"max_new_tokens": 4, **params}}
 
 
-# ---------------------------------------------------------------- probes
-
 Probe = Tuple[str, str, str, Callable[[Client], Tuple[bool, str]]]  # item, name, expected, run
 
 
+def _refusal(item: str, name: str, path: str, body=None, field_name: str = "", raw: Optional[bytes] = None) -> Probe:
+    """A probe that wants a 400 naming ``field_name``."""
+    return item, name, f"400 {field_name}", lambda c: _refused(c, path, body, raw, field_name=field_name)
+
+
 def _refusal_probes() -> List[Probe]:
-    probes = []
-    for item, name, params, name_of_field in [
+    probes = [_refusal(item, name, "/generate", _gen(params), field_name) for item, name, params, field_name in [
         ("1", "top_k 2**31 sampled", {"do_sample": True, "top_k": 2**31}, "top_k"),
         ("1", "temperature 1e39 sampled", {"do_sample": True, "temperature": 1e39}, "temperature"),
         ("1", "repetition_penalty 1e39", {"repetition_penalty": 1e39}, "repetition_penalty"),
@@ -138,9 +124,7 @@ def _refusal_probes() -> List[Probe]:
         ("2", "repetition_penalty 1e-50", {"repetition_penalty": 1e-50, "return_details": True},
          "repetition_penalty"),
         ("2", "logit_bias 1e308", {"logit_bias": {"5": 1e308}, "return_details": True}, "logit_bias"),
-    ]:
-        probes.append((item, name, f"400 {name_of_field}",
-                       lambda c, p=params, f=name_of_field: _refused(c, "/generate", _gen(p), field_name=f)))
+    ]]
     probes.append(("1", "the issue's curl, then /health", "400, health 200", _curl_then_health))
     return probes
 
@@ -230,8 +214,7 @@ def _health_while_tokenizing(c: Client) -> Tuple[bool, str]:
 
 def _stop_case(c: Client) -> Tuple[str, str]:
     """(stop string, the greedy text) for a stop that spans several tokens mid-text."""
-    text = c.post("/generate", {"inputs": CHAT_PROMPT.format(QUESTION),
-                                "parameters": {"max_new_tokens": 48}}).json()["generated_text"][0]
+    text = c.post("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 48}}).json()["generated_text"][0]
     start = text.find(" ", len(text) // 3)
     return text[start:start + 6], text
 
@@ -239,15 +222,14 @@ def _stop_case(c: Client) -> Tuple[str, str]:
 def _stream_holds_back(c: Client) -> Tuple[bool, str]:
     stop, text = _stop_case(c)
     kept = text[:text.find(stop)]
-    prompt = CHAT_PROMPT.format(QUESTION)
-    body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "stop": stop}
+    body = {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stop": stop}
     final = c.post("/v1/completions", body).json()["choices"][0]["text"]
     _, events = c.stream("/v1/completions", {**body, "stream": True})
     streamed = "".join(strict_json(e)["choices"][0]["text"] for e in events if e != "[DONE]")
     params = {"max_new_tokens": 48, "stop_sequences": [stop]}
-    ids = [t["id"] for t in c.post("/generate", {"inputs": prompt, "parameters": {**params, "return_details": True}}
+    ids = [t["id"] for t in c.post("/generate", {"inputs": PROMPT, "parameters": {**params, "return_details": True}}
                                    ).json()["tokens"]]
-    _, events = c.stream("/generate_stream", {"inputs": prompt, "parameters": params})
+    _, events = c.stream("/generate_stream", {"inputs": PROMPT, "parameters": params})
     stream_ids = [strict_json(e)["token"]["id"] for e in events if strict_json(e)["token"] is not None]
     ok = streamed == final == kept and stream_ids == ids
     return ok, f"stop {stop!r}: stream==final {streamed == final}, final==kept {final == kept}, events==tokens {stream_ids == ids}"
@@ -255,13 +237,12 @@ def _stream_holds_back(c: Client) -> Tuple[bool, str]:
 
 def _counts_end_at_stop(c: Client) -> Tuple[bool, str]:
     stop, _ = _stop_case(c)
-    prompt = CHAT_PROMPT.format(QUESTION)
-    out = c.post("/generate", {"inputs": prompt, "parameters": {"max_new_tokens": 48, "stop_sequences": [stop],
+    out = c.post("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 48, "stop_sequences": [stop],
                                                                 "return_details": True}}).json()
     final, pieces = out["generated_text"][0], [t["text"] for t in out["tokens"]]
     covers = "".join(pieces).startswith(final)
     fewest = not pieces or not "".join(pieces[:-1]).startswith(final) or not final
-    usage = c.post("/v1/completions", {"prompt": prompt, "max_tokens": 48, "temperature": 0, "stop": stop}
+    usage = c.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "stop": stop}
                    ).json()["usage"]["completion_tokens"]
     ok = covers and fewest and out["count_output_tokens"] == len(pieces) == usage
     return ok, f"count {out['count_output_tokens']}, tokens {len(pieces)}, usage {usage}, fewest covering {covers and fewest}"
@@ -301,27 +282,20 @@ def _probes() -> List[Probe]:
          _health_while_tokenizing),
         ("6", "stop string across updates", "stream == final", _stream_holds_back),
         ("7", "counts end at the stop", "fewest covering tokens", _counts_end_at_stop),
-        ("8", "lone surrogate in inputs", "400 inputs", lambda c: _refused(c, "/generate", raw=surrogate,
-                                                                          field_name="inputs")),
-        ("8", "100k-deep JSON", "400 body", lambda c: _refused(c, "/generate", raw=deep, field_name="body")),
+        _refusal("8", "lone surrogate in inputs", "/generate", raw=surrogate, field_name="inputs"),
+        _refusal("8", "100k-deep JSON", "/generate", raw=deep, field_name="body"),
         ("9", "max_completion_tokens", "200; conflict 400", _max_completion_tokens),
         ("9", "stream_options.include_usage", "usage in a last chunk", _include_usage),
-        ("9", "logprobs 1", "400 logprobs", lambda c: _refused(c, "/v1/completions", {"prompt": "hi", "logprobs": 1},
-                                                             field_name="logprobs")),
-        ("9", "echo true", "400 echo", lambda c: _refused(c, "/v1/completions", {"prompt": "hi", "echo": True},
-                                                         field_name="echo")),
-        ("9", "best_of 2", "400 best_of", lambda c: _refused(c, "/v1/completions", {"prompt": "hi", "best_of": 2},
-                                                            field_name="best_of")),
-        ("9", "role 'bogus'", "400 messages", lambda c: _refused(
-            c, "/v1/chat/completions", {"messages": [{"role": "bogus", "content": "hi"}]}, field_name="messages")),
-        ("9", "max_tokens 10**6 names max_tokens", "400 max_tokens", lambda c: _refused(
-            c, "/v1/chat/completions", {"messages": chat, "max_tokens": 10**6}, field_name="max_tokens")),
-        ("9", "empty prompt names prompt", "400 prompt", lambda c: _refused(c, "/v1/completions", {"prompt": ""},
-                                                                           field_name="prompt")),
+        _refusal("9", "logprobs 1", "/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs"),
+        _refusal("9", "echo true", "/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        _refusal("9", "best_of 2", "/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+        _refusal("9", "role 'bogus'", "/v1/chat/completions", {"messages": [{"role": "bogus", "content": "hi"}]},
+                 "messages"),
+        _refusal("9", "max_tokens 10**6 names max_tokens", "/v1/chat/completions",
+                 {"messages": chat, "max_tokens": 10**6}, "max_tokens"),
+        _refusal("9", "empty prompt names prompt", "/v1/completions", {"prompt": ""}, "prompt"),
     ]
 
-
-# ---------------------------------------------------------------- the run
 
 def _normal_client(url: str, i: int) -> Optional[str]:
     """One ordinary request (greedy, short); None when it succeeded, else what went wrong."""
@@ -382,14 +356,9 @@ def run(url: str, normal: int, concurrency: int) -> Dict:
     deadline = time.time() + QUIET_DEADLINE_S
     while time.time() < deadline and (c.metric(RUNNING_REQUESTS) or c.metric(KV_USED_TOKENS)):
         time.sleep(0.2)
-    final = {
-        "health": c.health(),
-        "normal_sent": load.sent,
-        "normal_lost": len(load.failed),
-        "normal_failures": load.failed,
-        "running_requests": c.metric(RUNNING_REQUESTS),
-        "kv_used_tokens": c.metric(KV_USED_TOKENS),
-    }
+    final = {"health": c.health(), "normal_sent": load.sent, "normal_lost": len(load.failed),
+             "normal_failures": load.failed, "running_requests": c.metric(RUNNING_REQUESTS),
+             "kv_used_tokens": c.metric(KV_USED_TOKENS)}
     final["ok"] = (final["health"] == 200 and not load.failed and not final["running_requests"]
                    and not final["kv_used_tokens"])
     return {"results": [asdict(r) for r in results], "final": final,

@@ -1,11 +1,8 @@
-"""The tools' and benchmarks' one way to run the engine and talk to it (docs/tools.md): server
-flags and ASD settings, a server started and stopped (``serve``), requests with at most
-``concurrency`` in flight (``send_all``, ``send_timed``), the names of the /metrics samples the
-tools read (from ``lightllm/server/metrics.py``; the page itself: ``MetricsPage`` in
-``lightllm/utils/server_launcher.py``), and one in-process run (``generate_offline``).
+"""The tools' and benchmarks' one way to run the engine and talk to it (docs/tools.md).
 
 httpx is imported only where a request is made: the in-process jobs run without it.
 """
+import argparse
 import asyncio
 import gc
 import json
@@ -24,9 +21,6 @@ WARMUP_REQUESTS = 32
 WARMUP_MAX_NEW_TOKENS = 32
 MAX_LEN_ROUND = 64  # an automatic --max_req_total_len is rounded up to a multiple of this
 DEFAULT_BATCH_MAX_TOKENS = 4096  # prefill chunk: a few dozen GSM8K prompts per prefill step
-
-
-# --------------------------------------------------------------------------- server flags
 
 
 def server_flags(**start_args) -> List[str]:
@@ -59,6 +53,23 @@ class AsdSetting:
 USAGE = AsdSetting(2.0625, 0.25, 2)  # the usage setting of docs/asd.md
 
 
+def engine_parser(max_new_tokens: int = 256, running_max_req_size: Optional[int] = None,
+                  running_help: str = "requests decoded together") -> argparse.ArgumentParser:
+    """The flags of the target, its MTP draft and the request lengths: a parent of the tools' parsers."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model_dir", type=os.path.abspath, default=None,
+                   help="target model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--mtp_mode", default="eagle_with_att")
+    p.add_argument("--mtp_step", type=int, default=3)
+    p.add_argument("--mtp_draft_model_dir", type=os.path.abspath, nargs="+", default=None,
+                   help="draft dir(s) (default: the packaged draft for the model)")
+    p.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
+    p.add_argument("--running_max_req_size", type=int, default=running_max_req_size, help=running_help)
+    p.add_argument("--max_req_total_len", type=int, default=None,
+                   help=f"default: longest prompt + max_new_tokens, rounded up to {MAX_LEN_ROUND}")
+    return p
+
+
 def model_dir_or_embedded(model_dir: Optional[str]) -> str:
     """``model_dir`` made absolute, or the embedded model's folder (converted on first use) when None."""
     if model_dir:
@@ -81,9 +92,6 @@ def wave_server_flags(model_dir: Optional[str], running_max_req_size: int, max_r
     return server_flags(model_dir=model_dir, running_max_req_size=running_max_req_size,
                         max_req_total_len=max_req_total_len,
                         batch_max_tokens=max(batch_max_tokens, max_req_total_len)) + shlex.split(extra)
-
-
-# --------------------------------------------------------------------------- a server
 
 
 def server_env() -> Dict[str, str]:
@@ -122,9 +130,6 @@ def warm_up(url: str, texts: Sequence[str], max_new_tokens: int, concurrency: in
     """An untimed wave of short requests, so kernel compilation is not timed."""
     n = min(WARMUP_MAX_NEW_TOKENS, max_new_tokens)
     send_all(url, [generate_body(t, n) for t in texts[:requests]], concurrency)
-
-
-# -------------------------------------------------------------------------- requests, at most ``concurrency`` in flight
 
 
 async def _bounded(url: str, items: Sequence, concurrency: int, desc: Optional[str], call: Callable) -> List:
@@ -200,9 +205,6 @@ def send_timed(url: str, bodies: Sequence[Dict], concurrency: int, stream: bool 
     return out, time.perf_counter() - t0
 
 
-# --------------------------------------------------------------------------- /metrics
-
-
 def _sample_name(metric) -> str:
     """The name of a ServerMetrics metric on the page (a counter's sample ends in _total)."""
     family = metric.describe()[0]
@@ -222,9 +224,6 @@ MTP_ACCEPT_LEN = _sample_name(_NAMES.mtp_accept_len)  # a histogram
 REQUEST_COUNT = _sample_name(_NAMES.requests)  # label: finish_reason
 RUNNING_REQUESTS = _sample_name(_NAMES.running_reqs)
 KV_USED_TOKENS = _sample_name(_NAMES.kv_used_tokens)
-
-
-# --------------------------------------------------------------------------- in-process
 
 
 def free_device_memory() -> None:

@@ -12,10 +12,6 @@ import time
 from lightllm.utils.embedded_model import default_model_dir_path, ensure_converted, find_embedded_gguf
 
 
-def _dir_size_bytes(path: str) -> int:
-    return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Convert a Llama GGUF file into a Hugging Face model dir.")
     parser.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
@@ -28,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"converting {gguf_path} -> {out_dir}")
     start = time.monotonic()
     model_dir = ensure_converted(gguf_path, out_dir, force=args.force)
-    size_mib = _dir_size_bytes(model_dir) / 2**20
+    size_mib = sum(entry.stat().st_size for entry in os.scandir(model_dir) if entry.is_file()) / 2**20
     print(f"model dir ready: {model_dir} ({size_mib:.0f} MiB, {time.monotonic() - start:.1f} s)")
 
 

@@ -13,26 +13,14 @@ Arms, in run order (every one is ``--mtp_mode`` on with ``--mtp_step K`` unless 
 - ``baseline``  no MTP at all (only with ``--with_baseline``).
 
 For each arm: start ``python -m lightllm.server.api_server`` with the arm's flags, warm it up
-(a short wave, so kernel compilation is not timed), send every question at once (at most
-``--concurrency`` in flight) to ``/generate`` with the chat template applied client-side,
-greedy, ``return_details``; read the accept-length histogram from ``/metrics`` before and after
-the timed wave (the difference is this arm's), stop the server. Results are rewritten after
-every arm, so a run cut short keeps what it measured; ``--time_budget_s`` skips the optional
-arms that would not fit (strict and asd_b0 always run). The draft files are hashed before each
-server starts and after it stops; arms that ran with different drafts fail the run.
-
-Metrics per arm:
-
-- accuracy: the last number of the output (commas stripped) equals the gold after ``####``;
-- tokens/step: ``sum(count_output_tokens) / sum(count_output_tokens - mtp_accepted_token_num)``
-  (every step, the prefill one included, commits one non-draft token);
-- accept_len (metrics): mean of the server's accept-length histogram over the arm's decode steps;
-- output tokens/s and requests/s over the timed wave's wall time, and their ratio to ``strict``
-  and to ``asd_b0`` measured in the same run (``asd_b0`` does strict's work, so its own ratio to
-  ``strict`` is the run's noise: printed under the table, a WARNING above 5%; for ratios that
-  do not depend on server starts use ``benchmarks/bench_asd_budgets.py``);
-- differs: share of requests whose token ids differ from ``strict``;
-- mean regret spent and mean relaxed tokens per request.
+(so kernel compilation is not timed), send every question (at most ``--concurrency`` in flight)
+to ``/generate``, greedy, and read the accept-length histogram from ``/metrics`` around the
+timed wave. Results are rewritten after every arm, so a run cut short keeps what it measured;
+``--time_budget_s`` skips the optional arms that would not fit. The draft files are hashed
+before each server starts and after it stops; arms that ran with different drafts fail the run.
+Throughput ratios are to ``strict`` and to ``asd_b0``: ``asd_b0`` does strict's work, so its own
+ratio to ``strict`` is the run's noise (a WARNING above 5%; for ratios that do not depend on
+server starts use ``benchmarks/bench_asd_budgets.py``).
 
 Output in ``--out_dir``: ``results.json`` (config, summaries, B = 0 check), ``results.md``
 (table + the exact command line), ``requests_<arm>.jsonl`` (one record per question),
@@ -46,48 +34,25 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lightllm.tools.client import (
-    BATCH_STEP_SECONDS,
-    DEFAULT_BATCH_MAX_TOKENS,
-    MTP_ACCEPT_LEN,
-    USAGE,
-    WARMUP_MAX_NEW_TOKENS,
-    WARMUP_REQUESTS,
-    AsdSetting,
-    auto_max_req_total_len,
-    generate_body,
-    model_dir_or_embedded,
-    send_all,
-    serve,
-    server_flags,
-    wave_server_flags,
-    warm_up,
-)
-from lightllm.tools.prompts import (
-    Question,
-    chat_prompt_texts,
-    extract_answer,
-    gsm8k_path,
-    is_correct,
-    load_gsm8k,
-    solve_turns,
-)
+from lightllm.tools.client import (BATCH_STEP_SECONDS, DEFAULT_BATCH_MAX_TOKENS, MTP_ACCEPT_LEN, USAGE,
+                                   WARMUP_MAX_NEW_TOKENS, WARMUP_REQUESTS, AsdSetting, auto_max_req_total_len,
+                                   engine_parser, generate_body, model_dir_or_embedded, send_all, serve, server_flags,
+                                   wave_server_flags, warm_up)
+from lightllm.tools.prompts import (Question, chat_prompt_texts, extract_answer, gsm8k_parser, is_correct, load_gsm8k,
+                                    solve_turns)
 from lightllm.tools.report import Column, first_token_difference, ratio, render_table, tokens_per_step, write_json
 from lightllm.utils.server_launcher import scrape
 
 SWEEP_GATES = (USAGE.local_ratio, USAGE.max_mismatch)  # the sweep's fixed g and m
 DEFAULT_SWEEP = "0.5,1,2,4,8"
-DEFAULT_MTP_MODE = "eagle_with_att"
 NAMED_ARMS = ("strict", "asd_b0", "asd_q25", "asd_usage")
 STRICT, ASD_B0, BASELINE = "strict", "asd_b0", "baseline"
 REQUIRED_ARMS = (STRICT, ASD_B0)  # the reference and its identity check always run
 THROUGHPUT_NOISE_WARN = 0.05  # |B = 0 tok/s / strict tok/s - 1| above this: flag the run
-
-
-# --------------------------------------------------------------------------- arms (pure)
 
 
 @dataclass(frozen=True)
@@ -101,10 +66,6 @@ class Arm:
             return []
         return server_flags(mtp_mode=mtp_mode, mtp_step=mtp_step, mtp_draft_model_dir=draft_dirs or None,
                             **(self.asd.start_args() if self.asd else {}))
-
-
-def sweep_arm_name(budget: float) -> str:
-    return f"asd_B{budget:g}"
 
 
 def build_arms(named: Sequence[str], q25: Optional[float], sweep: Sequence[float], with_baseline: bool) -> List[Arm]:
@@ -128,11 +89,10 @@ def build_arms(named: Sequence[str], q25: Optional[float], sweep: Sequence[float
     for b in sweep:
         if not (math.isfinite(b) and b >= 0):
             raise ValueError(f"sweep budgets must be finite and >= 0, got {b}")
-        arms.append(Arm(sweep_arm_name(b), asd=AsdSetting(b, *SWEEP_GATES)))
+        arms.append(Arm(f"asd_B{b:g}", asd=AsdSetting(b, *SWEEP_GATES)))
     if with_baseline:
         arms.append(Arm(BASELINE, mtp=False))
-    names = [a.name for a in arms]
-    dup = sorted({n for n in names if names.count(n) > 1})
+    dup = sorted(n for n, count in Counter(a.name for a in arms).items() if count > 1)
     if dup:
         raise ValueError(f"arm {dup[0]!r} given twice")
     return arms
@@ -140,9 +100,6 @@ def build_arms(named: Sequence[str], q25: Optional[float], sweep: Sequence[float
 
 def parse_float_list(s: str) -> List[float]:
     return [float(x) for x in s.split(",") if x.strip()]
-
-
-# --------------------------------------------------------------------------- per-request records and aggregation (pure)
 
 
 @dataclass
@@ -163,19 +120,10 @@ class RequestRecord:
     def from_response(cls, q: Question, resp: Dict) -> "RequestRecord":
         text = resp["generated_text"][0]
         pred = extract_answer(text)
-        return cls(
-            index=q.index,
-            token_ids=[t["id"] for t in resp["tokens"]],
-            text=text,
-            count_output_tokens=resp["count_output_tokens"],
-            mtp_accepted_token_num=resp["mtp_accepted_token_num"],
-            asd_relaxed_token_num=resp["asd_relaxed_token_num"],
-            asd_regret_spent=resp["asd_regret_spent"],
-            finish_reason=resp["finish_reason"],
-            pred=pred,
-            gold=q.gold,
-            correct=is_correct(pred, q.gold),
-        )
+        counts = {k: resp[k] for k in ("count_output_tokens", "mtp_accepted_token_num", "asd_relaxed_token_num",
+                                       "asd_regret_spent", "finish_reason")}
+        return cls(index=q.index, token_ids=[t["id"] for t in resp["tokens"]], text=text, **counts, pred=pred,
+                   gold=q.gold, correct=is_correct(pred, q.gold))
 
 
 @dataclass
@@ -235,21 +183,14 @@ def summarize_arm(arm: Arm, records: Sequence[RequestRecord], wall_s: float,
     hist = dict(hist or {})
     asd = asdict(arm.asd) if arm.asd else dict.fromkeys(AsdSetting.__dataclass_fields__)  # B, g, m (None: unset)
     return ArmSummary(
-        name=arm.name, **asd, mtp=arm.mtp,
-        num_requests=n,
-        accuracy=sum(r.correct for r in records) / n,
+        name=arm.name, **asd, mtp=arm.mtp, num_requests=n, accuracy=sum(r.correct for r in records) / n,
         tokens_per_step=tokens_per_step(tokens, sum(r.mtp_accepted_token_num for r in records)),
-        mean_accept_len=mean_accept_len(hist),
-        output_tokens=tokens,
-        wall_s=wall_s,
+        mean_accept_len=mean_accept_len(hist), output_tokens=tokens, wall_s=wall_s,
         output_tokens_per_s=tokens / wall_s if wall_s > 0 else float("nan"),
-        requests_per_s=n / wall_s if wall_s > 0 else float("nan"),
-        differs_from_strict=differs,
+        requests_per_s=n / wall_s if wall_s > 0 else float("nan"), differs_from_strict=differs,
         mean_regret_spent=sum(r.asd_regret_spent for r in records) / n,
         mean_relaxed_tokens=sum(r.asd_relaxed_token_num for r in records) / n,
-        accept_len_hist=hist,
-        engine_s=engine_s,
-        engine_tokens_per_s=ratio(tokens, engine_s),
+        accept_len_hist=hist, engine_s=engine_s, engine_tokens_per_s=ratio(tokens, engine_s),
     )
 
 
@@ -329,9 +270,6 @@ def check_same_draft(digests: Dict[str, Optional[str]]) -> Optional[str]:
     return "the draft files changed during the run: " + ", ".join(f"{n} {d}" for n, d in known.items())
 
 
-# --------------------------------------------------------------------------- rendering (pure)
-
-
 SUMMARY_COLUMNS = (
     Column("name", "arm"), Column("budget", "B", "g"), Column("local_ratio", "g", "g"), Column("max_mismatch", "m", "d"),
     Column("accuracy", "accuracy", ".2%"), Column("tokens_per_step", "tokens/step", ".3f"),
@@ -355,97 +293,70 @@ def render_markdown(summaries: Sequence[ArmSummary], b0: Optional[B0Check], comm
     noise = throughput_noise_note(summaries)
     if noise is not None:
         lines += ["", f"**{noise}**"]
-    lines += [
-        "",
-        "tokens/step = sum(count_output_tokens) / sum(count_output_tokens - mtp_accepted_token_num) "
-        f"(the prefill step included); accept_len = mean of the server's {MTP_ACCEPT_LEN} "
-        "histogram over the timed wave's decode steps; wall s = the timed wave (throughput is over it); "
-        "engine tok/s = output tokens / the router's time inside batch steps during the wave "
-        f"({BATCH_STEP_SECONDS}: leaves out the HTTP front end and the client); "
-        "arm s = server start + warm-up + timed wave + stop; B/g/m '-' = flag unset.",
-        "",
-        "Command:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
-    ]
-    return "\n".join(lines)
+    legend = ("tokens/step = sum(count_output_tokens) / sum(count_output_tokens - mtp_accepted_token_num) "
+              f"(the prefill step included); accept_len = mean of the server's {MTP_ACCEPT_LEN} "
+              "histogram over the timed wave's decode steps; wall s = the timed wave (throughput is over it); "
+              "engine tok/s = output tokens / the router's time inside batch steps during the wave "
+              f"({BATCH_STEP_SECONDS}: leaves out the HTTP front end and the client); "
+              "arm s = server start + warm-up + timed wave + stop; B/g/m '-' = flag unset.")
+    return "\n".join(lines + ["", legend, "", "Command:", "", "```", command, "```", ""])
 
 
-# --------------------------------------------------------------------------- plots
-
-
-def _save_figure(fig, out_dir: str, name: str) -> str:
+def _save_figure(fig, out_dir: str, name: str) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=120)
+    fig.savefig(os.path.join(out_dir, name), dpi=120)
     plt.close(fig)
-    return path
 
 
-def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> List[str]:
+def plot_results(summaries: Sequence[ArmSummary], out_dir: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
     by = {s.name: s for s in summaries}
     family = sorted([s for s in summaries if (s.local_ratio, s.max_mismatch) == SWEEP_GATES
                      and s.budget is not None], key=lambda s: s.budget)
     budgets = sorted({round(s.budget, 4) for s in summaries if s.budget is not None})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, attr, label in ((axes[0], "accuracy", "accuracy"), (axes[1], "output_tokens_per_s", "output tokens/s")):
+    for ax, attr, label in ((axes[0], "accuracy", "accuracy (%)"), (axes[1], "output_tokens_per_s", "output tokens/s")):
         scale = 100.0 if attr == "accuracy" else 1.0
         if family:
             ax.plot([s.budget for s in family], [scale * getattr(s, attr) for s in family], "o-",
                     label="ASD g={:g}, m={} (sweep + usage)".format(*SWEEP_GATES))
         for name, marker in ((ASD_B0, "s"), ("asd_q25", "D")):
             if name in by:
-                s = by[name]
-                ax.plot([s.budget], [scale * getattr(s, attr)], marker, markersize=8, label=name)
-        for name, style in ((STRICT, "--"), (BASELINE, ":")):
+                ax.plot([by[name].budget], [scale * getattr(by[name], attr)], marker, markersize=8, label=name)
+        for name, style, color in ((STRICT, "--", "gray"), (BASELINE, ":", "black")):
             if name in by:
-                ax.axhline(scale * getattr(by[name], attr), linestyle=style, color="gray" if name == STRICT else "black",
-                           label=name)
+                ax.axhline(scale * getattr(by[name], attr), linestyle=style, color=color, label=name)
         ax.set_xscale("symlog", linthresh=0.25)
         if budgets:
             ax.set_xlim(-0.05, 1.5 * max(budgets) if max(budgets) > 0 else 1.0)
-            ax.set_xticks(budgets)
-            ax.set_xticklabels([f"{b:g}" for b in budgets], rotation=45, fontsize=8)
+            ax.set_xticks(budgets, [f"{b:g}" for b in budgets], rotation=45, fontsize=8)
             ax.minorticks_off()
-        ax.set_xlabel("regret budget B")
-        ax.set_ylabel(label + (" (%)" if attr == "accuracy" else ""))
+        ax.set(xlabel="regret budget B", ylabel=label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("GSM8K: accuracy and throughput against the ASD budget")
-    paths.append(_save_figure(fig, out_dir, "budget_sweep.png"))
+    _save_figure(fig, out_dir, "budget_sweep.png")
 
     with_hist = [s for s in summaries if sum(s.accept_len_hist.values()) > 0]
     if with_hist:
-        kmax = max(k for s in with_hist for k, c in s.accept_len_hist.items() if c > 0)
-        ks = list(range(1, kmax + 1))
+        ks = list(range(1, max(k for s in with_hist for k, c in s.accept_len_hist.items() if c > 0) + 1))
         fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(ks) + 0.3 * len(with_hist)), 4.5))
         width = 0.8 / len(with_hist)
         for i, s in enumerate(with_hist):
             total = sum(s.accept_len_hist.values())
             ax.bar([k - 0.4 + width * (i + 0.5) for k in ks], [s.accept_len_hist.get(k, 0) / total for k in ks],
                    width=width, label=f"{s.name} (mean {s.mean_accept_len:.2f})")
-        ax.set_xticks(ks)
-        ax.set_xlabel("accept_len (committed tokens per request per verify step)")
-        ax.set_ylabel("share of decode steps")
+        ax.set(xticks=ks, xlabel="accept_len (committed tokens per request per verify step)",
+               ylabel="share of decode steps", title="Accept-length histogram per arm (server /metrics)")
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-        ax.set_title("Accept-length histogram per arm (server /metrics)")
-        paths.append(_save_figure(fig, out_dir, "accept_len_hist.png"))
-    return paths
-
-
-# --------------------------------------------------------------------------- running an arm against the real server
+        _save_figure(fig, out_dir, "accept_len_hist.png")
 
 
 @dataclass
@@ -475,18 +386,11 @@ def run_arm(arm: Arm, base_flags: List[str], arm_flags: List[str], questions: Se
         grown = scrape(server.url) - before
     records = [RequestRecord.from_response(q, r) for q, r in zip(questions, responses)]
     with open(os.path.join(out_dir, f"requests_{arm.name}.jsonl"), "w") as f:
-        for r in records:
-            f.write(json.dumps(asdict(r)) + "\n")
-    digest = digest_before
-    if check:
-        digest_after = files_digest(check)
-        if digest_after != digest_before:
-            digest = f"{digest_before}->{digest_after}"  # changed while the server ran
+        f.writelines(json.dumps(asdict(r)) + "\n" for r in records)
+    digest_after = files_digest(check) if check else None  # "before->after": changed while the server ran
+    digest = digest_before if digest_after == digest_before else f"{digest_before}->{digest_after}"
     return ArmRun(records, wall, grown.histogram(MTP_ACCEPT_LEN), draft_digest=digest,
                   engine_s=grown.value(BATCH_STEP_SECONDS))
-
-
-# --------------------------------------------------------------------------- CLI
 
 
 def read_calib_q25(path: str, mtp_step: int) -> float:
@@ -501,23 +405,11 @@ def read_calib_q25(path: str, mtp_step: int) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    parents = [gsm8k_parser("test"), engine_parser(running_help="server flag (default: --concurrency)")]
     p = argparse.ArgumentParser(prog="python -m lightllm.tools.eval_gsm8k", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None,
-                   help="GSM8K test jsonl ({question, answer}; default: test.jsonl in $LIGHTLLM_GSM8K_DIR or "
-                        "../shared/data/gsm8k beside the checkout)")
+                                formatter_class=argparse.RawDescriptionHelpFormatter, parents=parents)
     p.add_argument("--out_dir", required=True)
-    p.add_argument("--num_questions", type=int, default=None, help="first N questions (default: all)")
-    p.add_argument("--model_dir", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--mtp_mode", default=DEFAULT_MTP_MODE)
-    p.add_argument("--mtp_step", type=int, default=3)
-    p.add_argument("--mtp_draft_model_dir", nargs="+", default=None,
-                   help="draft dir(s) (default: the server's packaged draft for the model)")
     p.add_argument("--concurrency", type=int, default=256, help="requests in flight")
-    p.add_argument("--running_max_req_size", type=int, default=None, help="server flag (default: --concurrency)")
-    p.add_argument("--max_req_total_len", type=int, default=None,
-                   help="server flag (default: longest prompt + max_new_tokens, rounded up to 64)")
-    p.add_argument("--max_new_tokens", type=int, default=256)
     cal = p.add_mutually_exclusive_group()
     cal.add_argument("--calib", default=None, help="calib.json of asd_calibrate (its q25)")
     cal.add_argument("--q25", type=float, default=None, help="q for the asd_q25 arm (B = g = q, m = 1)")
@@ -556,12 +448,10 @@ def main(argv=None) -> int:
 
     from lightllm.utils.embedded_model import default_draft_dir_for
 
-    model_dir = os.path.abspath(args.model_dir) if args.model_dir else None  # None: the server's embedded model
+    model_dir, draft_dirs = args.model_dir, args.mtp_draft_model_dir  # None: the server's embedded model, its draft
     tok_dir = model_dir_or_embedded(model_dir)
-    draft_dirs = [os.path.abspath(d) for d in args.mtp_draft_model_dir] if args.mtp_draft_model_dir else None
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     draft_check_dirs = draft_dirs or [d for d in [default_draft_dir_for(tok_dir, args.mtp_mode)] if d]
-    args.data = gsm8k_path("test", args.data)
     questions = load_gsm8k(args.data, args.num_questions)
     if any(q.gold is None for q in questions):
         raise ValueError(f"{args.data}: every question needs an answer")
@@ -598,10 +488,9 @@ def main(argv=None) -> int:
         if arm.name == ASD_B0:
             b0 = check_b0(runs[STRICT].records, runs[ASD_B0].records)
             print(("" if b0.passed else "!!! ") + b0.message(), flush=True)
-        # after every arm, so a run cut short still leaves its results
-        md, b0 = write_outputs([a for a in arms if a.name in runs], runs, skipped, args, draft_dirs, command, setup)
+        md, b0 = write_outputs(arms, runs, skipped, args, command, setup)  # so a run cut short leaves its results
     if skipped:  # the last write did not know of them all
-        md, b0 = write_outputs([a for a in arms if a.name in runs], runs, skipped, args, draft_dirs, command, setup)
+        md, b0 = write_outputs(arms, runs, skipped, args, command, setup)
     print(md)
     if b0 is None or not b0.passed:
         print(f"FAILED: {b0.message() if b0 else 'no B = 0 check'}", file=sys.stderr)
@@ -614,8 +503,9 @@ def main(argv=None) -> int:
 
 
 def write_outputs(arms: Sequence[Arm], runs: Dict[str, "ArmRun"], skipped: Sequence[str], args,
-                  draft_dirs, command: str, setup: Dict[str, object]) -> Tuple[str, Optional[B0Check]]:
+                  command: str, setup: Dict[str, object]) -> Tuple[str, Optional[B0Check]]:
     """results.json, results.md and the plots for the arms run so far."""
+    arms = [a for a in arms if a.name in runs]
     strict = runs[STRICT].records
     summaries = [summarize_arm(a, runs[a.name].records, runs[a.name].wall_s, strict, runs[a.name].accept_len_hist,
                                runs[a.name].engine_s) for a in arms]
@@ -632,7 +522,7 @@ def write_outputs(arms: Sequence[Arm], runs: Dict[str, "ArmRun"], skipped: Seque
         setup = {**setup, "draft files (sha256)": f"MISMATCH, {draft_error}" if draft_error else known[0]}
     results = {
         "command": command, "setup": setup, "b0_check": asdict(b0) if b0 else None, "skipped_arms": list(skipped),
-        "arms": [{**asdict(s), "server_flags": a.server_flags(args.mtp_mode, args.mtp_step, draft_dirs),
+        "arms": [{**asdict(s), "server_flags": a.server_flags(args.mtp_mode, args.mtp_step, args.mtp_draft_model_dir),
                   "draft_digest": runs[a.name].draft_digest} for s, a in zip(summaries, arms)],
     }
     write_json(os.path.join(args.out_dir, "results.json"), results)

@@ -39,11 +39,6 @@ logger = logging.getLogger(__name__)
 
 # A user message no template rewrites (letters and digits only: survives `| trim`, escaping)
 SENTINEL = "MagpieSentinel7f3a9cUserTurn"
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_TOP_P = 0.95
-DEFAULT_MAX_NEW_TOKENS = 96  # a user turn longer than this is dropped as overlong
-DEFAULT_OVERSAMPLE = 1.6  # requests per wanted prompt in the first round (filtering drops some)
-MAX_ROUNDS = 8  # sampling rounds before giving up on reaching --count
 # Request i of a run draws with seeds (offset(run seed) + i * SEED_STRIDE + position) mod 2**SEED_BITS:
 # disjoint across a run's requests (position < SEED_STRIDE, i < MAX_REQUESTS_PER_RUN). 32 bits,
 # because CPU generators (mt19937) keep only a seed's low 32 bits.
@@ -51,7 +46,6 @@ SEED_BITS = 32
 SEED_STRIDE = 1 << 10
 MAX_REQUESTS_PER_RUN = 1 << (SEED_BITS - 10)
 SEED_MODES = ("request", "batch")
-GEN_RUNNING_MAX_REQ_SIZE = 256  # requests decoded together
 GEN_BATCH_MAX_TOKENS = 8192  # prompt tokens per prefill step
 
 # Tags in the style of <|im_start|>, <|eot_id|>, <|user|>: never part of a real user message
@@ -67,9 +61,6 @@ PROMPT_RECORD_KEYS = ("kind", "source", "prompt")
 
 # the held-out set (benchmarks/data/README.md): never used for training
 DEFAULT_HELDOUT_PATH = os.path.join(REPO, "benchmarks", "data", "heldout_prompts.jsonl")
-
-
-# --------------------------------------------------------------------------- the template's user-turn prefix
 
 
 @dataclass(frozen=True)
@@ -121,9 +112,6 @@ def user_turn_prefix(tokenizer, system_prompt: Optional[str] = None) -> UserTurn
     return UserTurnPrefix(prefix, eot, tuple(tokenizer.encode(eot, add_special_tokens=False)), tags)
 
 
-# --------------------------------------------------------------------------- cleaning (pure)
-
-
 @dataclass(frozen=True)
 class FilterConfig:
     min_chars: int = 12  # after stripping
@@ -142,13 +130,8 @@ class RawTurn:
 
 
 # why a raw turn was dropped (FilterResult.dropped keys), in the order they are checked
-DROP_OVERLONG = "overlong"
-DROP_EMPTY = "empty"
-DROP_TAG = "template_tag"
-DROP_SHORT = "too_short"
-DROP_LONG = "too_long"
-DROP_DUPLICATE = "duplicate"
-DROP_REASONS = (DROP_OVERLONG, DROP_EMPTY, DROP_TAG, DROP_SHORT, DROP_LONG, DROP_DUPLICATE)
+DROP_REASONS = DROP_OVERLONG, DROP_EMPTY, DROP_TAG, DROP_SHORT, DROP_LONG, DROP_DUPLICATE = (
+    "overlong", "empty", "template_tag", "too_short", "too_long", "duplicate")
 
 
 @dataclass
@@ -199,22 +182,19 @@ def filter_user_turns(turns: Sequence[RawTurn], tags: Sequence[str], cfg: Filter
     return result
 
 
-# --------------------------------------------------------------------------- sampling with the engine
-
-
 @dataclass(frozen=True)
 class MagpieConfig:
     count: int = 256  # prompts wanted after filtering
-    temperature: float = DEFAULT_TEMPERATURE
-    top_p: float = DEFAULT_TOP_P
+    temperature: float = 1.0
+    top_p: float = 0.95
     top_k: int = -1  # -1: the whole vocabulary
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int = 96  # a user turn longer than this is dropped as overlong
     seed: int = 0
     seed_mode: str = "request"  # a name in SEED_MODES
     system_prompt: Optional[str] = None  # None: the template's default system turn
-    oversample: float = DEFAULT_OVERSAMPLE
-    max_rounds: int = MAX_ROUNDS
-    gen_batch_size: int = GEN_RUNNING_MAX_REQ_SIZE  # the engine's running_max_req_size
+    oversample: float = 1.6  # requests per wanted prompt in the first round (filtering drops some)
+    max_rounds: int = 8  # sampling rounds before giving up on reaching count
+    gen_batch_size: int = 256  # the engine's running_max_req_size: requests decoded together
     max_seconds: Optional[float] = None  # time budget: no round starts after it, unfinished turns are aborted
     filter: FilterConfig = FilterConfig()
 
@@ -365,9 +345,6 @@ def generate_magpie_prompts(model_dir: str, cfg: MagpieConfig, device: Optional[
         free_device_memory()
 
 
-# --------------------------------------------------------------------------- prompt sets
-
-
 @dataclass(frozen=True)
 class PromptRecord:
     kind: str  # KIND_GENERAL, KIND_MATH, or a held-out kind
@@ -428,9 +405,6 @@ def mix_prompts(general: Sequence[PromptRecord], gsm8k: Sequence[PromptRecord], 
     return mixed
 
 
-# --------------------------------------------------------------------------- the held-out set
-
-
 def load_heldout(path: str = DEFAULT_HELDOUT_PATH) -> List[Dict]:
     """The held-out prompts ({"id", "kind", "prompt", "source"} per line)."""
     with open(path, encoding="utf-8") as f:
@@ -441,9 +415,6 @@ def heldout_overlap(prompts: Sequence[str], heldout: Sequence[str]) -> List[int]
     """Indices of ``prompts`` equal to a held-out prompt after ``normalize_prompt`` (must be empty to train)."""
     keys = {normalize_prompt(h) for h in heldout}
     return [i for i, p in enumerate(prompts) if normalize_prompt(p) in keys]
-
-
-# --------------------------------------------------------------------------- CLI
 
 
 def make_parser() -> argparse.ArgumentParser:

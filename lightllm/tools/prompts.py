@@ -1,22 +1,14 @@
-"""The prompt sets of the tools and benchmarks, and the one chat-template rule.
-
-Chat template, the one rule: a prompt is the model's chat template over one user turn,
-with the generation prompt, tokenized with ``add_special_tokens=False``, as the engine's
-``/v1/chat/completions`` does (``chat_prompt_ids``; the in-process tools use these ids).
-``/generate`` takes text and tokenizes it with ``add_special_tokens=True``, so the text sent
-there (``chat_prompt_texts``) leaves out a BOS the template writes when the tokenizer would
-add it again: the server then sees the same ids. (A tokenizer that adds a BOS its template
-does not write gets one more from ``/generate``: text cannot say "no BOS".)
-
-GSM8K: ``{question, answer}`` jsonl records; the gold is the number after ``####``.
-The files are found through a path given on the command line, else ``$LIGHTLLM_GSM8K_DIR``,
-else ``../shared/data/gsm8k`` beside the checkout (``gsm8k_path``).
+"""The prompt sets of the tools and benchmarks (GSM8K, prompt files) and the one chat-template
+rule (docs/tools.md): the chat template over one user turn with the generation prompt, tokenized
+with ``add_special_tokens=False``, as the engine's ``/v1/chat/completions`` does.
 """
+import argparse
 import json
 import math
 import os
 import re
 from dataclasses import dataclass
+from itertools import islice
 from typing import List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,14 +23,22 @@ ANSWER_RTOL = 1e-9
 _NUMBER_RE = re.compile(r"(?:(?<![\w.])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 
 
-# --------------------------------------------------------------------------- gSM8K
-
-
 def gsm8k_path(split: str, given: Optional[str] = None) -> str:
     """``given`` when set, else ``{split}.jsonl`` in ``$LIGHTLLM_GSM8K_DIR`` or beside the checkout."""
     if given:
         return given
     return os.path.join(os.environ.get(GSM8K_DIR_ENV) or GSM8K_BESIDE_CHECKOUT, f"{split}.jsonl")
+
+
+def gsm8k_parser(split: str, num_questions: Optional[int] = None) -> argparse.ArgumentParser:
+    """``--data`` (default: ``gsm8k_path(split)``) and ``--num_questions``: a parent of the tools' parsers."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--data", default=gsm8k_path(split),
+                   help=f"GSM8K {split} jsonl ({{question, answer}}; default: {split}.jsonl in ${GSM8K_DIR_ENV} "
+                        "or ../shared/data/gsm8k beside the checkout)")
+    p.add_argument("--num_questions", type=int, default=num_questions,
+                   help=f"the first N questions (default: {num_questions or 'all'})")
+    return p
 
 
 @dataclass(frozen=True)
@@ -100,21 +100,11 @@ def is_correct(pred: Optional[float], gold: Optional[float]) -> bool:
                                                                   abs_tol=ANSWER_RTOL)
 
 
-# --------------------------------------------------------------------------- other prompt sets
-
-
 def load_prompt_file(path: str, n: int) -> List[str]:
     """One prompt per non-empty line; a line that is a JSON string is decoded (so prompts can hold newlines)."""
-    prompts = []
     with open(path) as f:
-        for line in f:
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            prompts.append(json.loads(line) if line.startswith('"') else line)
-            if len(prompts) == n:
-                break
-    return prompts
+        lines = islice((line.rstrip("\n") for line in f if line.strip()), n)
+        return [json.loads(line) if line.startswith('"') else line for line in lines]
 
 
 def take_cyclic(items: Sequence, n: int) -> List:
@@ -122,9 +112,6 @@ def take_cyclic(items: Sequence, n: int) -> List:
     if not items:
         raise ValueError("no prompts")
     return [items[i % len(items)] for i in range(n)]
-
-
-# --------------------------------------------------------------------------- the chat template
 
 
 def _template(tokenizer, user_text: str) -> str:
@@ -138,7 +125,8 @@ def chat_prompt_ids(tokenizer, user_texts: Sequence[str]) -> List[List[int]]:
 
 
 def chat_prompt_texts(tokenizer, user_texts: Sequence[str]) -> List[str]:
-    """The text of each prompt for ``/generate``, which the server tokenizes to ``chat_prompt_ids``."""
+    """The text of each prompt for ``/generate``, which the server tokenizes to ``chat_prompt_ids``: it adds
+    special tokens, so a BOS the template writes is left out when the tokenizer would add it again."""
     bos = tokenizer.bos_token
     adds_bos = bool(bos) and tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_token_id]
     texts = [_template(tokenizer, t) for t in user_texts]

@@ -9,9 +9,6 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 MISSING = "-"  # a table cell without a value
 
 
-# --------------------------------------------------------------------------- measures
-
-
 def tokens_per_step(output_tokens: int, accepted_drafts: int) -> Optional[float]:
     """Committed tokens per decode step: every step commits one token that is not an accepted
     draft (the prefill step's included), so steps = output tokens - accepted drafts."""
@@ -44,9 +41,6 @@ def same_fraction(values: Sequence, reference: Sequence) -> float:
     if not values:
         raise ValueError("nothing to compare")
     return sum(a == b for a, b in zip(values, reference)) / len(values)
-
-
-# --------------------------------------------------------------------------- tables and files
 
 
 @dataclass(frozen=True)

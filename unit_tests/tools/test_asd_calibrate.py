@@ -123,7 +123,7 @@ def fake_engine(monkeypatch, tmp_path):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda d: FakeTokenizer())
     calls = []
 
-    def fake_generate(args, model_dir, asd_budget, max_len, prompts, params, observer=None):
+    def fake_generate(args, asd_budget, max_len, prompts, params, observer=None):
         calls.append(asd_budget)
         if observer is not None:
             observer(_hand_built_step())
