@@ -21,6 +21,7 @@ size, and free (in-process engine only, --tp 1).
 """
 import argparse
 import dataclasses
+import gzip
 import json
 import logging
 import math
@@ -364,9 +365,10 @@ def write_prompt_set(path: str, records: Sequence[PromptRecord]) -> None:
 
 
 def read_prompt_set(path: str) -> List[PromptRecord]:
-    """The records of a prompt-set file, in order (extra keys ignored, a missing key is an error)."""
+    """The records of a prompt-set file (gzipped when it ends in .gz), in order (extra keys ignored,
+    a missing key is an error)."""
     records = []
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

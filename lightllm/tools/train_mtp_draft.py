@@ -66,6 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from lightllm.models.dspark import train_module as dspark_train
 from lightllm.models.llama_mtp.train_module import DRAFT_SAFETENSORS, MTPDraftTrainModule
 from lightllm.server.core.objs.start_args_type import MTP_MODES
 from lightllm.tools import magpie_prompts as magpie
@@ -98,6 +99,7 @@ NON_MATH = "non_math"  # the held-out metrics over every kind but math together
 DATA_BESIDE_CHECKOUT = os.path.dirname(os.path.abspath(GSM8K_BESIDE_CHECKOUT))
 OUTSIDE_REPO = "<outside the repo>"  # training_info.json's stand-in for a machine's folder
 PATH_FLAGS = ("data", "out", "model_dir", "prompt_set", "prompt_set_out", "heldout", "init_from")  # recorded portably
+TRAIN_MODES = MTP_MODES if dspark_train.DSPARK in MTP_MODES else MTP_MODES + (dspark_train.DSPARK,)
 
 
 # --------------------------------------------------------------------------- config and data
@@ -120,10 +122,12 @@ class TrainConfig:
     seed: int = 0
     heldout_fraction: float = HELDOUT_FRACTION
     max_train_seconds: Optional[float] = None  # time budget: the LR decays by steps or time, then stop
+    dspark: Optional[dspark_train.DSparkTrainOptions] = None  # --mtp_mode dspark only
 
     def __post_init__(self):
-        if self.mtp_mode not in MTP_MODES:
-            raise ValueError(f"mtp_mode {self.mtp_mode!r}; valid names: {', '.join(MTP_MODES)}")
+        if self.mtp_mode not in TRAIN_MODES:
+            raise ValueError(f"mtp_mode {self.mtp_mode!r}; valid names: {', '.join(TRAIN_MODES)}")
+        dspark_train.check_train_config(self)
         if self.init not in INIT_SCHEMES:
             raise ValueError(f"init {self.init!r}; valid names: {', '.join(INIT_SCHEMES)}")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -305,6 +309,8 @@ INIT_SCHEMES = {"last_layer": init_from_last_layer, "random": init_random}
 
 def new_draft_module(target: nn.Module, cfg: TrainConfig, first_batch: Batch, device) -> MTPDraftTrainModule:
     """A fresh module for ``cfg.mtp_mode`` on ``device``, initialised with ``cfg.init``."""
+    if cfg.mtp_mode == dspark_train.DSPARK:
+        return dspark_train.new_train_module(target, cfg.dspark, cfg.init, cfg.init_from, device)
     if cfg.init_from is not None:
         module = MTPDraftTrainModule.load_draft(copy.deepcopy(target.config), cfg.init_from).float().to(device)
         if module.with_attention != cfg.with_attention or len(module.mtp) != cfg.num_modules:
@@ -346,6 +352,14 @@ def weighted_loss(out: UnrollOutput, weights: Sequence[float]) -> torch.Tensor:
     return sum(w * ce for w, ce in zip(weights, out.ce_by_depth))
 
 
+def draft_outputs(module: nn.Module, target: nn.Module, head: TargetHead, batch: Batch, cfg: TrainConfig):
+    """(per-depth outputs, the training loss) of one batch: unrolled depths, or dspark blocks."""
+    if cfg.mtp_mode == dspark_train.DSPARK:
+        return dspark_train.batch_outputs(module, target, head, batch, cfg, sample=module.training)
+    out = unroll(module, head, target_hidden(target, batch.tokens), batch, cfg.unroll)
+    return out, weighted_loss(out, cfg.depth_weights)
+
+
 def leading_correct(out: UnrollOutput) -> torch.Tensor:
     """[n] over positions with a depth-0 label: how many depths from the first are all right."""
     run = torch.ones_like(out.valid_by_depth[0])
@@ -366,7 +380,7 @@ def evaluate(module: MTPDraftTrainModule, target: nn.Module, head: TargetHead, s
     chain_sum, chain_n = 0, 0
     for i in range(0, len(seqs), cfg.batch_size):
         batch = collate(seqs[i: i + cfg.batch_size], device)
-        out = unroll(module, head, target_hidden(target, batch.tokens), batch, k)
+        out = draft_outputs(module, target, head, batch, cfg)[0]
         for d in range(k):
             n = int(out.valid_by_depth[d].sum())
             ce_sum[d] += float(out.ce_by_depth[d]) * n
@@ -466,8 +480,7 @@ def train_draft(target: nn.Module, sequences: Sequence[TrainSequence], cfg: Trai
 def train_step(module: MTPDraftTrainModule, target: nn.Module, head: TargetHead, optimizer: torch.optim.Optimizer,
                batch: Batch, cfg: TrainConfig):
     """One optimiser step; returns (the weighted loss, the unrolled outputs)."""
-    out = unroll(module, head, target_hidden(target, batch.tokens), batch, cfg.unroll)
-    loss = weighted_loss(out, cfg.depth_weights)
+    out, loss = draft_outputs(module, target, head, batch, cfg)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
@@ -561,7 +574,8 @@ def training_info(result: TrainResult, cfg: TrainConfig, extra: Dict) -> Dict:
         "final_train_loss": result.final_train_loss,
         "heldout_before": asdict(result.heldout_before) if result.heldout_before else None,
         "heldout_after": asdict(result.heldout_after) if result.heldout_after else None,
-        "depth_index_note": "list index i is depth i+1 (predicts the token i+2 ahead of the hidden state)",
+        "depth_index_note": dspark_train.DEPTH_INDEX_NOTE if cfg.dspark else
+        "list index i is depth i+1 (predicts the token i+2 ahead of the hidden state)",
     }
 
 
@@ -677,10 +691,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout", default=magpie.DEFAULT_HELDOUT_PATH,
                    help="held-out prompts: refuse to train on them, report top-1 by kind on them ('' for none)")
     p.add_argument("--model_dir", default=None, help="target HF model dir (default: the embedded SmolLM2)")
-    p.add_argument("--mtp_mode", default=d.mtp_mode, choices=MTP_MODES)
+    p.add_argument("--mtp_mode", default=d.mtp_mode, choices=TRAIN_MODES)
     p.add_argument("--init", default=d.init, choices=list(INIT_SCHEMES), help="initialisation of the draft module")
     p.add_argument("--init_from", default=None, help="fine-tune this draft dir instead of a fresh module")
-    p.add_argument("--unroll", type=int, default=d.unroll, help="K: depths unrolled per training batch")
+    p.add_argument("--unroll", type=int, help=f"K: depths trained per batch (default {d.unroll}; dspark: block_size-1)")
     p.add_argument("--max_new_tokens", type=int, default=256, help="length limit of the target's answers")
     p.add_argument("--gen_batch_size", type=int, default=GEN_RUNNING_MAX_REQ_SIZE,
                    help="requests the engine decodes together while generating")
@@ -691,11 +705,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="training, Magpie sampling and mixing")
     p.add_argument("--max_gen_seconds", type=float, default=None,
                    help="time budget of both generation phases (Magpie at most "
-                        f"{MAGPIE_TIME_SHARE:.0%}); unfinished answers are cut, partial answers kept")
+                        f"{MAGPIE_TIME_SHARE:.0%}%); unfinished answers are cut, partial answers kept")
     p.add_argument("--max_train_seconds", type=float, default=None,
                    help="training time budget in seconds: the LR schedule decays by steps or time, whichever is "
                         "further along, and training stops (and saves) when it ends")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    dspark_train.add_cli_flags(p)
     return p
 
 
@@ -706,24 +721,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--prompt_set goes with --prompt_source file, and file needs it")
     if a.prompt_set_out is None:
         a.prompt_set_out = os.path.join(a.out, PROMPT_SET_FILENAME)
+    if a.unroll is None:
+        a.unroll = a.block_size - 1 if a.mtp_mode == dspark_train.DSPARK else TrainConfig.unroll
     return a
 
 
 def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     a = parse_args(argv)
+    model_dir = a.model_dir or model_dir_or_embedded(None)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dspark = dspark_train.options_from_args(a, tokenizer, model_dir) if a.mtp_mode == dspark_train.DSPARK else None
     cfg = TrainConfig(mtp_mode=a.mtp_mode, init=a.init, init_from=a.init_from, unroll=a.unroll, epochs=a.epochs, lr=a.lr,
                       lr_schedule=a.lr_schedule, batch_size=a.batch_size, seed=a.seed,
-                      max_train_seconds=a.max_train_seconds)
+                      max_train_seconds=a.max_train_seconds, dspark=dspark)
     device = resolve_device(a.device)
     if torch.device(device).type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 draft
     t0 = time.monotonic()
     seconds = {}
-    model_dir = a.model_dir or model_dir_or_embedded(None)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     gen_budget = a.max_gen_seconds
     magpie_budget = None if gen_budget is None else MAGPIE_TIME_SHARE * gen_budget
     records, sampled = build_prompt_set(a, model_dir, device, magpie_budget)

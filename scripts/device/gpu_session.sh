@@ -34,7 +34,7 @@
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
 #   gpu_session.sh graphs OUT          CUDA graph vs eager: the graph tests, then ms per decode step at
 #                                       batch 1 / 64 / 256, K = 0 and 3, and the 8B-shaped dummy model
-#   gpu_session.sh perf OUT [MODELS]   one decode step profiled (batch 1), then benchmarks/bench_e2e_throughput.py
+#   gpu_session.sh perf OUT [MODELS] [MODES]  one decode step profiled (batch 1), then benchmarks/bench_e2e_throughput.py
 #                                       --matrix: engine vs transformers (OUT/bench_vs_hf.json)
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
@@ -53,7 +53,7 @@ TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 6000 --gsm8k_fraction 0.
 # dspark: the general prompt set replayed (no user-turn sampling), answers ~120 s, training 200 s
 DSPARK_BLOCK=4
 TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz
-                    --block_size $DSPARK_BLOCK --draft_layers 2 --max_new_tokens 200 --gen_batch_size 768 --epochs 10
+                    --block_size $DSPARK_BLOCK --draft_layers 2 --anchors_per_seq 48 --max_new_tokens 200 --gen_batch_size 768 --epochs 10
                     --lr 1e-3 --batch_size 64 --max_gen_seconds 150 --max_train_seconds 200 --device cuda)
 DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
 CALIB_QUESTIONS=64
@@ -80,10 +80,10 @@ from lightllm.utils.embedded_model import get_default_model_dir as d; write_dumm
     done; done | tee -a "$out/steps.txt"
     ;;
 perf)
-    out=${1:?OUT}; models=${2:-embedded llama3_8b_dummy}; mkdir -p "$out"
+    out=${1:?OUT}; models=${2:-embedded llama3_8b_dummy}; modes=${3:-}; mkdir -p "$out"
     python benchmarks/profile_decode_step.py --batch 1 --rows 30 --steps 50 > "$out/profile_b1.txt" 2>>"$out/perf.err"
     head -3 "$out/profile_b1.txt"
-    python benchmarks/bench_e2e_throughput.py --matrix --matrix_models $models --max_new_tokens 128 \
+    python benchmarks/bench_e2e_throughput.py --matrix --matrix_models $models ${modes:+--matrix_modes $modes} --max_new_tokens 128 \
         --gsm8k .data/test.jsonl --out "$out/bench_vs_hf.json" > "$out/bench.log" 2>>"$out/perf.err"
     tail -14 "$out/bench.log"
     ;;
@@ -112,8 +112,10 @@ train_general)
 train_dspark)
     out=${1:?OUT}; mkdir -p "$out/draft"
     python -m lightllm.tools.train_mtp_draft --out "$out/draft" "${TRAIN_DSPARK_FLAGS[@]}" \
-        > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
+        --prompt_set_out /root/dspark_prompt_set.jsonl > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
     mkdir -p /root/dspark_new && cp "$out"/draft/* /root/dspark_new/
+    # files come back at most 16 MiB each: the weights in 15 MiB parts (cat them back in order)
+    split -b 15m "$out/draft/model.safetensors" "$out/draft/model.safetensors.part_" && rm "$out/draft/model.safetensors"
     grep -E "prompt set:|generated|held-out |time budget|saved the draft" "$out/train.log" | cut -c 1-300
     ;;
 quality_dspark)

@@ -505,20 +505,24 @@ def batch_outputs(module: DSparkTrainModule, target: nn.Module, head, batch, cfg
     ctx_kv = module.context_kv(aux)
     candidates = anchor_candidates(batch.is_answer, batch.is_real)
     width = cfg.dspark.anchors_per_seq
-    chunks = [sample_anchors(candidates, width)] if sample else list(all_anchor_chunks(candidates, width))
-    outs = [anchor_outputs(module, head, ctx_kv, batch.tokens, batch.is_answer, a, v, cfg.unroll)
-            for a, v in chunks or [sample_anchors(candidates, width)]]
+    chunks = [] if sample else list(all_anchor_chunks(candidates, width))
+    if not chunks:  # training, or no candidate at all (then every anchor is invalid: zero losses)
+        chunks = [sample_anchors(candidates, width)]
+    outs = [anchor_outputs(module, head, ctx_kv, batch.tokens, batch.is_answer, a, v, cfg.unroll) for a, v in chunks]
     out = outs[0] if len(outs) == 1 else _merge(outs)
     loss = sum(w * ce for w, ce in zip(cfg.depth_weights, out.ce_by_depth))
     return out, loss + CONFIDENCE_LOSS_WEIGHT * out.confidence_bce
 
 
-def check_unroll(options: Optional[DSparkTrainOptions], unroll: int) -> None:
-    """The tool's TrainConfig check for --mtp_mode dspark."""
+def check_train_config(cfg) -> None:
+    """The tool's TrainConfig check: with --mtp_mode dspark, options and 1 <= unroll <= block_size - 1."""
+    if cfg.mtp_mode != DSPARK:
+        return
+    options = cfg.dspark
     if options is None:
         raise ValueError("--mtp_mode dspark needs its DSparkTrainOptions")
-    if not 1 <= unroll <= options.block_size - 1:
-        raise ValueError(f"unroll must be in 1..block_size - 1 = {options.block_size - 1}, got {unroll}")
+    if not 1 <= cfg.unroll <= options.block_size - 1:
+        raise ValueError(f"unroll must be in 1..block_size - 1 = {options.block_size - 1}, got {cfg.unroll}")
     if options.anchors_per_seq < 1:
         raise ValueError(f"anchors_per_seq must be >= 1, got {options.anchors_per_seq}")
 
