@@ -128,10 +128,10 @@ class DSparkDraftModel:
         rows = m * bs
         slots = self._scratch[:rows]
         pos = anchor_pos.long()[:, None] + self._block_offsets[None, :]  # [m, block]
-        req_rows = b_req_idx.long()[:, None].expand(m, bs).reshape(-1)
+        req_rows = b_req_idx.long().repeat_interleave(bs)  # [rows], contiguous (kernels index it flat)
         t.req_manager.req_to_token_indexs[req_rows, pos.reshape(-1)] = slots
         tokens = torch.cat([anchors.long()[:, None], self._mask_ids[:m]], dim=1).reshape(-1)  # [rows]
-        seq_len = (anchor_pos.long() + bs).to(torch.int32)[:, None].expand(m, bs).reshape(-1)
+        seq_len = (anchor_pos.long() + bs).to(torch.int32).repeat_interleave(bs)  # every row sees the whole block
         mi = ModelInput(batch_size=rows, total_token_num=0, max_len_in_batch=max_len, input_ids=tokens,
                         mem_indexes=slots, b_req_idx=req_rows, b_seq_len=seq_len, is_prefill=False)
         state = InferStateInfo.from_model_input(mi, self.mem_manager, t.req_manager, t.device)

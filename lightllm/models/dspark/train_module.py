@@ -103,8 +103,10 @@ class DSparkTrainModule(nn.Module):
         return getattr(attn, norm_name)(x) if self.config.qk_norm else x
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary(x, positions)
-        return _rotate(x, cos, sin)
+        """positions [n] or [b, n] (transformers' rotary takes [b, n] only, in some versions)."""
+        flat = positions.dim() == 1
+        cos, sin = self.rotary(x, positions[None] if flat else positions)
+        return _rotate(x, cos[0], sin[0]) if flat else _rotate(x, cos, sin)
 
     def context_kv(self, aux_hidden: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """aux [b, s, n_aux * hidden] -> per draft layer (k, v) [b, kv_heads, s, head_dim], k rotated at 0..s-1."""

@@ -106,6 +106,8 @@ def token_decode_attention(
         raise ValueError("req_to_token_indexs must be int64")
     if b_req_idx.shape != (batch,) or b_seq_len.shape != (batch,):
         raise ValueError("b_req_idx and b_seq_len must be [batch]")
+    # the kernel indexes these flat: an expanded (stride-0) view would be read past its end
+    b_req_idx, b_seq_len = b_req_idx.contiguous(), b_seq_len.contiguous()
     out = torch.empty_like(q)
     if batch == 0:
         return out
