@@ -5,6 +5,12 @@ GGUF=$M/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$GGUF" ] && [ -f .model_b/part ] && [ -f "$M/part_a" ]; then
   cat "$M/part_a" .model_b/part > "$GGUF"
 fi
+# Or four 25 MiB parts (.mparts/part_aa..ad, one carried per call: the tree with both drafts is
+# ~30 MB, too much beside a 47 MiB half): each call leaves its part in $M, the fourth assembles.
+if [ ! -f "$GGUF" ] && [ -d .mparts ]; then
+  mkdir -p "$M" && cp .mparts/part_a? "$M/" 2>/dev/null
+  if [ "$(ls "$M"/part_a? 2>/dev/null | wc -l)" -eq 4 ]; then cat "$M"/part_a? > "$GGUF"; fi
+fi
 if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.done
 fi

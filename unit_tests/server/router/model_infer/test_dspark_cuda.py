@@ -36,10 +36,21 @@ def draft_dir(tmp_path_factory):
                                block_size=K + 1, std=0.02)
 
 
-def _prompts():
-    from unit_tests.data_paths import embedded_gsm8k_prompts
+# Everyday requests of several kinds (no dataset needed), in the chat template.
+QUESTIONS = ["Write a Python function that reverses a string.", "Give me three tips for sleeping better.",
+             "Explain why the sky is blue.", "What is 17 times 23?", "Write a haiku about autumn.",
+             "How do I make a cup of tea?", "Summarise the plot of Romeo and Juliet.",
+             "What is a prime number?", "List the planets of the solar system.",
+             "How does a bicycle stay upright?", "Tom has 5 apples and eats 2. How many are left?"]
 
-    return embedded_gsm8k_prompts(NUM_REQS)[2]
+
+def _prompts():
+    from transformers import AutoTokenizer
+
+    from lightllm.tools.prompts import chat_prompt_ids
+    from lightllm.utils.embedded_model import get_default_model_dir
+
+    return chat_prompt_ids(AutoTokenizer.from_pretrained(get_default_model_dir()), QUESTIONS[:NUM_REQS])
 
 
 def _run(draft_dir, graphs: bool, **kw):
