@@ -2,17 +2,17 @@
 
 The math both the engine (``model.py``) and the training module (``train_module.py``)
 implement is written out in docs/dspark.md ("Checkpoint and math")."""
-import json
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import List
+
+from lightllm.models.draft_config import DraftConfigFile
 
 DSPARK_MODEL_TYPE = "dspark"
 DSPARK_SAFETENSORS = "model.safetensors"
 
 
 @dataclass
-class DSparkConfig:
+class DSparkConfig(DraftConfigFile):
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -41,16 +41,3 @@ class DSparkConfig:
     @property
     def max_mtp_step(self) -> int:
         return self.block_size - 1
-
-    @classmethod
-    def load(cls, draft_dir: str) -> "DSparkConfig":
-        with open(os.path.join(draft_dir, "config.json")) as f:
-            raw = json.load(f)
-        if raw.get("model_type") != DSPARK_MODEL_TYPE:
-            raise ValueError(f"{draft_dir}: model_type must be {DSPARK_MODEL_TYPE!r}, got {raw.get('model_type')!r}")
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
-
-    def save(self, draft_dir: str) -> None:
-        os.makedirs(draft_dir, exist_ok=True)
-        with open(os.path.join(draft_dir, "config.json"), "w") as f:
-            json.dump(asdict(self), f, indent=2)

@@ -9,8 +9,6 @@ Depth d (1..K) of a draft chain runs module d (vanilla) or the one module
 (eagle). Every depth has its own KV buffer, indexed by the target's KV slots:
 depth d at the row of target position s writes slot(s) of buffer d.
 """
-import json
-import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -27,13 +25,14 @@ from lightllm.common.basemodel.layer_weights.transformer_layer_weight import (
     shard_mlp,
 )
 from lightllm.common.kv_cache_mem_manager import MemoryManager
+from lightllm.models.draft_config import DraftConfigFile
 from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape, ffn_forward
 
 DRAFT_MODEL_TYPE = "llama_mtp"
 
 
 @dataclass
-class MTPDraftConfig:
+class MTPDraftConfig(DraftConfigFile):
     """config.json of a draft dir (Hugging Face-style, our own model_type)."""
 
     hidden_size: int
@@ -47,19 +46,6 @@ class MTPDraftConfig:
     num_modules: int = 1
     qk_norm: bool = False
     model_type: str = DRAFT_MODEL_TYPE
-
-    @classmethod
-    def load(cls, draft_dir: str) -> "MTPDraftConfig":
-        with open(os.path.join(draft_dir, "config.json")) as f:
-            raw = json.load(f)
-        if raw.get("model_type") != DRAFT_MODEL_TYPE:
-            raise ValueError(f"{draft_dir}: model_type must be {DRAFT_MODEL_TYPE!r}, got {raw.get('model_type')!r}")
-        return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
-
-    def save(self, draft_dir: str) -> None:
-        os.makedirs(draft_dir, exist_ok=True)
-        with open(os.path.join(draft_dir, "config.json"), "w") as f:
-            json.dump(self.__dict__, f, indent=2)
 
 
 @dataclass
