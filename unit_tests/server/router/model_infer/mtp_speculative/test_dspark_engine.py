@@ -36,11 +36,13 @@ def _workload(vocab, n=7, seed=0):
     return prompts, [{"max_new_tokens": 4 + 3 * i, "ignore_eos": True} for i in range(n)]
 
 
-def test_strict_dspark_is_token_identical_to_plain_decoding(tiny):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_strict_dspark_is_token_identical_to_plain_decoding(tiny, overlap):
+    """Also with --enable_decode_microbatch_overlap (the DP backend's two micro-batches on one rank)."""
     hf, d, draft = tiny
     prompts, params = _workload(hf.config.vocab_size)
     plain = make_engine(d, **COMMON).generate(prompts, params)
-    eng = _engine(d, draft)
+    eng = _engine(d, draft, enable_decode_microbatch_overlap=overlap)
     out = eng.generate(prompts, params)
     for i in range(len(prompts)):
         assert out[i].token_ids == plain[i].token_ids == hf_greedy(hf, prompts[i], params[i]["max_new_tokens"])

@@ -153,10 +153,15 @@ def select_decode_rows(model_input: ModelInput, idx: torch.Tensor) -> ModelInput
 def join_microbatch_outputs(outs: Sequence[ModelOutput], index: Sequence[torch.Tensor]) -> ModelOutput:
     """Micro-batch outputs back into the one row layout: row ``index[i][j]`` <- ``outs[i]`` row j."""
     total = sum(int(idx.shape[0]) for idx in index)
-    logits = outs[0].logits.new_empty((total, outs[0].logits.shape[1]))  # [rows, vocab]
-    hidden = outs[0].hidden_states.new_empty((total, outs[0].hidden_states.shape[1]))  # [rows, hidden]
-    for out, idx in zip(outs, index):
-        idx_dev = idx.to(logits.device)
-        logits[idx_dev] = out.logits
-        hidden[idx_dev] = out.hidden_states
-    return ModelOutput(logits=logits, hidden_states=hidden)
+
+    def join(part):  # one field of every output, e.g. logits [rows_i, vocab] -> [rows, vocab]
+        first = part(outs[0])
+        if first is None:
+            return None
+        joined = first.new_empty((total, first.shape[1]))
+        for out, idx in zip(outs, index):
+            joined[idx.to(first.device)] = part(out)
+        return joined
+
+    return ModelOutput(logits=join(lambda o: o.logits), hidden_states=join(lambda o: o.hidden_states),
+                       aux_hidden_states=join(lambda o: o.aux_hidden_states))
