@@ -1,4 +1,4 @@
-"""The original request's usage line through HTTP on the embedded model:
+"""The DSpark usage line through HTTP on the embedded model:
 
     api_server --mtp_mode dspark --mtp_step 3 --mtp_asd_regret_budget 2.0625
                --mtp_asd_local_regret_ratio 0.25 --mtp_asd_block_max_mismatch 2
