@@ -14,12 +14,8 @@ do: nearly free of timing noise (outputs are deterministic; only admission follo
 client's timing), while ms / batch step shows whether the steps do cost the same.
 
 The arms admit differently, so their decode batches differ and a longer decode step may only
-be a larger batch. /metrics also files decode steps by batch size (the CUDA graph ladder size
-they pad to; the exact count on CPU), so the equal-batch step ratio (``step_ratio_equal_batch``)
-compares like with like: in each round, for every batch size both B and B = 0 decoded at, the
-ratio of their mean decode step times, averaged with B = 0's step counts at each size as
-weights; then the median over rounds. ``equal_batch_coverage`` is the share of B = 0's decode
-steps at the sizes the average covers.
+be a larger batch. /metrics also files decode steps by batch size, so ``step_ratio_equal_batch``
+compares like with like (EQUAL_BATCH_DEFINITION).
 
 g and m are server flags (one value per run: `--local_ratio`, `--max_mismatch`), as in
 the usage setting (g = 0.25, m = 2). Compared with a server without ASD, B = 0 pays the
@@ -37,7 +33,7 @@ import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
@@ -45,6 +41,7 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
 
 from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
     DECODE_CLOCK,
+    DECODE_CLOCK_BY_BATCH,
     ENGINE_CLOCK,
     USAGE,
     AsdSetting,
@@ -57,9 +54,9 @@ from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
     warm_up,
     wave_server_flags,
 )
-from lightllm.server.metrics import DECODE_BATCH_LABEL, ServerMetrics  # noqa: E402
+from lightllm.server.metrics import DECODE_BATCH_LABEL  # noqa: E402
 from lightllm.tools.prompts import chat_prompt_texts, load_gsm8k, solve_turns  # noqa: E402
-from lightllm.tools.report import MISSING, Column, render_table, write_json  # noqa: E402
+from lightllm.tools.report import MISSING, Column, ratio, render_table, write_json  # noqa: E402
 from lightllm.utils.server_launcher import MetricsPage, scrape  # noqa: E402
 
 BASELINE_BUDGET = 0.0
@@ -68,17 +65,6 @@ EQUAL_BATCH_DEFINITION = (
     "that both B and B = 0 decoded at, mean ms per decode step of B over that of B = 0, averaged with weights = "
     "B = 0's decode steps at that size; median over rounds. equal_batch_coverage: B = 0's decode steps at those "
     "sizes over all its decode steps, pooled over rounds.")
-
-
-def _counter_sample(metric) -> str:
-    """The page's sample name of a ServerMetrics counter."""
-    return metric.describe()[0].name + "_total"
-
-
-_METRICS = ServerMetrics()  # for the metric names only: never served
-# (seconds, steps, decoded requests) of the decode steps of one batch size, label DECODE_BATCH_LABEL
-DECODE_CLOCK_BY_BATCH = tuple(_counter_sample(m) for m in (
-    _METRICS.decode_step_seconds_by_batch, _METRICS.decode_steps_by_batch, _METRICS.decode_step_requests_by_batch))
 
 
 def decode_clock_by_batch(page: MetricsPage) -> List[List[float]]:
@@ -149,53 +135,53 @@ def round_orders(budgets: Sequence[float], rounds: int) -> List[List[float]]:
     return [[budgets[(r + i) % n] for i in range(n)] for r in range(rounds)]
 
 
+def _pooled(waves: Sequence[Wave], num: str, den: str, scale: float = 1.0) -> float:
+    """scale * sum(num) / sum(den) over the waves (den a count: 0 when it is)."""
+    return scale * sum(getattr(w, num) for w in waves) / max(1, sum(getattr(w, den) for w in waves))
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
 def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow]:
     base = {w.round: w for w in waves if w.budget == BASELINE_BUDGET}
     if not base:
         raise ValueError("no B = 0 wave: it is the baseline")
-    base_per_step = pooled_tokens_per_step(base.values())
-    base_per_batch_step = tokens_per_batch_step(base.values())
+    b0s = list(base.values())
     rows = []
     for b in budgets:
         ws = [w for w in waves if w.budget == b]
-        per_step = pooled_tokens_per_step(ws)
-        ratios = [w.tokens_per_s / base[w.round].tokens_per_s for w in ws if w.round in base]
-        engine_ratios = [w.engine_tokens_per_s / base[w.round].engine_tokens_per_s for w in ws if w.round in base]
-        rates = [w.tokens_per_s for w in ws]
-        steps = sum(w.batch_steps for w in ws)
-        decode_steps = max(1, sum(w.decode_steps for w in ws))
-        step_ratios = [_decode_ms(w) / _decode_ms(base[w.round]) for w in ws
-                       if w.round in base and w.decode_steps and base[w.round].decode_steps]
         paired = [(w, base[w.round]) for w in ws if w.round in base]
+
+        def per_round(value: Callable[[Wave], Optional[float]]) -> List[float]:
+            """value(B's wave) / value(B = 0's wave) in each round where both are known."""
+            return [r for r in (ratio(value(w), value(b0)) for w, b0 in paired) if r is not None]
+
+        per_step = _pooled(ws, "output_tokens", "steps")
+        rates = [w.tokens_per_s for w in ws]
+        ratios = per_round(lambda w: w.tokens_per_s)
+        engine_ratios = per_round(lambda w: w.engine_tokens_per_s)
+        step_ratios = per_round(lambda w: ratio(1000 * w.decode_s, w.decode_steps))
         equal = [equal_batch_step_ratio(w, b0) for w, b0 in paired]
         equal_ratios = [r for r, _ in equal if r is not None]
-        b0_steps = sum(_steps(b0) for _, b0 in paired)
-        rows.append(BudgetRow(b, len(ws), per_step, statistics.median(rates), min(rates), max(rates),
-                              statistics.median(ratios), ratios, per_step / base_per_step - 1.0,
-                              statistics.median(engine_ratios), engine_ratios,
-                              sum(w.batch_reqs for w in ws) / steps, 1000 * sum(w.engine_s for w in ws) / steps,
-                              tokens_per_batch_step(ws) / base_per_batch_step,
-                              1000 * sum(w.decode_s for w in ws) / decode_steps,
-                              sum(w.decode_reqs for w in ws) / decode_steps,
-                              statistics.median(step_ratios) if step_ratios else float("nan"),
-                              statistics.median(equal_ratios) if equal_ratios else float("nan"), equal_ratios,
-                              sum(n for _, n in equal) / b0_steps if b0_steps else float("nan")))
+        b0_steps = sum(n for _, b0 in paired for _, _, n, _ in b0.decode_by_batch)
+        rows.append(BudgetRow(
+            b, len(ws), per_step, statistics.median(rates), min(rates), max(rates), _median(ratios), ratios,
+            per_step / _pooled(b0s, "output_tokens", "steps") - 1, _median(engine_ratios), engine_ratios,
+            _pooled(ws, "batch_reqs", "batch_steps"), _pooled(ws, "engine_s", "batch_steps", 1000),
+            _pooled(ws, "output_tokens", "batch_steps") / _pooled(b0s, "output_tokens", "batch_steps"),
+            _pooled(ws, "decode_s", "decode_steps", 1000), _pooled(ws, "decode_reqs", "decode_steps"),
+            _median(step_ratios), _median(equal_ratios), equal_ratios,
+            sum(n for _, n in equal) / b0_steps if b0_steps else float("nan")))
     return rows
 
 
-def _ms_by_batch(w: Wave) -> Dict[int, Tuple[float, int]]:
-    """Mean ms per decode step and the step count, by batch size."""
-    return {int(b): (1000 * s / n, int(n)) for b, s, n, _ in w.decode_by_batch if n}
-
-
-def _steps(w: Wave) -> int:
-    return sum(int(n) for _, _, n, _ in w.decode_by_batch)
-
-
 def equal_batch_step_ratio(w: Wave, b0: Wave) -> Tuple[Optional[float], int]:
-    """(the mean over the batch sizes both waves decoded at of ms per decode step of ``w`` over
-    ``b0``'s, weighted by ``b0``'s steps at each size, or None when they share none; those steps)."""
-    mine, base = _ms_by_batch(w), _ms_by_batch(b0)
+    """(one round's ratio of EQUAL_BATCH_DEFINITION, or None when the waves share no batch size;
+    the B = 0 steps it weighs)."""
+    # (mean ms per decode step, steps) by batch size
+    mine, base = ({int(b): (1000 * s / n, int(n)) for b, s, n, _ in x.decode_by_batch if n} for x in (w, b0))
     shared = [b for b in base if b in mine]
     weight = sum(base[b][1] for b in shared)
     if not weight:
@@ -216,8 +202,7 @@ def by_batch_rows(waves: Sequence[Wave], budgets: Sequence[float]) -> List[Dict[
         row: Dict[str, object] = {"batch": batch}
         for b in budgets:
             n = steps[batch, b]
-            row[f"steps_{b:g}"] = n
-            row[f"ms_{b:g}"] = 1000 * seconds[batch, b] / n if n else None
+            row.update({f"steps_{b:g}": n, f"ms_{b:g}": 1000 * seconds[batch, b] / n if n else None})
         rows.append(row)
     return rows
 
@@ -225,18 +210,6 @@ def by_batch_rows(waves: Sequence[Wave], budgets: Sequence[float]) -> List[Dict[
 def by_batch_table(budgets: Sequence[float]) -> List[Column]:
     return [Column("batch", "decode batch size")] + [
         c for b in budgets for c in (Column(f"steps_{b:g}", f"B = {b:g} steps"), Column(f"ms_{b:g}", "ms / step", ".2f"))]
-
-
-def _decode_ms(w: Wave) -> float:
-    return 1000 * w.decode_s / w.decode_steps
-
-
-def pooled_tokens_per_step(waves) -> float:
-    return sum(w.output_tokens for w in waves) / sum(w.steps for w in waves)
-
-
-def tokens_per_batch_step(waves) -> float:
-    return sum(w.output_tokens for w in waves) / sum(w.batch_steps for w in waves)
 
 
 def b0_rounds_identical(waves: Sequence[Wave]) -> bool:
@@ -294,7 +267,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--max_new_tokens", type=int, default=256)
-    p.add_argument("--server_extra", default="", help="extra server flags (one shell-quoted string)")
     p.add_argument("--out", default=None, help="JSON results")
     a = p.parse_args(argv)
     if not a.data and not a.from_json:
@@ -316,7 +288,7 @@ def main(argv=None) -> int:
     max_len = auto_max_req_total_len([len(tok.encode(p)) for p in prompts], args.max_new_tokens)
     # the server's own budget is B = 0, each request sets its own
     asd = AsdSetting(BASELINE_BUDGET, args.local_ratio, args.max_mismatch)
-    flags = (wave_server_flags(model_dir, args.concurrency, max_len, extra=args.server_extra)
+    flags = (wave_server_flags(model_dir, args.concurrency, max_len)
              + server_flags(mtp_mode=args.mtp_mode, mtp_step=args.mtp_step, **asd.start_args()))
     log = os.path.join(tempfile.mkdtemp(prefix="bench_asd_budgets_"), "server.log")
     print(f"{len(prompts)} questions, budgets {args.budgets}, {args.rounds} rounds; server log {log}", flush=True)
@@ -333,26 +305,25 @@ def main(argv=None) -> int:
                 grown = scrape(server.url) - before
                 engine_s, batch_steps, batch_reqs = (grown.value(n) for n in ENGINE_CLOCK)
                 decode_s, decode_steps, decode_reqs = (grown.value(n) for n in DECODE_CLOCK)
-                by_batch = decode_clock_by_batch(grown)
                 count = sum(x["count_output_tokens"] for x in res)
                 waves.append(Wave(
                     r, b, wall, count, count - sum(x["mtp_accepted_token_num"] for x in res),
                     sum(x["asd_relaxed_token_num"] for x in res), engine_s, int(batch_steps), int(batch_reqs),
                     [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None,
-                    decode_s, int(decode_steps), int(decode_reqs), by_batch))
+                    decode_s, int(decode_steps), int(decode_reqs), decode_clock_by_batch(grown)))
             if args.out:  # after every round: a run cut short keeps its finished rounds
                 write_results(args.out, args, flags, waves)
-    print_tables(waves, args.budgets)
-    print(f"B = 0 waves token-identical across rounds: {b0_rounds_identical(waves)}")
+    print_tables(waves, args.budgets, b0_rounds_identical(waves))
     return 0
 
 
-def print_tables(waves: Sequence[Wave], budgets: Sequence[float]) -> None:
+def print_tables(waves: Sequence[Wave], budgets: Sequence[float], b0_identical: bool) -> None:
     print(render_table(summarize(waves, budgets), TABLE, markdown=True))
     by_batch = by_batch_rows(waves, budgets)
     if by_batch:
         print("\nDecode steps by batch size (pooled over rounds):")
         print(render_table(by_batch, by_batch_table(budgets), markdown=True))
+    print(f"B = 0 waves token-identical across rounds: {b0_identical}")
 
 
 def print_saved(path: str) -> int:
@@ -363,9 +334,7 @@ def print_saved(path: str) -> int:
     if missing:
         raise SystemExit(f"{path}: its waves lack {sorted(missing)} (written before the engine clock)")
     waves = [Wave(**{k: v for k, v in w.items() if k in fields}) for w in saved["waves"]]
-    budgets = [float(b) for b in saved["args"]["budgets"]]
-    print_tables(waves, budgets)
-    print(f"B = 0 waves token-identical across rounds: {saved['b0_rounds_identical']}")
+    print_tables(waves, [float(b) for b in saved["args"]["budgets"]], saved["b0_rounds_identical"])
     return 0
 
 

@@ -453,7 +453,6 @@ def parse_args(argv=None):
     p.add_argument("--gsm8k", default=None, help="GSM8K jsonl ({question, answer} per line; default: test.jsonl in "
                                                  "$LIGHTLLM_GSM8K_DIR or ../shared/data/gsm8k beside the checkout)")
     p.add_argument("--prompt_file", default=None, help="prompts, one per line, used as is (instead of GSM8K)")
-    p.add_argument("--log_dir", default=None, help="server logs (default: a temp dir)")
     p.add_argument("--out", default="bench_e2e_throughput.json", help="JSON results path")
     p.add_argument("--matrix", action="store_true",
                    help="in-process engine vs transformers over models x modes x batches (CUDA; "
@@ -492,8 +491,7 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir, dtype = resolve_model_and_dtype(configs, device)
     prompts = build_prompts(args, model_dir)
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench_e2e_")
-    os.makedirs(log_dir, exist_ok=True)
+    log_dir = tempfile.mkdtemp(prefix="bench_e2e_")  # the servers' logs
     print(f"model {model_dir} | {device} {dtype} | {len(prompts)} prompts x {args.max_new_tokens} tokens "
           f"(ignore_eos={args.ignore_eos}) | concurrency {args.concurrency} | hf batch {args.hf_batch_size}",
           flush=True)

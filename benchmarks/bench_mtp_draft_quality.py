@@ -76,12 +76,10 @@ def measure(model_dir: Optional[str], prompts: Sequence[List[int]], groups: Sequ
         for k in steps:
             args = StartArgs(**common, mtp_mode=mtp_mode, mtp_step=k, mtp_draft_model_dir=dirs)
             rows.append(run_arm(draft, f"{mtp_mode}_k{k}", args, prompts, groups, max_new_tokens))
-    base = rows[0]
+    base, base_ids = rows[0], rows[0]["token_ids"]
     for r in rows:
         r["speedup_vs_no_mtp"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
-        r["requests_differing_from_no_mtp"] = sum(a != b for a, b in zip(r["token_ids"], base["token_ids"]))
-    for r in rows:
-        r.pop("token_ids")
+        r["requests_differing_from_no_mtp"] = sum(a != b for a, b in zip(r.pop("token_ids"), base_ids))
     return rows
 
 

@@ -7,7 +7,6 @@ import asyncio
 import gc
 import json
 import os
-import shlex
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -85,13 +84,12 @@ def auto_max_req_total_len(prompt_lens: Sequence[int], max_new_tokens: int) -> i
     return -(-need // MAX_LEN_ROUND) * MAX_LEN_ROUND
 
 
-def wave_server_flags(model_dir: Optional[str], running_max_req_size: int, max_req_total_len: int,
-                      batch_max_tokens: int = DEFAULT_BATCH_MAX_TOKENS, extra: str = "") -> List[str]:
+def wave_server_flags(model_dir: Optional[str], running_max_req_size: int, max_req_total_len: int) -> List[str]:
     """A server for waves of requests (model_dir None: the embedded model); the prefill chunk
-    holds at least one whole request; ``extra``: more flags, one shell-quoted string."""
+    holds at least one whole request."""
     return server_flags(model_dir=model_dir, running_max_req_size=running_max_req_size,
                         max_req_total_len=max_req_total_len,
-                        batch_max_tokens=max(batch_max_tokens, max_req_total_len)) + shlex.split(extra)
+                        batch_max_tokens=max(DEFAULT_BATCH_MAX_TOKENS, max_req_total_len))
 
 
 def server_env() -> Dict[str, str]:
@@ -220,6 +218,8 @@ DECODE_STEPS = _sample_name(_NAMES.decode_steps)
 DECODE_STEP_REQUESTS = _sample_name(_NAMES.decode_step_requests)
 ENGINE_CLOCK = (BATCH_STEP_SECONDS, BATCH_STEPS, BATCH_STEP_REQUESTS)
 DECODE_CLOCK = (DECODE_STEP_SECONDS, DECODE_STEPS, DECODE_STEP_REQUESTS)
+DECODE_CLOCK_BY_BATCH = tuple(_sample_name(m) for m in (  # the same by batch size (label DECODE_BATCH_LABEL)
+    _NAMES.decode_step_seconds_by_batch, _NAMES.decode_steps_by_batch, _NAMES.decode_step_requests_by_batch))
 MTP_ACCEPT_LEN = _sample_name(_NAMES.mtp_accept_len)  # a histogram
 REQUEST_COUNT = _sample_name(_NAMES.requests)  # label: finish_reason
 RUNNING_REQUESTS = _sample_name(_NAMES.running_reqs)

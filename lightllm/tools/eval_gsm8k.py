@@ -38,10 +38,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lightllm.tools.client import (BATCH_STEP_SECONDS, DEFAULT_BATCH_MAX_TOKENS, MTP_ACCEPT_LEN, USAGE,
-                                   WARMUP_MAX_NEW_TOKENS, WARMUP_REQUESTS, AsdSetting, auto_max_req_total_len,
-                                   engine_parser, generate_body, model_dir_or_embedded, send_all, serve, server_flags,
-                                   wave_server_flags, warm_up)
+from lightllm.tools.client import (BATCH_STEP_SECONDS, MTP_ACCEPT_LEN, USAGE, WARMUP_MAX_NEW_TOKENS, WARMUP_REQUESTS,
+                                   AsdSetting, auto_max_req_total_len, engine_parser, generate_body,
+                                   model_dir_or_embedded, send_all, serve, server_flags, wave_server_flags, warm_up)
 from lightllm.tools.prompts import (Question, chat_prompt_texts, extract_answer, gsm8k_parser, is_correct, load_gsm8k,
                                     solve_turns)
 from lightllm.tools.report import Column, first_token_difference, ratio, render_table, tokens_per_step, write_json
@@ -420,12 +419,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--with_baseline", action="store_true", help="also run a no-MTP arm")
     p.add_argument("--warmup", type=int, default=WARMUP_REQUESTS,
                    help=f"untimed warm-up requests per arm ({WARMUP_MAX_NEW_TOKENS} tokens each)")
-    p.add_argument("--batch_max_tokens", type=int, default=DEFAULT_BATCH_MAX_TOKENS,
-                   help="server flag: prompt tokens prefilled per step")
     p.add_argument("--time_budget_s", type=float, default=None,
                    help="skip the remaining optional arms once the time spent plus the last arm's time exceeds this "
                         "(strict and asd_b0 always run)")
-    p.add_argument("--server_extra", default="", help="extra server flags for every arm (one shell-quoted string)")
     a = p.parse_args(argv)
     if a.concurrency < 1:
         p.error("--concurrency must be >= 1")
@@ -458,8 +454,7 @@ def main(argv=None) -> int:
     prompts = chat_prompt_texts(tokenizer, solve_turns(questions))
     prompt_lens = [len(tokenizer.encode(p, add_special_tokens=True)) for p in prompts]
     max_len = args.max_req_total_len or auto_max_req_total_len(prompt_lens, args.max_new_tokens)
-    base_flags = wave_server_flags(model_dir, args.running_max_req_size or args.concurrency, max_len,
-                                   args.batch_max_tokens, args.server_extra)
+    base_flags = wave_server_flags(model_dir, args.running_max_req_size or args.concurrency, max_len)
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"{len(questions)} questions, arms: {', '.join(a.name for a in arms)}", flush=True)
 

@@ -16,10 +16,7 @@ Seeds (``MagpieConfig.seed_mode``): ``request`` gives every request its own seed
 text does not depend on its batch (the engine then seeds a generator per row per step);
 ``batch`` seeds the generators once per round: repeatable on the same device and batch
 size, and free (in-process engine only, --tp 1).
-
-    python -m lightllm.tools.magpie_prompts --count 256 --out prompts.jsonl [--seed_mode batch]
 """
-import argparse
 import dataclasses
 import gzip
 import json
@@ -33,7 +30,7 @@ import unicodedata
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from lightllm.tools.client import free_device_memory, model_dir_or_embedded
+from lightllm.tools.client import free_device_memory
 from lightllm.tools.prompts import REPO
 
 logger = logging.getLogger(__name__)
@@ -418,43 +415,3 @@ def heldout_overlap(prompts: Sequence[str], heldout: Sequence[str]) -> List[int]
     keys = {normalize_prompt(h) for h in heldout}
     return [i for i, p in enumerate(prompts) if normalize_prompt(p) in keys]
 
-
-def make_parser() -> argparse.ArgumentParser:
-    d = MagpieConfig()
-    p = argparse.ArgumentParser(description="Sample user prompts from a chat model (Magpie) into a prompt-set JSONL.")
-    p.add_argument("--count", type=int, default=d.count, help="prompts wanted after filtering")
-    p.add_argument("--out", required=True, help="output JSONL ({'kind', 'source', 'prompt'} per line)")
-    p.add_argument("--model_dir", default=None, help="HF model dir (default: the embedded SmolLM2)")
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--top_p", type=float, default=d.top_p)
-    p.add_argument("--max_new_tokens", type=int, default=d.max_new_tokens, help="longer user turns are dropped")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--seed_mode", default=d.seed_mode, choices=SEED_MODES, help="see the module docstring")
-    p.add_argument("--system_prompt", default=None, help="replaces the template's default system turn")
-    p.add_argument("--gen_batch_size", type=int, default=d.gen_batch_size, help="requests decoded together")
-    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
-    p.add_argument("--show", type=int, default=5, help="prompts printed in the summary")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> MagpieResult:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    a = make_parser().parse_args(argv)
-    cfg = MagpieConfig(count=a.count, temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens,
-                       seed=a.seed, seed_mode=a.seed_mode, system_prompt=a.system_prompt,
-                       gen_batch_size=a.gen_batch_size)
-    model_dir = a.model_dir or model_dir_or_embedded(None)
-    result = generate_magpie_prompts(model_dir, cfg, device=a.device, progress=True)
-    write_prompt_set(a.out, result.records())
-    dropped = ", ".join(f"{k} {v}" for k, v in result.dropped.items() if v)
-    print(f"{len(result.prompts)} prompts from {result.requests} sampled turns in {result.rounds} round(s), "
-          f"{result.seconds:.1f} s (T={cfg.temperature}, top_p={cfg.top_p}, seed={cfg.seed}); "
-          f"dropped: {dropped or 'none'}")
-    for p in result.prompts[: a.show]:
-        print("  -", p.replace("\n", " ")[:160])
-    print(f"wrote {a.out}")
-    return result
-
-
-if __name__ == "__main__":
-    main()

@@ -12,14 +12,8 @@ h^{(0)} is the target's last-layer output before its final norm; deeper depths
 take the module's own output (gradients flow through the chain) and the
 ground-truth token. Loss = sum_d DEPTH_LOSS_DECAY**d * CE_d over answer labels.
 
-Initialisation (``--init``, see ``INIT_SCHEMES``):
-  last_layer (default)  the decoder layer is a copy of the target's last layer,
-                        enorm = hnorm = 1, eh_proj = [0 | c*I] (c = median RMS of
-                        the target's hidden states, ~31 for SmolLM2): at step 0
-                        the module re-applies the target's last layer to its own
-                        state; the token half starts at 0 and learns from there.
-  random                every Linear ~ N(0, initializer_range) (0.02, as
-                        transformers initialises Llama), every RMSNorm weight = 1.
+Initialisation (``--init``, ``INIT_SCHEMES``): ``last_layer`` (default; at step 0 the module
+re-applies the target's last layer to its own state, the token half starts at 0) or ``random``.
 Measured on SmolLM2-135M (CPU, 192 self-distilled GSM8K answers, batch 8, K = 3,
 held-out top-1 by depth on 64 other answers):
   48 steps, lr 5e-4:  random 0.39 / 0.39 / 0.38   last_layer 0.26 / 0.20 / 0.19
@@ -40,7 +34,6 @@ a prompt of the held-out set (``--heldout``) refuses the run. ``--max_gen_second
 both generation phases: sampling user turns gets at most MAGPIE_TIME_SHARE of it, the
 answers the rest.
 
-CLI:
     python -m lightllm.tools.train_mtp_draft --out DIR [--prompt_source mix --magpie_count N \\
         --gsm8k_fraction F] [--data train.jsonl] [--model_dir DIR] [--unroll 4] ...
 
@@ -51,7 +44,6 @@ and the prompt set.
 """
 import argparse
 import copy
-import json
 import logging
 import math
 import os
@@ -73,6 +65,7 @@ from lightllm.tools import magpie_prompts as magpie
 from lightllm.tools.client import generate_offline, model_dir_or_embedded
 from lightllm.tools.magpie_prompts import KIND_MATH, SOURCE_GSM8K, PromptRecord, abort_all_after, as_records
 from lightllm.tools.prompts import GSM8K_BESIDE_CHECKOUT, GSM8K_DIR_ENV, REPO, chat_prompt_ids, gsm8k_path, load_gsm8k
+from lightllm.tools.report import write_json
 from lightllm.utils.embedded_model import CACHE_DIR_ENV, get_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -125,13 +118,10 @@ class TrainConfig:
     dspark: Optional[dspark_train.DSparkTrainOptions] = None  # --mtp_mode dspark only
 
     def __post_init__(self):
-        if self.mtp_mode not in TRAIN_MODES:
-            raise ValueError(f"mtp_mode {self.mtp_mode!r}; valid names: {', '.join(TRAIN_MODES)}")
+        for name, valid in (("mtp_mode", TRAIN_MODES), ("init", INIT_SCHEMES), ("lr_schedule", LR_SCHEDULES)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} {getattr(self, name)!r}; valid names: {', '.join(valid)}")
         dspark_train.check_train_config(self)
-        if self.init not in INIT_SCHEMES:
-            raise ValueError(f"init {self.init!r}; valid names: {', '.join(INIT_SCHEMES)}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule {self.lr_schedule!r}; valid names: {', '.join(LR_SCHEDULES)}")
         for name in ("unroll", "epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -191,13 +181,10 @@ class TrainResult:
 
 def collate(seqs: Sequence[TrainSequence], device) -> Batch:
     longest = max(len(s.token_ids) for s in seqs)
-    tokens = torch.full((len(seqs), longest), PAD_TOKEN_ID, dtype=torch.long)
-    is_answer = torch.zeros((len(seqs), longest), dtype=torch.bool)
-    is_real = torch.zeros((len(seqs), longest), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s.token_ids)] = torch.tensor(s.token_ids, dtype=torch.long)
-        is_answer[i, s.prompt_len: len(s.token_ids)] = True
-        is_real[i, : len(s.token_ids)] = True
+    tokens = torch.tensor([list(s.token_ids) + [PAD_TOKEN_ID] * (longest - len(s.token_ids)) for s in seqs])
+    position = torch.arange(longest)
+    is_real = position < torch.tensor([len(s.token_ids) for s in seqs])[:, None]
+    is_answer = is_real & (position >= torch.tensor([s.prompt_len for s in seqs])[:, None])
     return Batch(tokens.to(device), is_answer.to(device), is_real.to(device))
 
 
@@ -224,7 +211,7 @@ def split_heldout(seqs: Sequence[TrainSequence], fraction: float, seed: int):
     return order[: len(order) - n], order[len(order) - n:]
 
 
-# --------------------------------------------------------------------------- the target's frozen parts
+# --------------------------------------------------------------------------- the target's frozen parts and the module
 
 
 def _fp32(module: nn.Module) -> nn.Module:
@@ -263,9 +250,6 @@ def target_hidden(target: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return captured[0].float()
 
 
-# --------------------------------------------------------------------------- the module
-
-
 @torch.no_grad()
 def measure_hidden_scale(target: nn.Module, batch: Batch) -> float:
     """Median per-token RMS of the target's h^{(0)} over the real (unpadded) tokens of ``batch``."""
@@ -275,7 +259,8 @@ def measure_hidden_scale(target: nn.Module, batch: Batch) -> float:
 
 @torch.no_grad()
 def init_random(module: MTPDraftTrainModule, target: nn.Module, batch: Batch) -> None:
-    """Every Linear ~ N(0, initializer_range), every norm weight = 1 (the global torch RNG)."""
+    """Every Linear ~ N(0, initializer_range) (as transformers initialises Llama), every norm weight = 1
+    (the global torch RNG)."""
     std = getattr(target.config, "initializer_range", None) or DEFAULT_INIT_STD
     for name, p in module.mtp.named_parameters():
         if "norm" in name:
@@ -286,9 +271,9 @@ def init_random(module: MTPDraftTrainModule, target: nn.Module, batch: Batch) ->
 
 @torch.no_grad()
 def init_from_last_layer(module: MTPDraftTrainModule, target: nn.Module, batch: Batch) -> None:
-    """Every MTP module: decoder layer (or its MLP half) = the target's last layer,
-    enorm = hnorm = 1, eh_proj = [0 | c * I] (token half | hidden half) with c the
-    median RMS of the target's hidden states over ``batch``."""
+    """Every MTP module: decoder layer (or its MLP half) = the target's last layer, enorm = hnorm = 1,
+    eh_proj = [0 | c * I] (token half | hidden half) with c the median RMS of the target's hidden
+    states over ``batch`` (~31 for SmolLM2)."""
     hidden_scale = measure_hidden_scale(target, batch)
     last = target.model.layers[-1].state_dict()
     for mod in module.mtp:
@@ -328,46 +313,24 @@ class UnrollOutput:
     valid_by_depth: List[torch.Tensor]  # [batch, seq] bool: the depth has a label here
 
 
-def unroll(module: MTPDraftTrainModule, head: TargetHead, hidden0: torch.Tensor, batch: Batch, k: int) -> UnrollOutput:
-    """Run depths 0..k-1 with ground-truth input tokens and the module's own hidden chain."""
-    hidden = hidden0  # [batch, seq, hidden]
+def draft_outputs(module: nn.Module, target: nn.Module, head: TargetHead, batch: Batch, cfg: TrainConfig):
+    """(per-depth outputs, the training loss) of one batch: dspark blocks, or depths 0..K-1 unrolled
+    with ground-truth input tokens and the module's own hidden chain."""
+    if cfg.mtp_mode == dspark_train.DSPARK:
+        return dspark_train.batch_outputs(module, target, head, batch, cfg, sample=module.training)
+    hidden = target_hidden(target, batch.tokens)  # [batch, seq, hidden]
     out = UnrollOutput([], [], [])
-    for depth in range(k):
+    for depth in range(cfg.unroll):
         tokens_in, labels = depth_inputs(batch, depth)
         hidden = module.step(depth, hidden, tokens_in, head.embed)
         valid = labels != IGNORE_INDEX
+        logits = head.logits(hidden[valid])  # [n, vocab], only where a label exists
+        out.ce_by_depth.append(F.cross_entropy(logits, labels[valid]) if valid.any() else hidden.sum() * 0.0)
         correct = torch.zeros_like(valid)
-        if valid.any():
-            logits = head.logits(hidden[valid])  # [n, vocab], only where a label exists
-            out.ce_by_depth.append(F.cross_entropy(logits, labels[valid]))
-            correct[valid] = logits.argmax(-1) == labels[valid]
-        else:
-            out.ce_by_depth.append(hidden.sum() * 0.0)
+        correct[valid] = logits.argmax(-1) == labels[valid]
         out.correct_by_depth.append(correct)
         out.valid_by_depth.append(valid)
-    return out
-
-
-def weighted_loss(out: UnrollOutput, weights: Sequence[float]) -> torch.Tensor:
-    return sum(w * ce for w, ce in zip(weights, out.ce_by_depth))
-
-
-def draft_outputs(module: nn.Module, target: nn.Module, head: TargetHead, batch: Batch, cfg: TrainConfig):
-    """(per-depth outputs, the training loss) of one batch: unrolled depths, or dspark blocks."""
-    if cfg.mtp_mode == dspark_train.DSPARK:
-        return dspark_train.batch_outputs(module, target, head, batch, cfg, sample=module.training)
-    out = unroll(module, head, target_hidden(target, batch.tokens), batch, cfg.unroll)
-    return out, weighted_loss(out, cfg.depth_weights)
-
-
-def leading_correct(out: UnrollOutput) -> torch.Tensor:
-    """[n] over positions with a depth-0 label: how many depths from the first are all right."""
-    run = torch.ones_like(out.valid_by_depth[0])
-    total = torch.zeros(out.valid_by_depth[0].shape, dtype=torch.long, device=run.device)
-    for correct in out.correct_by_depth:
-        run = run & correct
-        total += run.long()
-    return total[out.valid_by_depth[0]]
+    return out, sum(w * ce for w, ce in zip(cfg.depth_weights, out.ce_by_depth))
 
 
 @torch.no_grad()
@@ -386,7 +349,8 @@ def evaluate(module: MTPDraftTrainModule, target: nn.Module, head: TargetHead, s
             ce_sum[d] += float(out.ce_by_depth[d]) * n
             correct[d] += int(out.correct_by_depth[d].sum())
             count[d] += n
-        lead = leading_correct(out)
+        # per position with a depth-0 label: how many depths from the first are all right
+        lead = torch.stack(out.correct_by_depth).long().cumprod(0).sum(0)[out.valid_by_depth[0]]
         chain_sum += int(lead.sum())
         chain_n += lead.numel()
     module.train(was_training)
@@ -439,36 +403,52 @@ def train_draft(target: nn.Module, sequences: Sequence[TrainSequence], cfg: Trai
         raise ValueError("no training sequences")
     head = TargetHead(target)
     module = new_draft_module(target, cfg, collate(train_seqs[: cfg.batch_size], device), device)
-    before = evaluate(module, target, head, heldout, cfg, device) if heldout else None
-    if before:
-        logger.info("held-out before training: %s", _fmt(before))
+
+    def heldout_metrics(when: str) -> Optional[DepthMetrics]:
+        if not heldout:
+            return None
+        m = evaluate(module, target, head, heldout, cfg, device)
+        logger.info("held-out %s: top1 by depth [%s]  loss by depth [%s]  accept_len~%.2f", when,
+                    " ".join(f"{x:.3f}" for x in m.top1_by_depth), " ".join(f"{x:.3f}" for x in m.loss_by_depth),
+                    m.accept_len_estimate)
+        return m
+
+    before = heldout_metrics("before training")
 
     steps_per_epoch = math.ceil(len(train_seqs) / cfg.batch_size)
     schedule = LRSchedule(cfg.lr, steps_per_epoch * cfg.epochs, cfg.lr_schedule, cfg.max_train_seconds)
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    batches = []  # (epoch, sequences) over cfg.epochs seeded shuffles
+    rng = random.Random(cfg.seed + 1)
+    for epoch in range(cfg.epochs):
+        order = list(train_seqs)
+        rng.shuffle(order)
+        batches += [(epoch, order[i: i + cfg.batch_size]) for i in range(0, len(order), cfg.batch_size)]
     losses = []
     bar = tqdm(total=schedule.total_steps, disable=not progress, desc="train draft")
     module.train()
-    for epoch, chunk in epoch_batches(train_seqs, cfg.batch_size, cfg.epochs, cfg.seed + 1):
+    for epoch, chunk in batches:
         if schedule.progress(len(losses), time.monotonic() - start) >= 1.0:
             break
-        if heldout and epoch > 0 and len(losses) == epoch * steps_per_epoch:
-            metrics = evaluate(module, target, head, heldout, cfg, device)
-            logger.info("held-out after epoch %d: %s", epoch, _fmt(metrics))
+        if epoch > 0 and len(losses) == epoch * steps_per_epoch:
+            heldout_metrics(f"after epoch {epoch}")
         for group in optimizer.param_groups:
             group["lr"] = schedule.lr_at(len(losses), time.monotonic() - start)
-        loss, out = train_step(module, target, head, optimizer, collate(chunk, device), cfg)
-        losses.append(loss)
+        out, loss = draft_outputs(module, target, head, collate(chunk, device), cfg)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
+        optimizer.step()
+        losses.append(float(loss.detach()))
         bar.update(1)
-        bar.set_postfix(epoch=epoch, loss=f"{loss:.3f}", acc1=f"{_top1(out, 0):.2f}")
+        acc1 = float(out.correct_by_depth[0].sum()) / max(1, int(out.valid_by_depth[0].sum()))
+        bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}", acc1=f"{acc1:.2f}")
     stopped_early = len(losses) < schedule.total_steps
     if stopped_early:
         logger.warning("time budget: stopped after %d of %d steps (--max_train_seconds %s)", len(losses),
                        schedule.total_steps, cfg.max_train_seconds)
     bar.close()
-    after = evaluate(module, target, head, heldout, cfg, device) if heldout else None
-    if after:
-        logger.info("held-out after training: %s", _fmt(after))
+    after = heldout_metrics("after training")
     tail = losses[-steps_per_epoch:]
     final_loss = sum(tail) / len(tail) if tail else math.nan
     return TrainResult(module=module.eval(), steps=len(losses), final_train_loss=final_loss,
@@ -477,38 +457,8 @@ def train_draft(target: nn.Module, sequences: Sequence[TrainSequence], cfg: Trai
                        seconds=time.monotonic() - start, loss_history=losses)
 
 
-def train_step(module: MTPDraftTrainModule, target: nn.Module, head: TargetHead, optimizer: torch.optim.Optimizer,
-               batch: Batch, cfg: TrainConfig):
-    """One optimiser step; returns (the weighted loss, the unrolled outputs)."""
-    out, loss = draft_outputs(module, target, head, batch, cfg)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
-    optimizer.step()
-    return float(loss.detach()), out
+# --------------------------------------------------------------------------- answers, outputs, prompt sets
 
-
-def epoch_batches(seqs: Sequence[TrainSequence], batch_size: int, epochs: int, seed: int):
-    """(epoch, batch of sequences) over ``epochs`` seeded shuffles."""
-    rng = random.Random(seed)
-    for epoch in range(epochs):
-        order = list(seqs)
-        rng.shuffle(order)
-        for i in range(0, len(order), batch_size):
-            yield epoch, order[i: i + batch_size]
-
-
-def _top1(out: UnrollOutput, depth: int) -> float:
-    return float(out.correct_by_depth[depth].sum()) / max(1, int(out.valid_by_depth[depth].sum()))
-
-
-def _fmt(m: DepthMetrics) -> str:
-    top1 = " ".join(f"{a:.3f}" for a in m.top1_by_depth)
-    loss = " ".join(f"{x:.3f}" for x in m.loss_by_depth)
-    return f"top1 by depth [{top1}]  loss by depth [{loss}]  accept_len~{m.accept_len_estimate:.2f}"
-
-
-# --------------------------------------------------------------------------- data: prompts and answers
 
 def generate_answers(model_dir: str, prompts: Sequence[List[int]], max_new_tokens: int,
                      eos_token_ids: Optional[Sequence[int]] = None, device: Optional[str] = None,
@@ -536,50 +486,26 @@ def generate_answers(model_dir: str, prompts: Sequence[List[int]], max_new_token
     return seqs
 
 
-def load_target(model_dir: str, device) -> nn.Module:
-    """transformers' CausalLM: bf16 on CUDA (as the engine serves it), fp32 on CPU."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-
-
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
-# --------------------------------------------------------------------------- outputs and CLI
-
-
 def save_outputs(result: TrainResult, out_dir: str, info: Dict) -> None:
     """The draft dir (bf16 config.json + model.safetensors) and training_info.json."""
     os.makedirs(out_dir, exist_ok=True)
     result.module.save_draft(out_dir, torch.bfloat16)
     os.chmod(os.path.join(out_dir, DRAFT_SAFETENSORS), DRAFT_FILE_MODE)  # safetensors writes it owner-only
-    with open(os.path.join(out_dir, TRAINING_INFO_FILENAME), "w") as f:
-        json.dump(info, f, indent=2)
+    write_json(os.path.join(out_dir, TRAINING_INFO_FILENAME), info)
 
 
 def training_info(result: TrainResult, cfg: TrainConfig, extra: Dict) -> Dict:
+    counts = ("steps", "stopped_early", "num_train_sequences", "num_heldout_sequences", "final_train_loss")
     return {
         **extra,
         "config": dict(asdict(cfg), init_from=portable_path(cfg.init_from)),
         "depth_loss_weights": cfg.depth_weights,
-        "steps": result.steps,
-        "stopped_early": result.stopped_early,
-        "num_train_sequences": result.num_train_sequences,
-        "num_heldout_sequences": result.num_heldout_sequences,
-        "final_train_loss": result.final_train_loss,
+        **{k: getattr(result, k) for k in counts},
         "heldout_before": asdict(result.heldout_before) if result.heldout_before else None,
         "heldout_after": asdict(result.heldout_after) if result.heldout_after else None,
         "depth_index_note": dspark_train.DEPTH_INDEX_NOTE if cfg.dspark else
         "list index i is depth i+1 (predicts the token i+2 ahead of the hidden state)",
     }
-
-
-# --------------------------------------------------------------------------- prompt sets and the held-out set
 
 
 class HeldoutOverlapError(ValueError):
@@ -601,19 +527,6 @@ def portable_path(path: Optional[str]) -> Optional[str]:
             rel = os.path.relpath(full, root)
             return os.path.join("$" + var, rel) if var else os.path.relpath(full, REPO)
     return os.path.join(OUTSIDE_REPO, os.path.basename(full))
-
-
-def check_heldout(records: Sequence[PromptRecord], heldout_path: Optional[str]) -> List[Dict]:
-    """The held-out rows (none without a path); raises HeldoutOverlapError if a training prompt is one."""
-    if not heldout_path:
-        return []
-    rows = magpie.load_heldout(heldout_path)
-    hits = magpie.heldout_overlap([r.prompt for r in records], [h["prompt"] for h in rows])
-    if hits:
-        raise HeldoutOverlapError(
-            f"refusing to train: {len(hits)} training prompt(s) are in the held-out set {heldout_path}, e.g. "
-            f"{records[hits[0]].prompt[:120]!r} (a {records[hits[0]].source} prompt); drop them from the prompt set")
-    return rows
 
 
 def magpie_config(a: argparse.Namespace, max_seconds: Optional[float]) -> "magpie.MagpieConfig":
@@ -639,28 +552,6 @@ def build_prompt_set(a: argparse.Namespace, model_dir: str, device: str,
     if a.prompt_source == "magpie":
         return general[: a.num_prompts], sampled
     return magpie.mix_prompts(general, gsm8k, a.gsm8k_fraction, a.num_prompts, a.seed), sampled
-
-
-def heldout_answers(model_dir: str, tokenizer, rows: Sequence[Dict], max_new_tokens: int, device: str,
-                    batch_size: int) -> Dict[str, List[TrainSequence]]:
-    """The target's greedy answers to the held-out prompts, by kind (no time budget)."""
-    prompts = chat_prompt_ids(tokenizer, [r["prompt"] for r in rows])
-    kind_of = {tuple(p): r["kind"] for p, r in zip(prompts, rows)}
-    by_kind: Dict[str, List[TrainSequence]] = {}
-    for s in generate_answers(model_dir, prompts, max_new_tokens, device=device,
-                              running_max_req_size=min(batch_size, len(prompts))):
-        by_kind.setdefault(kind_of[tuple(s.token_ids[: s.prompt_len])], []).append(s)
-    return by_kind
-
-
-def heldout_by_kind(module: MTPDraftTrainModule, target: nn.Module, by_kind: Dict[str, List[TrainSequence]],
-                    cfg: TrainConfig, device) -> Dict[str, Dict]:
-    """Per kind (and NON_MATH): sequences and teacher-forced top-1 / loss per depth on the target's answers."""
-    head = TargetHead(target)
-    groups = dict(sorted(by_kind.items()))
-    groups[NON_MATH] = [s for kind, seqs in groups.items() if kind != KIND_MATH for s in seqs]
-    return {kind: {"sequences": len(seqs), **asdict(evaluate(module, target, head, seqs, cfg, device))}
-            for kind, seqs in groups.items() if seqs}
 
 
 # --------------------------------------------------------------------------- CLI
@@ -730,14 +621,14 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     a = parse_args(argv)
     model_dir = a.model_dir or model_dir_or_embedded(None)
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dspark = dspark_train.options_from_args(a, tokenizer, model_dir) if a.mtp_mode == dspark_train.DSPARK else None
     cfg = TrainConfig(mtp_mode=a.mtp_mode, init=a.init, init_from=a.init_from, unroll=a.unroll, epochs=a.epochs, lr=a.lr,
                       lr_schedule=a.lr_schedule, batch_size=a.batch_size, seed=a.seed,
                       max_train_seconds=a.max_train_seconds, dspark=dspark)
-    device = resolve_device(a.device)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     if torch.device(device).type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 draft
     t0 = time.monotonic()
@@ -749,35 +640,48 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     magpie.write_prompt_set(a.prompt_set_out, records)
     logger.info("prompt set: %d prompts (%s) in %.1f s, written to %s", len(records),
                 dict(Counter(r.source for r in records)), seconds["prompts"], a.prompt_set_out)
-    heldout_rows = check_heldout(records, a.heldout)
+    heldout_rows = magpie.load_heldout(a.heldout) if a.heldout else []
+    hits = magpie.heldout_overlap([r.prompt for r in records], [h["prompt"] for h in heldout_rows])
+    if hits:
+        raise HeldoutOverlapError(
+            f"refusing to train: {len(hits)} training prompt(s) are in the held-out set {a.heldout}, e.g. "
+            f"{records[hits[0]].prompt[:120]!r} (a {records[hits[0]].source} prompt); drop them from the prompt set")
 
     # the answers get what the user turns left of the generation budget (their engine's start included)
     answer_budget = None if gen_budget is None else max(0.0, gen_budget - (seconds["prompts"] if sampled else 0.0))
     logger.info("generating the target's answers (max_new_tokens %d, budget %s s)", a.max_new_tokens, answer_budget)
     t = time.monotonic()
     prompts = chat_prompt_ids(tokenizer, [r.prompt for r in records])
-    kind_of = {}
-    for p, r in zip(prompts, records):
-        kind_of.setdefault(tuple(p), r.kind)
+    kind_of = {tuple(p): r.kind for p, r in reversed(list(zip(prompts, records)))}  # a repeated prompt: its first kind
     seqs = generate_answers(model_dir, prompts, a.max_new_tokens, device=device,
                             running_max_req_size=a.gen_batch_size, max_seconds=answer_budget)
     seconds["generate"] = time.monotonic() - t
     answer_tokens = sum(len(s.token_ids) - s.prompt_len for s in seqs)
     logger.info("generated %d answer tokens for %d prompts in %.1f s", answer_tokens, len(seqs), seconds["generate"])
-    heldout_seqs = {}
+    heldout_seqs: Dict[str, List[TrainSequence]] = {}  # the target's answers to the held-out prompts, by kind
     if heldout_rows:
         t = time.monotonic()
-        heldout_seqs = heldout_answers(model_dir, tokenizer, heldout_rows, a.max_new_tokens, device, a.gen_batch_size)
+        ids = chat_prompt_ids(tokenizer, [r["prompt"] for r in heldout_rows])
+        heldout_kind = {tuple(p): r["kind"] for p, r in zip(ids, heldout_rows)}
+        for s in generate_answers(model_dir, ids, a.max_new_tokens, device=device,
+                                  running_max_req_size=min(a.gen_batch_size, len(ids))):
+            heldout_seqs.setdefault(heldout_kind[tuple(s.token_ids[: s.prompt_len])], []).append(s)
         seconds["heldout_generate"] = time.monotonic() - t
         logger.info("held-out answers in %.1f s", seconds["heldout_generate"])
 
-    target = load_target(model_dir, device)
+    # bf16 on CUDA (as the engine serves it), fp32 on CPU
+    target_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=target_dtype).to(device).eval()
     result = train_draft(target, seqs, cfg, device)
     seconds["train"] = result.seconds
-    by_kind = None
+    by_kind = None  # per kind (and NON_MATH): sequences and teacher-forced top-1 / loss per depth
     if heldout_seqs:
         t = time.monotonic()
-        by_kind = heldout_by_kind(result.module, target, heldout_seqs, cfg, device)
+        head = TargetHead(target)
+        groups = dict(sorted(heldout_seqs.items()))
+        groups[NON_MATH] = [s for kind, group in groups.items() if kind != KIND_MATH for s in group]
+        by_kind = {kind: {"sequences": len(group), **asdict(evaluate(result.module, target, head, group, cfg, device))}
+                   for kind, group in groups.items() if group}
         seconds["heldout_eval"] = time.monotonic() - t
         for kind, m in by_kind.items():
             logger.info("held-out %-12s top1 by depth [%s]", kind, " ".join(f"{x:.3f}" for x in m["top1_by_depth"]))
@@ -786,22 +690,15 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
         "recipe": {k: portable_path(v) if k in PATH_FLAGS else v for k, v in vars(a).items()},
         "prompt_source": a.prompt_source,
         "data_path": portable_path(gsm8k_path("train", a.data)) if a.prompt_source in ("gsm8k", "mix") else None,
-        "model_dir": portable_path(model_dir),
-        "prompt_set": portable_path(a.prompt_set_out),
-        "num_prompts": len(records),
-        "prompts_by_kind": dict(Counter(r.kind for r in records)),
+        "model_dir": portable_path(model_dir), "prompt_set": portable_path(a.prompt_set_out),
+        "num_prompts": len(records), "prompts_by_kind": dict(Counter(r.kind for r in records)),
         "prompts_by_source": dict(Counter(r.source for r in records)),
         "answered_by_kind": dict(Counter(kind_of[tuple(s.token_ids[: s.prompt_len])] for s in seqs)),
         "num_answered": len(seqs),
         "magpie": {**asdict(magpie_config(a, magpie_budget)), **sampled.stats()} if sampled else None,
-        "gen_batch_size": a.gen_batch_size,
-        "max_new_tokens": a.max_new_tokens,
-        "answer_tokens": answer_tokens,
-        "prompt_tokens": sum(s.prompt_len for s in seqs),
-        "device": device,
-        "seconds": seconds,
-        "heldout_path": portable_path(a.heldout) if a.heldout else None,
-        "heldout_by_kind": by_kind,
+        "gen_batch_size": a.gen_batch_size, "max_new_tokens": a.max_new_tokens, "answer_tokens": answer_tokens,
+        "prompt_tokens": sum(s.prompt_len for s in seqs), "device": device, "seconds": seconds,
+        "heldout_path": portable_path(a.heldout) if a.heldout else None, "heldout_by_kind": by_kind,
     })
     save_outputs(result, a.out, info)
     logger.info("saved the draft to %s (%.1f s in all: %s)", a.out, seconds["total"],

@@ -44,8 +44,8 @@ def test_asd_settings():
 def test_wave_flags_and_request_length():
     assert auto_max_req_total_len([100, 200, 150], 256) == 512  # 456 -> 512
     assert auto_max_req_total_len([64], 64) == 128
-    assert wave_server_flags(None, 8, 512, 4096, "--tp 2") == [
-        "--running_max_req_size", "8", "--max_req_total_len", "512", "--batch_max_tokens", "4096", "--tp", "2"]
+    assert wave_server_flags(None, 8, 512) == [
+        "--running_max_req_size", "8", "--max_req_total_len", "512", "--batch_max_tokens", "4096"]
     # the prefill chunk holds a whole request
     assert wave_server_flags("/m", 8, 8192)[:2] == ["--model_dir", "/m"]
     assert wave_server_flags("/m", 8, 8192)[-1] == "8192"

@@ -299,24 +299,6 @@ def test_generate_magpie_prompts_with_the_embedded_model():
     assert all(not mp.has_template_tag(p, got.prefix.tags) for p in got.prompts)
 
 
-def test_cli_writes_the_prompt_set(tmp_path, monkeypatch, capsys):
-    seen = {}
-
-    def fake_generate(model_dir, cfg, device=None, progress=False):
-        seen.update(model_dir=model_dir, cfg=cfg, device=device)
-        return mp.MagpieResult(prompts=["Write a poem about rain.", "How do tides work here?"], requests=3, rounds=1,
-                               dropped={DROP_OVERLONG: 1}, seconds=0.5, prefix=user_turn_prefix(tiny_tokenizer()))
-
-    monkeypatch.setattr(mp, "generate_magpie_prompts", fake_generate)
-    out = str(tmp_path / "p.jsonl")
-    mp.main(["--count", "2", "--out", out, "--model_dir", "/m", "--temperature", "0.9", "--seed", "4",
-             "--seed_mode", "batch", "--device", "cpu"])
-    assert seen["model_dir"] == "/m" and seen["device"] == "cpu"
-    assert (seen["cfg"].count, seen["cfg"].temperature, seen["cfg"].seed, seen["cfg"].seed_mode) == (2, 0.9, 4, "batch")
-    assert [r.prompt for r in read_prompt_set(out)] == ["Write a poem about rain.", "How do tides work here?"]
-    assert "2 prompts from 3 sampled turns" in capsys.readouterr().out
-
-
 # ---- mixing and prompt-set files ----
 
 
