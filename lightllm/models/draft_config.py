@@ -1,7 +1,7 @@
 """config.json of a draft dir: a dataclass whose ``model_type`` field default names its kind."""
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 
 class DraftConfigFile:
@@ -20,3 +20,16 @@ class DraftConfigFile:
         os.makedirs(draft_dir, exist_ok=True)
         with open(os.path.join(draft_dir, "config.json"), "w") as f:
             json.dump(asdict(self), f, indent=2)
+
+
+@dataclass
+class DraftLayerShape(DraftConfigFile):
+    """The decoder-layer shape every draft config starts with (the target's, checked at load)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int

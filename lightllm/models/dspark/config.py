@@ -5,21 +5,14 @@ implement is written out in docs/dspark.md ("Checkpoint and math")."""
 from dataclasses import dataclass, field
 from typing import List
 
-from lightllm.models.draft_config import DraftConfigFile
+from lightllm.models.draft_config import DraftLayerShape
 
 DSPARK_MODEL_TYPE = "dspark"
 DSPARK_SAFETENSORS = "model.safetensors"
 
 
 @dataclass
-class DSparkConfig(DraftConfigFile):
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    vocab_size: int
+class DSparkConfig(DraftLayerShape):
     num_hidden_layers: int  # draft decoder layers
     block_size: int  # anchor + (block_size - 1) mask positions; --mtp_step <= block_size - 1
     mask_token_id: int  # input token of the mask positions

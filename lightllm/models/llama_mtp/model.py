@@ -25,23 +25,16 @@ from lightllm.common.basemodel.layer_weights.transformer_layer_weight import (
     shard_mlp,
 )
 from lightllm.common.kv_cache_mem_manager import MemoryManager
-from lightllm.models.draft_config import DraftConfigFile
+from lightllm.models.draft_config import DraftLayerShape
 from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape, ffn_forward
 
 DRAFT_MODEL_TYPE = "llama_mtp"
 
 
 @dataclass
-class MTPDraftConfig(DraftConfigFile):
+class MTPDraftConfig(DraftLayerShape):
     """config.json of a draft dir (Hugging Face-style, our own model_type)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    vocab_size: int
     with_attention: bool
     num_modules: int = 1
     qk_norm: bool = False
