@@ -79,3 +79,17 @@ def test_matches_reference_bf16_cuda(q_heads, kv_heads, head_dim):
     out = token_decode_attention(*args)
     expected = reference_decode_attention(*args)
     torch.testing.assert_close(out.float(), expected.float(), atol=BF16_ATOL, rtol=BF16_ATOL)
+
+
+@needs_triton_cpu
+def test_expanded_row_indexes_read_as_their_values():
+    """Rows of one request given as a stride-0 view (``x[:, None].expand(...).reshape(-1)`` of one
+    request): the kernel indexes them flat, so the wrapper must not pass the view as it is."""
+    q, k_cache, v_cache, table, _, _, scale = _make_case(4, 2, 16, torch.float32, "cpu")
+    rows = q.shape[0]
+    b_req_idx = torch.tensor([1], dtype=torch.int64)[:, None].expand(1, rows).reshape(-1)
+    b_seq_len = torch.tensor([TOKEN_BLOCK + 3], dtype=torch.int32)[:, None].expand(1, rows).reshape(-1)
+    assert b_req_idx.stride() == (0,) and b_seq_len.stride() == (0,)
+    out = token_decode_attention(q, k_cache, v_cache, table, b_req_idx, b_seq_len, scale)
+    expected = reference_decode_attention(q, k_cache, v_cache, table, b_req_idx.clone(), b_seq_len.clone(), scale)
+    torch.testing.assert_close(out, expected, atol=FP32_ATOL, rtol=FP32_ATOL)
