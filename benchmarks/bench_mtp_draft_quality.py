@@ -19,7 +19,7 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
 from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402 (after the path set-up)
-from lightllm.tools.client import auto_max_req_total_len, generate_offline, model_dir_or_embedded  # noqa: E402
+from lightllm.tools.client import USAGE, auto_max_req_total_len, generate_offline, model_dir_or_embedded  # noqa: E402
 from lightllm.tools.magpie_prompts import DEFAULT_HELDOUT_PATH, KIND_MATH, load_heldout  # noqa: E402
 from lightllm.tools.prompts import chat_prompt_ids, gsm8k_path, load_gsm8k  # noqa: E402
 from lightllm.tools.report import Column, ratio, render_table, write_json  # noqa: E402
@@ -65,17 +65,18 @@ def run_arm(draft: str, name: str, args: StartArgs, prompts: Sequence[List[int]]
 
 
 def measure(model_dir: Optional[str], prompts: Sequence[List[int]], groups: Sequence[str], drafts: Sequence[str],
-            steps: Sequence[int], mtp_mode: str, max_new_tokens: int) -> List[Dict]:
-    """The no-MTP arm, then every draft at every K; each MTP row counts the requests whose
-    tokens differ from no-MTP."""
+            steps: Sequence[int], mtp_mode: str, max_new_tokens: int, asd_usage: bool = False) -> List[Dict]:
+    """The no-MTP arm, then every draft at every K (strict, and with ``asd_usage`` the ASD usage
+    setting too); each MTP row counts the requests whose tokens differ from no-MTP."""
     common = dict(model_dir=model_dir, running_max_req_size=len(prompts),
                   max_req_total_len=auto_max_req_total_len([len(p) for p in prompts], max_new_tokens))
     rows = [run_arm("-", "no_mtp", StartArgs(**common), prompts, groups, max_new_tokens)]
     for draft in drafts:
         dirs = None if draft == DEFAULT_DRAFT else draft.split(",")
         for k in steps:
-            args = StartArgs(**common, mtp_mode=mtp_mode, mtp_step=k, mtp_draft_model_dir=dirs)
-            rows.append(run_arm(draft, f"{mtp_mode}_k{k}", args, prompts, groups, max_new_tokens))
+            for asd, suffix in [({}, "")] + ([(USAGE.start_args(), "_asd_usage")] if asd_usage else []):
+                args = StartArgs(**common, mtp_mode=mtp_mode, mtp_step=k, mtp_draft_model_dir=dirs, **asd)
+                rows.append(run_arm(draft, f"{mtp_mode}_k{k}{suffix}", args, prompts, groups, max_new_tokens))
     base, base_ids = rows[0], rows[0]["token_ids"]
     for r in rows:
         r["speedup_vs_no_mtp"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
@@ -84,12 +85,13 @@ def measure(model_dir: Optional[str], prompts: Sequence[List[int]], groups: Sequ
 
 
 def set_table(rows: Sequence[Dict], draft: str, markdown: bool = False) -> str:
-    """Tokens per step of one draft: a row per prompt set, a column per K."""
+    """Tokens per step of one draft: a row per prompt set, a column per arm (K, and the ASD arms)."""
     mine = [r for r in rows if r["draft"] == draft]
     sets = list(dict.fromkeys(g for r in mine for g in r["tokens_per_step_by_set"]))
-    table = [{"set": g, **{f"k{r['mtp_step']}": r["tokens_per_step_by_set"].get(g) for r in mine}} for g in sets]
-    columns = [Column("set", f"{draft}: set")] + [Column(f"k{r['mtp_step']}", f"K={r['mtp_step']}", ".3f")
-                                                  for r in mine]
+    table = [{"set": g, **{r["arm"]: r["tokens_per_step_by_set"].get(g) for r in mine}} for g in sets]
+    columns = [Column("set", f"{draft}: set")] + [
+        Column(r["arm"], f"K={r['mtp_step']}" + (" usage" if r["arm"].endswith("_asd_usage") else ""), ".3f")
+        for r in mine]
     return render_table(table, columns, markdown)
 
 
@@ -106,6 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                    help=f"drafts to compare, each a dir (several dirs of one draft: comma-separated) or "
                         f"'{DEFAULT_DRAFT}' (the engine's packaged draft, as without --mtp_draft_model_dir)")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--asd_usage", action="store_true", help="each K also at the ASD usage setting (2.0625, 0.25, 2)")
     p.add_argument("--out", default="mtp_draft_quality.json")
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
@@ -115,7 +118,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     heldout = load_heldout(a.heldout) if a.heldout else []
     prompts = chat_prompt_ids(tok, questions + [h["prompt"] for h in heldout])
     groups = [GSM8K_TEST] * len(questions) + [h["kind"] for h in heldout]
-    rows = measure(a.model_dir, prompts, groups, a.draft_dir, a.steps, a.mtp_mode, a.max_new_tokens)
+    rows = measure(a.model_dir, prompts, groups, a.draft_dir, a.steps, a.mtp_mode, a.max_new_tokens, a.asd_usage)
     print(render_table(rows, ARM_TABLE))
     for draft in a.draft_dir:
         print()

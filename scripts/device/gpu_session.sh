@@ -18,7 +18,7 @@
 #                                       prompts by kind, K = 1..BLOCK-1
 #   gpu_session.sh asd_dspark OUT       GSM8K test (all 1319), dspark K = 3: strict, B = 0, usage, and no MTP
 #   gpu_session.sh quality OUT          draft quality, 200 test questions, K = 1..4
-#   gpu_session.sh quality_general OUT [DRAFT...]  tokens/step on 200 test questions and the held-out prompts
+#   gpu_session.sh quality_general OUT [DRAFT...]  tokens/step (strict and ASD usage) on 200 test questions and the held-out prompts
 #                                       by kind, K = 1..4, for each draft (default: /root/draft_old or the
 #                                       checkout's, and /root/draft_new when there is one)
 #   gpu_session.sh eval OUT K SWEEP B   calibrate + evaluate all arms at K (sweep budgets SWEEP,
@@ -143,7 +143,7 @@ quality_general)
         if [[ -d /root/draft_old ]]; then drafts=(/root/draft_old); else drafts=(default); fi
         [[ -f /root/draft_new/model.safetensors ]] && drafts+=(/root/draft_new)
     fi
-    python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 1 2 3 4 \
+    python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 1 2 3 4 --asd_usage \
         --draft_dir "${drafts[@]}" --out "$out/mtp_draft_quality_general.json" > "$out/quality_general.log" 2>&1
     status=$?
     tail -40 "$out/quality_general.log"
@@ -151,7 +151,7 @@ quality_general)
     ;;
 quality)
     out=${1:?OUT}; mkdir -p "$out"
-    python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 1 2 3 4 \
+    python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 1 2 3 4 --asd_usage \
         --out "$out/mtp_draft_quality.json" > "$out/quality.log" 2>&1
     tail -12 "$out/quality.log"
     ;;

@@ -61,3 +61,15 @@ def test_main_writes_both_drafts_and_the_heldout_table(tiny, tmp_path, capsys):
     assert set(saved["rows"][1]["tokens_per_step_by_set"]) == {"code", "advice", "math", bench.NON_MATH}
     printed = capsys.readouterr().out
     assert f"{new}: set" in printed and "advice" in printed and "differ from no-MTP" in printed
+
+
+def test_asd_usage_arms_sit_beside_the_strict_ones(tiny):
+    model, old, _ = tiny
+    prompts = random_prompts(model.vocab_size, 4, range(4, 10))
+    groups = ["code"] * 4
+    rows = bench.measure(model.model_dir, prompts, groups, [old], [2], "eagle_with_att", NEW_TOKENS, asd_usage=True)
+    assert [r["arm"] for r in rows] == ["no_mtp", "eagle_with_att_k2", "eagle_with_att_k2_asd_usage"]
+    strict, usage = rows[1]["tokens_per_step_by_set"]["code"], rows[2]["tokens_per_step_by_set"]["code"]
+    assert usage >= strict  # the usage budget can only accept more
+    table = bench.set_table(rows, old)
+    assert "K=2 usage" in table and "K=2 " in table
