@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from lightllm.common.basemodel.basemodel import TransformerArch, to_device
+from lightllm.common.basemodel.basemodel import to_device
 from lightllm.common.basemodel.batch_objs import ModelInput
 from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.layer_infer.basic_ops import apply_rotary, rms_norm
@@ -76,14 +76,12 @@ class DSparkDraftModel:
         dtype, device = target.dtype, target.device
         self.weight = load_dspark_weight(draft_dir, cfg, dtype, device)
         self.eps = cfg.rms_norm_eps
-        arch = TransformerArch(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
-                               cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size, cfg.rms_norm_eps, True)
-        self.shape = AttentionShape(arch.q_heads, arch.kv_heads, arch.head_dim, arch.rms_norm_eps)
+        self.shape = AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
         # target slots (HOLD included), then one scratch row per block position of every block
         self.scratch_base = target.mem_manager.size + NUM_HOLD_SLOTS
         self.max_block_reqs = max_block_reqs
-        self.mem_manager = MemoryManager(self.scratch_base + max_block_reqs * cfg.block_size, dtype, arch.kv_heads,
-                                         arch.head_dim, cfg.num_hidden_layers, device)
+        self.mem_manager = MemoryManager(self.scratch_base + max_block_reqs * cfg.block_size, dtype,
+                                         cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, device)
         self.layers_infer = [target.layer_infer_class(i, self.shape, target.ops) for i in range(cfg.num_hidden_layers)]
         target.aux_layer_ids = tuple(cfg.target_layer_ids)
         self._scratch = torch.arange(max_block_reqs * cfg.block_size, dtype=torch.int64, device=device) + self.scratch_base

@@ -54,15 +54,15 @@ class DraftProposer:
     def propose_after_prefill(
         self, reqs, model_input: ModelInput, out: ModelOutput, chunk_starts: List[int],
         first_tokens: Dict[int, int],
-    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Optional[Tuple[torch.Tensor, torch.Tensor, None]]:
         """Write draft KV for every prefilled position. For requests whose prompt is done
-        (``first_tokens``: item -> token) returns their req_idx [done] and K proposals
-        after the first generated token [done, K]; None when no prompt is done."""
+        (``first_tokens``: item -> token) returns their req_idx [done], K proposals after the
+        first generated token [done, K] and no confidences; None when no prompt is done."""
         k = self.mtp_step
         dev = out.hidden_states.device
         # Position s of depth d takes token x_{s+d+1}: known inside the prompt (and the first
         # generated token); otherwise the previous depth's greedy guess at s.
-        item_rows, rows_of_last_k, tail_tokens = [], [], []
+        item_rows, rows_of_last_k = [], []
         row = 0
         for i, (req, start) in enumerate(zip(reqs, chunk_starts)):
             n = req.kv_len - start
