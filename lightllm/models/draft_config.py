@@ -1,7 +1,13 @@
-"""config.json of a draft dir: a dataclass whose ``model_type`` field default names its kind."""
+"""A draft dir: config.json (a dataclass whose ``model_type`` field default names its kind) and
+the weights file."""
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Dict
+
+from lightllm.common.basemodel.basemodel import TransformerArch
+
+DRAFT_SAFETENSORS = "model.safetensors"  # every draft kind's weights file
 
 
 class DraftConfigFile:
@@ -33,3 +39,11 @@ class DraftLayerShape(DraftConfigFile):
     head_dim: int
     rms_norm_eps: float
     vocab_size: int
+
+
+def layer_shape_of(target_config) -> Dict[str, object]:
+    """The ``DraftLayerShape`` fields of a draft for this target (its Hugging Face config)."""
+    arch = TransformerArch.from_hf_config(target_config)
+    return dict(hidden_size=arch.hidden_size, intermediate_size=target_config.intermediate_size,
+                num_attention_heads=arch.q_heads, num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim,
+                rms_norm_eps=arch.rms_norm_eps, vocab_size=arch.vocab_size)

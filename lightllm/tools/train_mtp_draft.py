@@ -59,7 +59,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lightllm.models.dspark import train_module as dspark_train
-from lightllm.models.llama_mtp.train_module import DRAFT_SAFETENSORS, MTPDraftTrainModule
+from lightllm.models.draft_config import DRAFT_SAFETENSORS
+from lightllm.models.llama_mtp.train_module import MTPDraftTrainModule
 from lightllm.server.core.objs.start_args_type import MTP_MODES
 from lightllm.tools import magpie_prompts as magpie
 from lightllm.tools.client import generate_offline, model_dir_or_embedded

@@ -8,7 +8,6 @@ from typing import List
 from lightllm.models.draft_config import DraftLayerShape
 
 DSPARK_MODEL_TYPE = "dspark"
-DSPARK_SAFETENSORS = "model.safetensors"
 
 
 @dataclass

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from lightllm.common.basemodel.basemodel import TransformerArch
-from lightllm.models.dspark.config import DSPARK_MODEL_TYPE, DSPARK_SAFETENSORS, DSparkConfig
+from lightllm.models.draft_config import DRAFT_SAFETENSORS, layer_shape_of
+from lightllm.models.dspark.config import DSPARK_MODEL_TYPE, DSparkConfig
 from lightllm.models.llama_mtp.train_module import RMSNorm, _decoder_layer_class, _rotary_class
 
 DSPARK = DSPARK_MODEL_TYPE  # the --mtp_mode name
@@ -189,13 +190,13 @@ class DSparkTrainModule(nn.Module):
         self.config.save(out_dir)
         state = self.model.state_dict()
         tensors = {STATE_PREFIX + k: t.detach().to(dtype).contiguous().cpu() for k, t in state.items()}
-        save_file(tensors, os.path.join(out_dir, DSPARK_SAFETENSORS))
+        save_file(tensors, os.path.join(out_dir, DRAFT_SAFETENSORS))
 
     @classmethod
     def load_draft(cls, target_config, draft_dir: str) -> "DSparkTrainModule":
         """A saved draft dir as an fp32 module (every stored key must be used)."""
         module = cls(target_config, DSparkConfig.load(draft_dir))
-        state = load_file(os.path.join(draft_dir, DSPARK_SAFETENSORS))
+        state = load_file(os.path.join(draft_dir, DRAFT_SAFETENSORS))
         if any(not key.startswith(STATE_PREFIX) for key in state):
             raise ValueError(f"{draft_dir}: every key must start with {STATE_PREFIX!r}")
         module.model.load_state_dict({key[len(STATE_PREFIX):]: t.float() for key, t in state.items()})
@@ -325,9 +326,7 @@ class DSparkTrainOptions:
         if not all(0 <= j < arch.num_layers for j in layer_ids):
             raise ValueError(f"target_layer_ids {list(layer_ids)}: the target has {arch.num_layers} layers")
         return DSparkConfig(
-            hidden_size=arch.hidden_size, intermediate_size=target_config.intermediate_size,
-            num_attention_heads=arch.q_heads, num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim,
-            rms_norm_eps=arch.rms_norm_eps, vocab_size=arch.vocab_size, num_hidden_layers=self.num_hidden_layers,
+            **layer_shape_of(target_config), num_hidden_layers=self.num_hidden_layers,
             block_size=self.block_size, markov_rank=self.markov_rank, target_layer_ids=list(layer_ids),
             mask_token_id=arch.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id,
             qk_norm=target_config.model_type == "qwen3")

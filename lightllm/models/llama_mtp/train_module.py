@@ -12,10 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from lightllm.common.basemodel.basemodel import TransformerArch
+from lightllm.models.draft_config import DRAFT_SAFETENSORS, layer_shape_of
 from lightllm.models.llama_mtp.model import MTPDraftConfig
 
-DRAFT_SAFETENSORS = "model.safetensors"
 
 
 class RMSNorm(nn.Module):
@@ -114,15 +113,8 @@ class MTPDraftTrainModule(nn.Module):
 
     def draft_config(self) -> MTPDraftConfig:
         c = self.target_config
-        arch = TransformerArch.from_hf_config(c)
         return MTPDraftConfig(
-            hidden_size=arch.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_attention_heads=arch.q_heads,
-            num_key_value_heads=arch.kv_heads,
-            head_dim=arch.head_dim,
-            rms_norm_eps=arch.rms_norm_eps,
-            vocab_size=arch.vocab_size,
+            **layer_shape_of(c),
             with_attention=self.with_attention,
             num_modules=len(self.mtp),
             qk_norm=c.model_type == "qwen3",
