@@ -348,7 +348,7 @@ class DecodeStep:
         # Log-probs after verification: a relaxed row reports the token it commits.
         logprobs = token_logprobs(s.processed_logits, next_ids)
         with_asd = self.mtp_step > 0 and asd is not None
-        req_rows = b_req_idx[::k1].long()  # [n]
+        req_rows = b_req_idx[::k1].long() if with_asd or self.conf_width else None  # [n]
         spent = self.params_manager.req_to_asd_cum_regret[req_rows] if with_asd else None
         conf = self.req_to_draft_conf[req_rows] if self.conf_width else None  # drafts verified now
         packed = HostStepResult.pack(next_ids, logprobs, accept_len, relaxed if with_asd else None, spent, conf)
@@ -360,8 +360,9 @@ class DecodeStep:
         if self.mtp_step > 0:
             self.first_tokens[:real].copy_(next_ids)
             self.first_tokens[real:rows.num_rows].fill_(PAD_TOKEN_ID)
-            self._accept_len[:n].copy_(accept_len)
-            self._accept_len[n:].fill_(1)
+            if self.draft.uses_accept_len:
+                self._accept_len[:n].copy_(accept_len)
+                self._accept_len[n:].fill_(1)
             all_next, new_conf = self._propose(rows, out)
             if self.conf_width:
                 self.req_to_draft_conf[req_rows] = new_conf[:n]

@@ -21,6 +21,7 @@ UNKNOWN_TOKEN = -1  # prefill: the next token of this position is not known yet
 
 class DraftProposer:
     has_confidence = False  # proposals come without confidences
+    uses_accept_len = False  # every row drafts: propose() ignores accept_len
 
     def __init__(self, draft_model: LlamaMTPDraftModel):
         self.model = draft_model

@@ -13,6 +13,7 @@ from lightllm.models.dspark.model import DSparkDraftModel
 
 class DSparkProposer:
     has_confidence = True
+    uses_accept_len = True  # the block is anchored at each request's last accepted row
 
     def __init__(self, draft_model: DSparkDraftModel):
         self.model = draft_model
