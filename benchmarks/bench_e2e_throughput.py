@@ -293,6 +293,7 @@ class Wave:
     step_s: float = 0.0  # the engine's own clock inside those decode steps
     decode_steps: int = 0  # per-request decode steps, summed
     decode_tokens: int = 0  # tokens those steps committed
+    other_s: float = 0.0  # the engine's clock in its other (prefill) steps
 
 
 def matrix_row(model: str, mode: str, batch: int, engine: Sequence[Wave], hf: Sequence[Wave], commit: str) -> dict:
@@ -306,6 +307,10 @@ def matrix_row(model: str, mode: str, batch: int, engine: Sequence[Wave], hf: Se
         "engine_tok_s": rate(engine), "hf_tok_s": rate(hf),
         "tokens_per_step": sum(w.decode_tokens for w in engine) / max(1, sum(w.decode_steps for w in engine)),
         "step_ms": 1e3 * sum(w.step_s for w in engine) / steps if steps else None,
+        # per wave: prefill steps, and the wall time outside every step (host bookkeeping)
+        "prefill_ms_per_wave": 1e3 * sum(w.other_s for w in engine) / len(engine) if engine else None,
+        "outside_steps_ms_per_wave": (1e3 * sum(w.wall_s - w.step_s - w.other_s for w in engine) / len(engine)
+                                      if engine else None),
         "waves": len(engine), "commit": commit,
     }
 
@@ -326,7 +331,8 @@ def _engine_wave(eng, prompts, max_new_tokens: int) -> Wave:
     wall = time.perf_counter() - t0
     timing = eng.router.take_timing()
     return Wave(sum(len(r.token_ids) for r in res), wall, timing.decode_steps, timing.decode_seconds,
-                sum(len(r.accept_lens) for r in res), sum(sum(r.accept_lens) for r in res))
+                sum(len(r.accept_lens) for r in res), sum(sum(r.accept_lens) for r in res),
+                timing.seconds - timing.decode_seconds)
 
 
 def _hf_generate(model, prompts: Sequence[List[int]], pad_id: int, **kwargs) -> Tuple["torch.Tensor", float]:
@@ -431,6 +437,8 @@ MATRIX_TABLE = (
     Column("engine_tok_s", "engine tok/s", ".1f"), Column("hf_tok_s", "hf tok/s", ".1f"),
     Column("vs_hf", "x hf", ".2f"), Column("vs_plain", "x plain", ".2f"),
     Column("tokens_per_step", "tok/step", ".3f"), Column("step_ms", "step ms", ".2f"),
+    Column("prefill_ms_per_wave", "prefill ms/wave", ".2f"),
+    Column("outside_steps_ms_per_wave", "host ms/wave", ".2f"),
 )
 
 

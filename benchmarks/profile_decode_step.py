@@ -1,9 +1,11 @@
 """Profile decode steps of the in-process engine (torch.profiler): where a step's time goes.
 
     python benchmarks/profile_decode_step.py --batch 256 [--mtp_step 3] [--disable_cudagraph]
-        [--enable_deterministic_inference] [--rows 0]
+        [--enable_deterministic_inference] [--rows 0] [--prefill]
 
-``--rows 0`` prints only the step time (no profiler tables).
+``--rows 0`` prints only the step time (no profiler tables). ``--prefill``: one request at a
+time, prefill only (``max_new_tokens`` 1), a request's whole time in the router from admission
+to its finish, ``--batch`` prompts in a row.
 """
 import argparse
 import time
@@ -19,6 +21,11 @@ from lightllm.server.router.manager import AddReq
 PROMPT_LEN = 64
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, default=256)
@@ -29,6 +36,8 @@ def main():
     p.add_argument("--enable_deterministic_inference", action="store_true")
     p.add_argument("--model_dir", default=None)
     p.add_argument("--load_format", default="auto")
+    p.add_argument("--prefill", action="store_true", help="profile one-request prefills, not decode steps")
+    p.add_argument("--prompt_len", type=int, default=PROMPT_LEN)
     a = p.parse_args()
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=a.mtp_step) if a.mtp_step else {}
     eng = OfflineEngine(StartArgs(model_dir=a.model_dir, load_format=a.load_format, running_max_req_size=a.batch,
@@ -36,26 +45,57 @@ def main():
                                   disable_cudagraph=a.disable_cudagraph,
                                   enable_deterministic_inference=a.enable_deterministic_inference, **mtp))
     router = eng.router
+    if a.prefill:
+        return profile_prefill(router, a)
     sp = SamplingParams.from_request({"max_new_tokens": 900, "ignore_eos": True})
     for i in range(a.batch):
-        router.add_req(AddReq(i, [(i * 7 + j) % 1000 + 10 for j in range(PROMPT_LEN)], sp, [], 0.0))
+        router.add_req(AddReq(i, prompt_ids(i, a.prompt_len), sp, [], 0.0))
     for _ in range(5):  # prefill + warm-up decode steps
         router.step()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(a.steps):
         router.step()
-    torch.cuda.synchronize()
+    sync()
     graphs = "eager" if a.disable_cudagraph else "graphs"
     graphs += ", deterministic" if a.enable_deterministic_inference else ""
     print(f"batch {a.batch} K {a.mtp_step} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
-    if a.rows == 0:
+    print_profile(lambda: router.step(), a.rows)
+
+
+def prompt_ids(i: int, n: int):
+    return [(i * 7 + j) % 1000 + 10 for j in range(n)]
+
+
+def profile_prefill(router, a) -> None:
+    sp = SamplingParams.from_request({"max_new_tokens": 1, "ignore_eos": True})
+    count = iter(range(1 << 30))
+
+    def one() -> None:
+        router.add_req(AddReq(next(count), prompt_ids(next(count), a.prompt_len), sp, [], 0.0))
+        while router.has_work:
+            router.step()
+
+    for _ in range(3):
+        one()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(a.batch):
+        one()
+    sync()
+    ms = (time.perf_counter() - t0) / a.batch * 1e3
+    print(f"prefill of {a.prompt_len} tokens, K {a.mtp_step}: {ms:.2f} ms per request (admission to finish)")
+    print_profile(one, a.rows)
+
+
+def print_profile(run, rows: int) -> None:
+    if rows == 0:
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            router.step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows, max_name_column_width=60))
+            run()
+        sync()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
 
 

@@ -17,6 +17,8 @@
 #   gpu_session.sh quality_dspark OUT   tokens/step of the dspark draft on 200 test questions and the held-out
 #                                       prompts by kind, K = 1..BLOCK-1
 #   gpu_session.sh asd_dspark OUT       GSM8K test (all 1319), dspark K = 3: strict, B = 0, usage, and no MTP
+#   gpu_session.sh diag OUT             prefill time per request (batch 1, K = 0 and 3, profiled), then
+#                                       asd_dspark with every server log in OUT/eval_dspark.tgz
 #   gpu_session.sh quality OUT          draft quality, 200 test questions, K = 1..4
 #   gpu_session.sh quality_general OUT [DRAFT...]  tokens/step (strict and ASD usage) on 200 test questions and the held-out prompts
 #                                       by kind, K = 1..4, for each draft (default: /root/draft_old or the
@@ -60,7 +62,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
+job=${1:?usage: gpu_session.sh data|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
 shift
 
 case "$job" in
@@ -125,6 +127,18 @@ quality_dspark)
         --out "$out/mtp_draft_quality_dspark.json" > "$out/quality_dspark.log" 2>&1
     status=$?
     tail -30 "$out/quality_dspark.log"
+    exit $status
+    ;;
+diag)
+    out=${1:?OUT}; mkdir -p "$out"
+    for k in 0 3; do
+        python benchmarks/profile_decode_step.py --prefill --batch 20 --prompt_len 120 --mtp_step $k --rows 30 2>&1
+    done > "$out/prefill_profile.txt"
+    grep "per request" "$out/prefill_profile.txt"
+    bash "$0" asd_dspark "$out"
+    status=$?
+    for f in "$out"/eval_dspark/server_*.log; do echo "== $f"; grep -v "INFO" "$f" | tail -40; done
+    tar czf "$out/eval_dspark.tgz" -C "$out" eval_dspark && rm -rf "$out/eval_dspark"
     exit $status
     ;;
 asd_dspark)
