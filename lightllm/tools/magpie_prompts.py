@@ -5,12 +5,17 @@ template's text up to where a user message begins writes a plausible user messag
 Sampled at a moderate temperature these are varied prompts; the target then answers
 them (train_mtp_draft.py).
 
+Domains (``MAGPIE_DOMAINS``): the paper steers what users ask with a system prompt. A run
+splits its count into equal shares over ``MagpieConfig.domains`` and samples each share under
+its domain's system prompt; ``default`` keeps the template's own system turn.
+
 Vocabulary:
   user-turn prefix  the template's text up to a user message's first character, found by
                     rendering a sentinel message (``user_turn_prefix``)
   end of turn       the template's marker right after a user message: the stop sequence
   raw turn          one sampled user message, and whether it reached the end of turn
-  prompt record     {"kind", "source", "prompt"}: one line of a prompt-set JSONL file
+  domain            a name in MAGPIE_DOMAINS: the system prompt a user turn was sampled under
+  prompt record     {"kind", "source", "prompt"} (+ "domain" for Magpie): one line of a prompt-set JSONL file
 
 Seeds (``MagpieConfig.seed_mode``): ``request`` gives every request its own seed, so its
 text does not depend on its batch (the engine then seeds a generator per row per step);
@@ -28,7 +33,7 @@ import re
 import time
 import unicodedata
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from lightllm.tools.client import free_device_memory
 from lightllm.tools.prompts import REPO
@@ -55,7 +60,21 @@ KIND_GENERAL = "general"
 KIND_MATH = "math"
 SOURCE_MAGPIE = "magpie"
 SOURCE_GSM8K = "gsm8k_train"
-PROMPT_RECORD_KEYS = ("kind", "source", "prompt")
+PROMPT_RECORD_KEYS = ("kind", "source", "prompt")  # required; "domain" is optional
+
+# Magpie domains: name -> the system prompt its user turns are sampled under (None: the template's own)
+DEFAULT_DOMAIN = "default"
+MAGPIE_DOMAINS: Dict[str, Optional[str]] = {
+    DEFAULT_DOMAIN: None,
+    "code": "You are a programming assistant. Users ask you to write, complete, explain or fix code "
+            "in Python, shell, SQL or JavaScript.",
+    "writing": "You are a writing assistant. Users ask you to write emails, stories and summaries, "
+               "or to rewrite their text.",
+    "advice": "You are a helpful assistant who gives practical advice. Users ask you how to plan, "
+              "decide or get everyday things done.",
+    "explanation": "You are a knowledgeable teacher. Users ask you to explain concepts in science, "
+                   "history and technology.",
+}
 
 # the held-out set (benchmarks/data/README.md): never used for training
 DEFAULT_HELDOUT_PATH = os.path.join(REPO, "benchmarks", "data", "heldout_prompts.jsonl")
@@ -189,7 +208,8 @@ class MagpieConfig:
     max_new_tokens: int = 96  # a user turn longer than this is dropped as overlong
     seed: int = 0
     seed_mode: str = "request"  # a name in SEED_MODES
-    system_prompt: Optional[str] = None  # None: the template's default system turn
+    system_prompt: Optional[str] = None  # the default domain's (None: the template's default system turn)
+    domains: Tuple[str, ...] = (DEFAULT_DOMAIN,)  # names in MAGPIE_DOMAINS: count is split over them
     oversample: float = 1.6  # requests per wanted prompt in the first round (filtering drops some)
     max_rounds: int = 8  # sampling rounds before giving up on reaching count
     gen_batch_size: int = 256  # the engine's running_max_req_size: requests decoded together
@@ -207,6 +227,11 @@ class MagpieConfig:
             raise ValueError("seed must be >= 0")
         if self.seed_mode not in SEED_MODES:
             raise ValueError(f"seed_mode {self.seed_mode!r}; valid names: {', '.join(SEED_MODES)}")
+        check_domains(self.domains)
+
+    def domain_system_prompt(self, domain: str) -> Optional[str]:
+        """The system prompt ``domain``'s user turns are sampled under (None: the template's default)."""
+        return self.system_prompt if domain == DEFAULT_DOMAIN else MAGPIE_DOMAINS[domain]
 
     def sampling_params(self, request_index: int) -> Dict:
         """The engine's request parameters of request ``request_index`` (0-based over the run)."""
@@ -215,6 +240,47 @@ class MagpieConfig:
         if self.seed_mode == "request":
             params["seed"] = request_seed(self.seed, request_index)
         return params
+
+
+def check_domains(domains: Sequence[str]) -> None:
+    """ValueError unless ``domains`` is a non-empty list of distinct names in MAGPIE_DOMAINS."""
+    if isinstance(domains, str):
+        raise ValueError(f"domains is a sequence of names, not the string {domains!r} (see parse_domains)")
+    unknown = [d for d in domains if d not in MAGPIE_DOMAINS]
+    if unknown:
+        raise ValueError(f"unknown Magpie domain(s) {', '.join(map(repr, unknown))}; "
+                         f"valid names: {', '.join(MAGPIE_DOMAINS)}")
+    if not domains or len(set(domains)) != len(domains):
+        raise ValueError(f"Magpie domains must be distinct and at least one, got {list(domains)}")
+
+
+def parse_domains(text: str) -> Tuple[str, ...]:
+    """Comma-separated domain names (spaces around them ignored), checked with ``check_domains``."""
+    domains = tuple(d.strip() for d in text.split(","))
+    check_domains(domains)
+    return domains
+
+
+def domain_counts(count: int, num_domains: int) -> List[int]:
+    """``count`` split into ``num_domains`` equal shares, the remainder one each to the first shares."""
+    share, rest = divmod(count, num_domains)
+    return [share + (1 if i < rest else 0) for i in range(num_domains)]
+
+
+def domain_deadlines(start: float, max_seconds: Optional[float], counts: Sequence[int]) -> List[Optional[float]]:
+    """Each share's deadline: the time budget split by counts, time a share leaves passes to the next."""
+    if max_seconds is None:
+        return [None] * len(counts)
+    total, done, deadlines = sum(counts), 0, []
+    for c in counts:
+        done += c
+        deadlines.append(start + max_seconds * (done / total))
+    return deadlines
+
+
+def domain_prefixes(tokenizer, cfg: MagpieConfig) -> Dict[str, UserTurnPrefix]:
+    """The user-turn prefix of every domain of ``cfg``, in its order."""
+    return {d: user_turn_prefix(tokenizer, cfg.domain_system_prompt(d)) for d in cfg.domains}
 
 
 def request_seed(run_seed: int, request_index: int) -> int:
@@ -276,6 +342,18 @@ def sample_user_turns(engine, tokenizer, prefix: UserTurnPrefix, cfg: MagpieConf
     return turns
 
 
+@dataclass(frozen=True)
+class DomainShare:
+    """One domain's part of a run."""
+
+    domain: str
+    system_prompt: Optional[str]  # None: the template's default system turn
+    wanted: int  # its share of MagpieConfig.count
+    prompts: int  # kept (at most wanted)
+    requests: int
+    rounds: int
+
+
 @dataclass
 class MagpieResult:
     prompts: List[str]  # exactly cfg.count unless max_rounds or the time budget ran out
@@ -283,60 +361,112 @@ class MagpieResult:
     rounds: int
     dropped: Dict[str, int]  # by reason, over all rounds
     seconds: float
-    prefix: UserTurnPrefix
+    prefix: UserTurnPrefix  # the first domain's (every domain's has the same tags)
+    domains: Optional[List[str]] = None  # each prompt's domain (None: all DEFAULT_DOMAIN)
+    shares: List[DomainShare] = field(default_factory=list)  # per domain, in sampling order
+
+    def __post_init__(self):
+        if self.domains is None:
+            self.domains = [DEFAULT_DOMAIN] * len(self.prompts)
+        if len(self.domains) != len(self.prompts):
+            raise ValueError(f"{len(self.domains)} domains for {len(self.prompts)} prompts")
 
     def records(self) -> List["PromptRecord"]:
-        return as_records(self.prompts, KIND_GENERAL, SOURCE_MAGPIE)
+        return as_records(self.prompts, KIND_GENERAL, SOURCE_MAGPIE, self.domains)
 
     def stats(self) -> Dict:
         """What training_info.json records: counts and time, not the prompts."""
         return {"prompts": len(self.prompts), "requests": self.requests, "rounds": self.rounds,
-                "dropped": dict(self.dropped), "seconds": self.seconds}
+                "dropped": dict(self.dropped), "seconds": self.seconds,
+                "domains": [s.domain for s in self.shares],
+                "by_domain": {s.domain: {k: v for k, v in asdict(s).items() if k != "domain"} for s in self.shares}}
 
 
-def collect_prompts(engine, tokenizer, prefix: UserTurnPrefix, cfg: MagpieConfig, eos_token_ids: Sequence[int],
-                    progress: bool = False) -> MagpieResult:
-    """Rounds of user turns until ``cfg.count`` survive the filter, ``cfg.max_rounds`` or the time budget ran out."""
-    start = time.monotonic()
-    deadline = None if cfg.max_seconds is None else start + cfg.max_seconds
+@dataclass
+class _ShareResult:
+    kept: List[str]
+    dropped: Dict[str, int]
+    requests: int
+    rounds: int
+
+
+def _collect_share(engine, tokenizer, prefix: UserTurnPrefix, cfg: MagpieConfig, count: int, first_index: int,
+                   seen: Sequence[str], deadline: Optional[float], eos_token_ids: Sequence[int],
+                   progress: bool) -> _ShareResult:
+    """Rounds of user turns under ``prefix`` (requests from ``first_index`` on) until ``count`` new ones
+    survive the filter (``seen``: normalised prompts kept before), max_rounds or ``deadline``."""
     kept: List[str] = []
     dropped = {r: 0 for r in DROP_REASONS}
     requests = rounds = 0
-    while len(kept) < cfg.count and rounds < cfg.max_rounds and (deadline is None or time.monotonic() < deadline):
+    while len(kept) < count and rounds < cfg.max_rounds and (deadline is None or time.monotonic() < deadline):
         # later rounds ask for the missing share at the yield seen so far (at least the oversample rate)
         rate = max(cfg.oversample, requests / len(kept)) if kept else cfg.oversample * (2 ** rounds)
-        n = min(MAX_REQUESTS_PER_RUN - requests, math.ceil((cfg.count - len(kept)) * rate))
+        n = min(MAX_REQUESTS_PER_RUN - first_index - requests, math.ceil((count - len(kept)) * rate))
         if n == 0:
             break
-        turns = sample_user_turns(engine, tokenizer, prefix, cfg, requests, n, eos_token_ids, progress,
+        turns = sample_user_turns(engine, tokenizer, prefix, cfg, first_index + requests, n, eos_token_ids, progress,
                                   abort_all_after(deadline))
-        got = filter_user_turns(turns, prefix.tags, cfg.filter, seen=[normalize_prompt(p) for p in kept])
+        got = filter_user_turns(turns, prefix.tags, cfg.filter, seen=[*seen, *(normalize_prompt(p) for p in kept)])
         kept.extend(got.kept)
         for r, c in got.dropped.items():
             dropped[r] += c
         requests += n
         rounds += 1
-    if len(kept) < cfg.count:
-        logger.warning("magpie: %d of %d prompts after %d rounds", len(kept), cfg.count, rounds)
-    return MagpieResult(kept[: cfg.count], requests, rounds, dropped, time.monotonic() - start, prefix)
+    return _ShareResult(kept[:count], dropped, requests, rounds)
+
+
+def collect_prompts(engine, tokenizer, prefix: Union[UserTurnPrefix, Mapping[str, UserTurnPrefix]],
+                    cfg: MagpieConfig, eos_token_ids: Sequence[int], progress: bool = False) -> MagpieResult:
+    """``cfg.count`` prompts split over ``cfg.domains`` (``domain_counts``), each share sampled in rounds under
+    its domain's prefix (``prefix``: one per domain, or one for all) until it survives the filter (no
+    duplicates across domains), ``cfg.max_rounds`` or its part of the time budget ran out. Request
+    indices (and so seeds) run on across the domains."""
+    prefixes = prefix if isinstance(prefix, Mapping) else {d: prefix for d in cfg.domains}
+    start = time.monotonic()
+    counts = domain_counts(cfg.count, len(cfg.domains))
+    deadlines = domain_deadlines(start, cfg.max_seconds, counts)
+    kept: List[str] = []
+    domains: List[str] = []
+    shares: List[DomainShare] = []
+    dropped = {r: 0 for r in DROP_REASONS}
+    requests = rounds = 0
+    for domain, count, deadline in zip(cfg.domains, counts, deadlines):
+        got = _ShareResult([], {}, 0, 0)
+        if count:
+            got = _collect_share(engine, tokenizer, prefixes[domain], cfg, count, requests,
+                                 [normalize_prompt(p) for p in kept], deadline, eos_token_ids, progress)
+        if len(got.kept) < count:
+            logger.warning("magpie: %d of %d %s prompts after %d rounds", len(got.kept), count, domain, got.rounds)
+        kept.extend(got.kept)
+        domains.extend([domain] * len(got.kept))
+        for r, c in got.dropped.items():
+            dropped[r] += c
+        requests += got.requests
+        rounds += got.rounds
+        shares.append(DomainShare(domain, cfg.domain_system_prompt(domain), count, len(got.kept), got.requests,
+                                  got.rounds))
+    return MagpieResult(kept, requests, rounds, dropped, time.monotonic() - start, prefixes[cfg.domains[0]],
+                        domains, shares)
 
 
 def generate_magpie_prompts(model_dir: str, cfg: MagpieConfig, device: Optional[str] = None,
                             dtype: Optional[str] = None, progress: bool = False, tokenizer=None) -> MagpieResult:
-    """``cfg.count`` user prompts written by the model in ``model_dir`` (one OfflineEngine, freed after)."""
+    """``cfg.count`` user prompts written by the model in ``model_dir`` over ``cfg.domains`` (one OfflineEngine,
+    freed after)."""
     from transformers import AutoTokenizer
 
     from lightllm.server.core.objs.start_args_type import StartArgs
     from lightllm.server.offline_engine import OfflineEngine
 
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_dir)
-    prefix = user_turn_prefix(tokenizer, cfg.system_prompt)
-    max_len = len(tokenizer.encode(prefix.text, add_special_tokens=False)) + cfg.max_new_tokens
+    prefixes = domain_prefixes(tokenizer, cfg)
+    max_len = max(len(tokenizer.encode(p.text, add_special_tokens=False)) for p in prefixes.values())
+    max_len += cfg.max_new_tokens
     args = StartArgs(model_dir=model_dir, running_max_req_size=cfg.gen_batch_size, max_req_total_len=max_len,
                      batch_max_tokens=max(GEN_BATCH_MAX_TOKENS, max_len))
     engine = OfflineEngine(args, device=device, dtype=dtype)
     try:
-        return collect_prompts(engine, tokenizer, prefix, cfg, engine.eos_token_ids(), progress)
+        return collect_prompts(engine, tokenizer, prefixes, cfg, engine.eos_token_ids(), progress)
     finally:
         engine.close()
         del engine  # its KV pool goes before the caller loads another model
@@ -348,22 +478,32 @@ class PromptRecord:
     kind: str  # KIND_GENERAL, KIND_MATH, or a held-out kind
     source: str  # SOURCE_MAGPIE, SOURCE_GSM8K, ...
     prompt: str
+    domain: Optional[str] = None  # a Magpie prompt's domain (MAGPIE_DOMAINS); None for other sources
+
+    def as_json(self) -> Dict[str, str]:
+        """Its prompt-set line's object: "domain" only when set."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def as_records(prompts: Sequence[str], kind: str, source: str) -> List[PromptRecord]:
-    return [PromptRecord(kind, source, p) for p in prompts]
+def as_records(prompts: Sequence[str], kind: str, source: str,
+               domains: Optional[Sequence[str]] = None) -> List[PromptRecord]:
+    """Records of ``prompts``; ``domains``: each prompt's domain (None: no domain)."""
+    domains = [None] * len(prompts) if domains is None else domains
+    if len(domains) != len(prompts):
+        raise ValueError(f"{len(domains)} domains for {len(prompts)} prompts")
+    return [PromptRecord(kind, source, p, d) for p, d in zip(prompts, domains)]
 
 
 def write_prompt_set(path: str, records: Sequence[PromptRecord]) -> None:
-    """One {"kind", "source", "prompt"} JSON object per line (UTF-8)."""
+    """One {"kind", "source", "prompt"} (+ "domain") JSON object per line (UTF-8)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(asdict(r), ensure_ascii=False) + "\n" for r in records)
+        f.writelines(json.dumps(r.as_json(), ensure_ascii=False) + "\n" for r in records)
 
 
 def read_prompt_set(path: str) -> List[PromptRecord]:
     """The records of a prompt-set file (gzipped when it ends in .gz), in order (extra keys ignored,
-    a missing key is an error)."""
+    a missing key is an error, "domain" is optional)."""
     records = []
     with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -371,9 +511,11 @@ def read_prompt_set(path: str) -> List[PromptRecord]:
                 continue
             obj = json.loads(line)
             missing = [k for k in PROMPT_RECORD_KEYS if not isinstance(obj.get(k), str)]
+            if not isinstance(obj.get("domain"), (str, type(None))):  # optional
+                missing.append("domain")
             if missing:
                 raise ValueError(f"{path}:{lineno}: missing or non-string {', '.join(missing)}")
-            records.append(PromptRecord(obj["kind"], obj["source"], obj["prompt"]))
+            records.append(PromptRecord(obj["kind"], obj["source"], obj["prompt"], obj.get("domain")))
     return records
 
 

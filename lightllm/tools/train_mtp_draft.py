@@ -32,10 +32,13 @@ Prompts (``--prompt_source``): ``gsm8k`` (the GSM8K train questions, in file ord
 by an earlier run, replayed exactly). The set used is always written (``--prompt_set_out``);
 a prompt of the held-out set (``--heldout``) refuses the run. ``--max_gen_seconds`` covers
 both generation phases: sampling user turns gets at most MAGPIE_TIME_SHARE of it, the
-answers the rest.
+answers the rest. ``--magpie_domains`` (names in magpie_prompts.MAGPIE_DOMAINS) splits the Magpie
+prompts into equal shares, each sampled under its domain's system prompt (``default``: the
+template's own).
 
     python -m lightllm.tools.train_mtp_draft --out DIR [--prompt_source mix --magpie_count N \\
-        --gsm8k_fraction F] [--data train.jsonl] [--model_dir DIR] [--unroll 4] ...
+        --magpie_domains default,code,writing,advice,explanation --gsm8k_fraction F] [--data train.jsonl] \\
+        [--model_dir DIR] [--unroll 4] ...
 
 The output dir holds config.json + model.safetensors (bf16, loadable with
 ``--mtp_draft_model_dir``), training_info.json (the recipe, prompt counts, Magpie stats,
@@ -533,7 +536,7 @@ def portable_path(path: Optional[str]) -> Optional[str]:
 def magpie_config(a: argparse.Namespace, max_seconds: Optional[float]) -> "magpie.MagpieConfig":
     return magpie.MagpieConfig(count=a.magpie_count, temperature=a.magpie_temperature, top_p=a.magpie_top_p,
                                max_new_tokens=a.magpie_max_new_tokens, seed=a.seed, seed_mode=a.magpie_seed_mode,
-                               gen_batch_size=a.gen_batch_size, max_seconds=max_seconds)
+                               domains=a.magpie_domains, gen_batch_size=a.gen_batch_size, max_seconds=max_seconds)
 
 
 def build_prompt_set(a: argparse.Namespace, model_dir: str, device: str,
@@ -558,6 +561,14 @@ def build_prompt_set(a: argparse.Namespace, model_dir: str, device: str,
 # --------------------------------------------------------------------------- CLI
 
 
+def domains_arg(text: str) -> Tuple[str, ...]:
+    """--magpie_domains: comma-separated names in MAGPIE_DOMAINS (an argparse error names the valid ones)."""
+    try:
+        return magpie.parse_domains(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def make_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     m = magpie.MagpieConfig()
@@ -577,6 +588,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--magpie_max_new_tokens", type=int, default=m.max_new_tokens, help="longer user turns are dropped")
     p.add_argument("--magpie_seed_mode", default="batch", choices=magpie.SEED_MODES,
                    help="batch: seed once per round (fast at large batches); request: a seed per request")
+    p.add_argument("--magpie_domains", type=domains_arg, default=magpie.DEFAULT_DOMAIN,
+                   help="comma-separated Magpie domains, --magpie_count split equally over them, each sampled "
+                        f"under its system prompt (valid: {', '.join(magpie.MAGPIE_DOMAINS)}; "
+                        f"{magpie.DEFAULT_DOMAIN}: the template's own)")
     p.add_argument("--prompt_set", default=None, help="--prompt_source file: a prompt set to replay")
     p.add_argument("--prompt_set_out", default=None, help=f"where the prompt set used is written "
                                                           f"(default: OUT/{PROMPT_SET_FILENAME})")
@@ -694,6 +709,7 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
         "model_dir": portable_path(model_dir), "prompt_set": portable_path(a.prompt_set_out),
         "num_prompts": len(records), "prompts_by_kind": dict(Counter(r.kind for r in records)),
         "prompts_by_source": dict(Counter(r.source for r in records)),
+        "prompts_by_domain": dict(Counter(r.domain for r in records if r.domain is not None)),
         "answered_by_kind": dict(Counter(kind_of[tuple(s.token_ids[: s.prompt_len])] for s in seqs)),
         "num_answered": len(seqs),
         "magpie": {**asdict(magpie_config(a, magpie_budget)), **sampled.stats()} if sampled else None,

@@ -45,13 +45,17 @@ set -uo pipefail
 TRAIN_FLAGS=(--mtp_mode eagle_with_att --init last_layer --unroll 4 --max_new_tokens 200
              --gen_batch_size 768 --epochs 8 --lr 1e-3 --batch_size 64 --max_gen_seconds 240
              --max_train_seconds 200 --device cuda)
-# the general mixture, fine-tuning the GSM8K draft (kept in /root/draft_old): 6000 user turns at 40% GSM8K. The 240 s generation budget is shared
-# (user turns at most 40%, ~100 s at batch 768; the answers the rest, cut at the deadline), training 180 s,
-# held-out answers and top-1 ~30 s, model loads and engine starts ~60 s: about 8.5 minutes of a 10-minute call
-TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 6000 --gsm8k_fraction 0.4 --magpie_seed_mode batch
+# the general mixture, fine-tuning the shipped draft (kept in /root/draft_old): 10000 user turns in five
+# Magpie domains (default, code, writing, advice, explanation) at 30% GSM8K. The 240 s generation budget is
+# shared (user turns at most 40%, the answers the rest, cut at the deadline), training 200 s, held-out answers
+# and top-1 ~30 s, model loads and engine starts ~60 s: about 9 minutes of a 10-minute call.
+# (The sixth session's recipe, 6000 default-domain turns at 40% GSM8K, 10 epochs, 180 s, is in the
+# training_info.json shipped with that draft.)
+TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 10000 --magpie_domains default,code,writing,advice,explanation
+                     --gsm8k_fraction 0.3 --magpie_seed_mode batch
                      --mtp_mode eagle_with_att --init_from /root/draft_old --unroll 4 --max_new_tokens 200
-                     --gen_batch_size 768 --epochs 10 --lr 5e-4 --batch_size 64 --max_gen_seconds 240
-                     --max_train_seconds 180 --device cuda)
+                     --gen_batch_size 768 --epochs 7 --lr 5e-4 --batch_size 64 --max_gen_seconds 240
+                     --max_train_seconds 200 --device cuda)
 # dspark: the general prompt set replayed (no user-turn sampling), answers ~120 s, training 200 s
 DSPARK_BLOCK=4
 TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz

@@ -1,7 +1,8 @@
 """Magpie prompts (lightllm/tools/magpie_prompts.py): the template's user-turn prefix on a
 hand-written template and on the embedded tokenizer, the cleaning filter on hand-made turns,
-the round loop with a scripted engine, seeded sampling through the real engine on a tiny
-random Llama (CPU), prompt mixing and files, and the held-out set."""
+the round loop and its split over domains with a scripted engine, seeded sampling through the
+real engine on a tiny random Llama (CPU), prompt mixing and files, and the held-out set."""
+import dataclasses
 import json
 import os
 from collections import Counter
@@ -12,6 +13,7 @@ import pytest
 from lightllm.tools import magpie_prompts as mp
 from lightllm.tools.magpie_prompts import (
     DEFAULT_HELDOUT_PATH,
+    MAGPIE_DOMAINS,
     DROP_DUPLICATE,
     DROP_EMPTY,
     DROP_LONG,
@@ -20,18 +22,23 @@ from lightllm.tools.magpie_prompts import (
     DROP_TAG,
     SEED_STRIDE,
     SENTINEL,
+    DomainShare,
     FilterConfig,
     MagpieConfig,
     PromptRecord,
     RawTurn,
     as_records,
     collect_prompts,
+    domain_counts,
+    domain_deadlines,
+    domain_prefixes,
     filter_user_turns,
     heldout_overlap,
     load_heldout,
     mix_counts,
     mix_prompts,
     normalize_prompt,
+    parse_domains,
     read_prompt_set,
     request_seed,
     sample_user_turns,
@@ -54,6 +61,8 @@ INST_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m
                  "{% endfor %}")
 HELDOUT_KIND_COUNTS = {"code": 40, "writing": 40, "advice": 40, "explanation": 40, "math": 20}
 HELDOUT_SOURCE = "written for this repo, 2026-11-30"
+DEFAULT_TINY_PREFIX = "<s><turn>system\nDefault system.<end>\n<turn>user\n"  # TINY_TEMPLATE's default system turn
+VALID_DOMAINS_MESSAGE = "valid names: default, code, writing, advice, explanation"
 
 
 def tiny_tokenizer(template: str = TINY_TEMPLATE):
@@ -211,10 +220,11 @@ class ScriptedEngine:
     """Answers request i of run seed 0 (recovered from its seed) with script[i]: (words, reached the end of turn)."""
 
     def __init__(self, tok, script):
-        self.tok, self.script, self.calls = tok, script, []
+        self.tok, self.script, self.calls, self.prompts = tok, script, [], []
 
     def generate(self, prompts, params, eos_token_ids=(), progress=False, on_step=None):
         self.calls.append(len(prompts))
+        self.prompts.append(prompts[0])
         out = []
         for sp in params:
             words, ended = self.script[(sp.seed - request_seed(0, 0)) % 2**mp.SEED_BITS // SEED_STRIDE]
@@ -237,6 +247,15 @@ def test_collect_prompts_samples_rounds_until_enough_survive():
     assert got.dropped[DROP_DUPLICATE] == 2 and got.dropped[DROP_SHORT] == 1
     assert got.dropped[DROP_OVERLONG] == 1 and got.dropped[DROP_TAG] == 1
     assert [r.kind for r in got.records()] == [mp.KIND_GENERAL] * 3
+    # one default domain: every prompt is the default's, its share the whole count
+    assert [r.domain for r in got.records()] == ["default"] * 3
+    assert got.stats()["domains"] == ["default"]
+    assert got.stats()["by_domain"] == {"default": {"system_prompt": None, "wanted": 3, "prompts": 3, "requests": 9,
+                                                    "rounds": 2}}
+    # naming the default domain explicitly changes nothing
+    again = collect_prompts(ScriptedEngine(tok, script), tok, user_turn_prefix(tok),
+                            dataclasses.replace(cfg, domains=("default",)), eos_token_ids=[])
+    assert again.prompts == ["w1 w2 w3 w4 w5", "w13 w14 w15 w16", "w20 w21 w22 w23"] and again.requests == 9
 
 
 def test_collect_prompts_stops_after_max_rounds():
@@ -244,6 +263,99 @@ def test_collect_prompts_stops_after_max_rounds():
     engine = ScriptedEngine(tok, [("w1", True)] * 64)
     got = collect_prompts(engine, tok, user_turn_prefix(tok), MagpieConfig(count=2, max_rounds=2), [])
     assert got.prompts == [] and got.rounds == 2 and got.dropped[DROP_SHORT] == got.requests
+
+
+# ---- domains ----
+
+
+def test_domain_table():
+    assert {"default", "code", "writing", "advice", "explanation"} <= set(MAGPIE_DOMAINS)
+    assert MAGPIE_DOMAINS["default"] is None
+    assert "programming assistant" in MAGPIE_DOMAINS["code"] and "Python" in MAGPIE_DOMAINS["code"]
+    assert "writing assistant" in MAGPIE_DOMAINS["writing"]
+    for name, text in MAGPIE_DOMAINS.items():
+        assert name == "default" or (text.isascii() and text == text.strip() and len(text.split()) >= 5), name
+
+
+def test_domain_counts_split_equally_with_the_remainder_first():
+    assert domain_counts(10, 3) == [4, 3, 3]
+    assert domain_counts(256, 5) == [52, 51, 51, 51, 51]
+    assert domain_counts(12, 4) == [3, 3, 3, 3]
+    assert domain_counts(2, 3) == [1, 1, 0]
+    assert domain_counts(7, 1) == [7]
+
+
+def test_domain_deadlines_split_the_time_budget_by_counts():
+    assert domain_deadlines(100.0, 10.0, [2, 1, 1]) == [105.0, 107.5, 110.0]
+    assert domain_deadlines(100.0, 10.0, [7]) == [110.0]
+    assert domain_deadlines(100.0, None, [2, 1]) == [None, None]
+
+
+def test_a_domain_prefix_carries_its_system_prompt():
+    tok = tiny_tokenizer()
+    prefixes = domain_prefixes(tok, MagpieConfig(domains=("default", "code")))
+    assert list(prefixes) == ["default", "code"]
+    assert prefixes["default"].text == DEFAULT_TINY_PREFIX  # the template's own system turn
+    code = prefixes["code"].text
+    assert code == "<s><turn>system\n" + MAGPIE_DOMAINS["code"] + "<end>\n<turn>user\n"
+    assert "programming assistant" in code and "programming assistant" not in prefixes["default"].text
+    assert prefixes["code"].tags == prefixes["default"].tags
+    # the default domain takes MagpieConfig.system_prompt when one is set
+    own = domain_prefixes(tok, MagpieConfig(system_prompt="Be brief.", domains=("default",)))
+    assert own["default"].text == "<s><turn>system\nBe brief.<end>\n<turn>user\n"
+
+
+def test_unknown_or_repeated_domains_are_rejected():
+    with pytest.raises(ValueError, match="unknown Magpie domain\\(s\\) 'poetry'; " + VALID_DOMAINS_MESSAGE):
+        MagpieConfig(domains=("code", "poetry"))
+    with pytest.raises(ValueError, match=VALID_DOMAINS_MESSAGE):
+        parse_domains("code,poetry")
+    for bad in ("code,code", ""):
+        with pytest.raises(ValueError):
+            parse_domains(bad)
+    with pytest.raises(ValueError, match="not the string"):
+        MagpieConfig(domains="code")
+    assert parse_domains("code, writing") == ("code", "writing")
+    assert parse_domains("default") == ("default",) == MagpieConfig().domains
+
+
+def test_collect_prompts_splits_the_count_over_domains():
+    tok = tiny_tokenizer()
+    script = [("w1 w2 w3 w4", True), ("w5 w6 w7 w8", True),  # default: 2 wanted, 2 kept in one round
+              ("w1 w2 w3 w4", True),  # code, round 1: a duplicate of a default prompt
+              ("w9 w10 w11 w12", True), ("w13 w14 w15 w16", True)]  # code, round 2: twice the rate, 1 wanted
+    cfg = MagpieConfig(count=3, oversample=1.0, domains=("default", "code"),
+                       filter=FilterConfig(min_chars=8, min_words=3))
+    prefixes = domain_prefixes(tok, cfg)
+    engine = ScriptedEngine(tok, script)
+    got = collect_prompts(engine, tok, prefixes, cfg, eos_token_ids=[])
+    # request indices (seeds) run on across domains: 0-1 default, 2-4 code
+    assert engine.calls == [2, 1, 2]
+    default_ids, code_ids = (tok.encode(prefixes[d].text, add_special_tokens=False) for d in ("default", "code"))
+    assert default_ids != code_ids and engine.prompts == [default_ids, code_ids, code_ids]
+    assert got.prompts == ["w1 w2 w3 w4", "w5 w6 w7 w8", "w9 w10 w11 w12"]
+    assert got.records() == [PromptRecord("general", "magpie", "w1 w2 w3 w4", "default"),
+                             PromptRecord("general", "magpie", "w5 w6 w7 w8", "default"),
+                             PromptRecord("general", "magpie", "w9 w10 w11 w12", "code")]
+    assert got.requests == 5 and got.rounds == 3 and got.dropped[DROP_DUPLICATE] == 1
+    assert sum(got.dropped.values()) == 1
+    assert got.shares == [DomainShare("default", None, wanted=2, prompts=2, requests=2, rounds=1),
+                          DomainShare("code", MAGPIE_DOMAINS["code"], wanted=1, prompts=1, requests=3, rounds=2)]
+    stats = got.stats()
+    assert stats["domains"] == ["default", "code"] and stats["prompts"] == 3
+    assert stats["by_domain"]["code"] == {"system_prompt": MAGPIE_DOMAINS["code"], "wanted": 1, "prompts": 1,
+                                          "requests": 3, "rounds": 2}
+
+
+def test_a_domain_with_no_share_samples_nothing():
+    tok = tiny_tokenizer()
+    engine = ScriptedEngine(tok, [("w1 w2 w3 w4", True), ("w5 w6 w7 w8", True)])
+    cfg = MagpieConfig(count=2, oversample=1.0, domains=("default", "code", "writing"),
+                       filter=FilterConfig(min_chars=8, min_words=3))
+    got = collect_prompts(engine, tok, domain_prefixes(tok, cfg), cfg, eos_token_ids=[])
+    assert engine.calls == [1, 1] and got.domains == ["default", "code"]
+    assert got.shares[2] == DomainShare("writing", MAGPIE_DOMAINS["writing"], wanted=0, prompts=0, requests=0,
+                                        rounds=0)
 
 
 def test_sample_user_turns_cuts_at_a_plain_text_end_of_turn():
@@ -283,6 +395,20 @@ def test_seeded_sampling_repeats_and_does_not_depend_on_the_batch(tiny_target):
     assert other != first
     batch_mode = MagpieConfig(max_new_tokens=8, temperature=1.0, top_p=0.95, seed=0, seed_mode="batch")
     assert _sample(tiny_target, batch_mode, batch=6) == _sample(tiny_target, batch_mode, batch=6)
+
+
+def test_generate_magpie_prompts_over_domains_in_the_engine(tmp_path):
+    from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint
+
+    model_dir = save_checkpoint(build_hf_model("llama", seed=0), str(tmp_path / "t"), False)
+    tiny_tokenizer().save_pretrained(model_dir)  # the engine loads the model dir's tokenizer
+    # the random target seldom ends a turn: one round a domain, counted by share
+    cfg = MagpieConfig(count=4, max_new_tokens=8, max_rounds=1, domains=("default", "code"), gen_batch_size=8)
+    got = mp.generate_magpie_prompts(model_dir, cfg, device="cpu", dtype="float32")
+    assert [(s.domain, s.wanted, s.requests, s.rounds) for s in got.shares] == [("default", 2, 4, 1),
+                                                                               ("code", 2, 4, 1)]
+    assert got.requests == 8 and got.rounds == 2 and sum(got.dropped.values()) + len(got.prompts) == 8
+    assert got.prefix.text == DEFAULT_TINY_PREFIX
 
 
 @pytest.mark.slow
@@ -340,6 +466,21 @@ def test_prompt_set_round_trip(tmp_path):
     assert len(lines) == 2 and set(json.loads(lines[0])) == {"kind", "source", "prompt"}
     (tmp_path / "bad.jsonl").write_text(json.dumps({"kind": "general", "prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: missing or non-string source"):
+        read_prompt_set(str(tmp_path / "bad.jsonl"))
+
+
+def test_prompt_set_keeps_a_magpie_domain(tmp_path):
+    records = [PromptRecord("general", "magpie", "Write a loop in Python.", "code"),
+               PromptRecord("math", "gsm8k_train", "What is 2 + 3?")]
+    path = str(tmp_path / "prompts.jsonl")
+    write_prompt_set(path, records)
+    lines = [json.loads(line) for line in open(path, encoding="utf-8")]
+    assert lines == [{"kind": "general", "source": "magpie", "prompt": "Write a loop in Python.", "domain": "code"},
+                     {"kind": "math", "source": "gsm8k_train", "prompt": "What is 2 + 3?"}]
+    assert read_prompt_set(path) == records
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"kind": "general", "source": "magpie", "prompt": "x",
+                                                    "domain": 3}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: missing or non-string domain"):
         read_prompt_set(str(tmp_path / "bad.jsonl"))
 
 

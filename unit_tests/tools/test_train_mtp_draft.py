@@ -278,14 +278,19 @@ def tiny_run(one_thread, tmp_path_factory):
 
 @pytest.fixture
 def fake_magpie(monkeypatch):
-    """Magpie sampling replaced by MAGPIE_PROMPTS (the sampler has its own tests); records its config."""
+    """Magpie sampling replaced by MAGPIE_PROMPTS (the sampler has its own tests), labelled with cfg.domains
+    in turn; records its config."""
     seen = []
 
     def fake(model_dir, cfg, device=None, progress=False):
         seen.append(cfg)
-        return mp.MagpieResult(MAGPIE_PROMPTS[: cfg.count], requests=cfg.count + 3, rounds=1,
+        prompts = MAGPIE_PROMPTS[: cfg.count]
+        domains = [cfg.domains[i % len(cfg.domains)] for i in range(len(prompts))]
+        shares = [mp.DomainShare(d, cfg.domain_system_prompt(d), domains.count(d), domains.count(d),
+                                 domains.count(d), 1) for d in cfg.domains]
+        return mp.MagpieResult(prompts, requests=cfg.count + 3, rounds=1,
                                dropped={**{r: 0 for r in mp.DROP_REASONS}, mp.DROP_OVERLONG: 3}, seconds=0.25,
-                               prefix=user_turn_prefix(tiny_tokenizer()))
+                               prefix=user_turn_prefix(tiny_tokenizer()), domains=domains, shares=shares)
 
     monkeypatch.setattr(mp, "generate_magpie_prompts", fake)
     return seen
@@ -320,6 +325,7 @@ def test_prompt_sources_select_and_mix(tiny_run, fake_magpie):
     cfg = fake_magpie[-1]
     assert (cfg.count, cfg.seed_mode, cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.max_seconds) == (
         5, "batch", 1.0, 0.95, 96, 7.0)
+    assert cfg.domains == ("default",) and {r.domain for r in records} == {"default"}
     # mix: 12 general and 10 GSM8K at 0.4 -> as many as the pools allow: 20 (12 + 8)
     a = tool.parse_args(_argv(tiny_run, root / "o", "--prompt_source", "mix", "--magpie_count", "12",
                               "--gsm8k_fraction", "0.4"))
@@ -333,12 +339,36 @@ def test_prompt_sources_select_and_mix(tiny_run, fake_magpie):
         tool.parse_args(_argv(tiny_run, root / "o", "--prompt_source", "file"))  # needs --prompt_set
 
 
+def test_magpie_domains_flag(tiny_run, fake_magpie, capsys):
+    out = tiny_run[0] / "o"
+    plain = tool.parse_args(_argv(tiny_run, out, "--prompt_source", "magpie"))
+    named = tool.parse_args(_argv(tiny_run, out, "--prompt_source", "magpie", "--magpie_domains", "default"))
+    # default-only is the same run as not passing the flag
+    assert plain.magpie_domains == named.magpie_domains == ("default",) and vars(plain) == vars(named)
+    expected = mp.MagpieConfig(count=256, seed_mode="batch", gen_batch_size=8, domains=("default",))
+    assert tool.magpie_config(plain, None) == tool.magpie_config(named, None) == expected
+    assert tool.build_prompt_set(plain, "unused", "cpu", None)[0] == tool.build_prompt_set(named, "unused", "cpu",
+                                                                                            None)[0]
+    every = tool.parse_args(_argv(tiny_run, out, "--magpie_domains", "default,code,writing,advice,explanation"))
+    assert tool.magpie_config(every, None).domains == ("default", "code", "writing", "advice", "explanation")
+    for bad, message in (("code,poetry", "unknown Magpie domain(s) 'poetry'; valid names: default, code, "
+                                         "writing, advice, explanation"),
+                         ("code,code", "distinct")):
+        with pytest.raises(SystemExit):
+            tool.parse_args(_argv(tiny_run, out, "--magpie_domains", bad))
+        err = capsys.readouterr().err
+        assert "argument --magpie_domains: " in err and message in err
+
+
 def test_mix_run_writes_a_replayable_prompt_set_and_training_info(tiny_run, fake_magpie, tmp_path):
     first = tmp_path / "mix"
     tool.main(_argv(tiny_run, first, "--prompt_source", "mix", "--magpie_count", "9", "--gsm8k_fraction", "0.25",
-                    "--num_prompts", "12", "--max_gen_seconds", "100"))
+                    "--num_prompts", "12", "--max_gen_seconds", "100", "--magpie_domains", "code,writing"))
     records = mp.read_prompt_set(str(first / tool.PROMPT_SET_FILENAME))
     assert Counter(r.source for r in records) == {mp.SOURCE_MAGPIE: 9, mp.SOURCE_GSM8K: 3}
+    # the fake labels the 9 Magpie prompts code, writing, code, ...: 5 and 4; GSM8K has no domain
+    assert Counter(r.domain for r in records) == {"code": 5, "writing": 4, None: 3}
+    assert fake_magpie[-1].domains == ("code", "writing")
     assert fake_magpie[-1].max_seconds == pytest.approx(tool.MAGPIE_TIME_SHARE * 100)
     info = json.loads((first / TRAINING_INFO_FILENAME).read_text())
     assert info["prompt_source"] == "mix" and info["num_prompts"] == 12
@@ -347,6 +377,10 @@ def test_mix_run_writes_a_replayable_prompt_set_and_training_info(tiny_run, fake
     assert info["recipe"]["gsm8k_fraction"] == 0.25 and info["recipe"]["magpie_count"] == 9
     assert info["magpie"]["prompts"] == 9 and info["magpie"]["dropped"]["overlong"] == 3
     assert info["magpie"]["seed_mode"] == "batch"
+    assert info["recipe"]["magpie_domains"] == ["code", "writing"] and info["magpie"]["domains"] == ["code", "writing"]
+    assert info["magpie"]["by_domain"]["writing"] == {"system_prompt": mp.MAGPIE_DOMAINS["writing"], "wanted": 4,
+                                                      "prompts": 4, "requests": 4, "rounds": 1}
+    assert info["prompts_by_domain"] == {"code": 5, "writing": 4}
     assert set(info["seconds"]) >= {"prompts", "generate", "heldout_generate", "train", "heldout_eval", "total"}
     by_kind = info["heldout_by_kind"]
     assert set(by_kind) == {"code", "writing", "math", tool.NON_MATH}
