@@ -38,11 +38,12 @@ def main():
     p.add_argument("--load_format", default="auto")
     p.add_argument("--prefill", action="store_true", help="profile one-request prefills, not decode steps")
     p.add_argument("--prompt_len", type=int, default=PROMPT_LEN)
+    p.add_argument("--graph_max_prefill_tokens", type=int, default=StartArgs.graph_max_prefill_tokens)
     a = p.parse_args()
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=a.mtp_step) if a.mtp_step else {}
     eng = OfflineEngine(StartArgs(model_dir=a.model_dir, load_format=a.load_format, running_max_req_size=a.batch,
                                   max_req_total_len=1024, batch_max_tokens=65536,
-                                  disable_cudagraph=a.disable_cudagraph,
+                                  disable_cudagraph=a.disable_cudagraph, graph_max_prefill_tokens=a.graph_max_prefill_tokens,
                                   enable_deterministic_inference=a.enable_deterministic_inference, **mtp))
     router = eng.router
     if a.prefill:
@@ -84,7 +85,8 @@ def profile_prefill(router, a) -> None:
         one()
     sync()
     ms = (time.perf_counter() - t0) / a.batch * 1e3
-    print(f"prefill of {a.prompt_len} tokens, K {a.mtp_step}: {ms:.2f} ms per request (admission to finish)")
+    print(f"prefill of {a.prompt_len} tokens, K {a.mtp_step}, graph_max_prefill_tokens {a.graph_max_prefill_tokens}: "
+          f"{ms:.2f} ms per request (admission to finish)")
     print_profile(one, a.rows)
 
 

@@ -52,6 +52,10 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    help="CUDA graph ladder step above --graph_split_batch_size.")
     p.add_argument("--disable_cudagraph", action="store_true", default=d.disable_cudagraph,
                    help="Decode eagerly (same padding to the ladder, so outputs are identical to graph decoding).")
+    p.add_argument("--graph_max_prefill_tokens", type=int, default=d.graph_max_prefill_tokens,
+                   help="CUDA, one rank: a prefill step of at most this many new tokens runs as decode rows "
+                        "from a CUDA graph (captured for powers of two up to it); longer ones run the prefill "
+                        "forward. 0: never. With --disable_cudagraph the same rows run eagerly.")
     p.add_argument("--enable_deterministic_inference", action="store_true", default=d.enable_deterministic_inference,
                    help="CUDA: batch-invariant kernels (SGLang's flag), so a request's tokens do not depend on the "
                         "rest of its batch and strict MTP is token-identical to plain decoding in bf16; slower.")

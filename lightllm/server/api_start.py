@@ -33,6 +33,8 @@ def validate_start_args(args: StartArgs) -> StartArgs:
         _need(args.batch_max_tokens >= 1, "--batch_max_tokens", f"must be >= 1, got {args.batch_max_tokens}")
     for flag in ("graph_max_batch_size", "graph_split_batch_size", "graph_grow_step_size"):
         _need(getattr(args, flag) >= 1, f"--{flag}", f"must be >= 1, got {getattr(args, flag)}")
+    _need(args.graph_max_prefill_tokens >= 0, "--graph_max_prefill_tokens",
+          f"must be >= 0, got {args.graph_max_prefill_tokens}")
     _need(args.load_format in LOAD_FORMATS, "--load_format",
           f"must be one of {', '.join(LOAD_FORMATS)}, got {args.load_format!r}")
     _need(args.load_format != "dummy" or args.model_dir is not None, "--load_format",

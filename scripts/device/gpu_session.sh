@@ -17,6 +17,8 @@
 #   gpu_session.sh quality_dspark OUT   tokens/step of the dspark draft on 200 test questions and the held-out
 #                                       prompts by kind, K = 1..BLOCK-1
 #   gpu_session.sh asd_dspark OUT       GSM8K test (all 1319), dspark K = 3: strict, B = 0, usage, and no MTP
+#   gpu_session.sh prefill OUT          ms per one-request prefill (120 tokens), K = 0 and 3, rows from graphs
+#                                       (the default) vs the prefill forward (--graph_max_prefill_tokens 0)
 #   gpu_session.sh diag OUT             prefill time per request (batch 1, K = 0 and 3, profiled), then
 #                                       asd_dspark with every server log in OUT/eval_dspark.tgz
 #   gpu_session.sh quality OUT          draft quality, 200 test questions, K = 1..4
@@ -66,7 +68,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
+job=${1:?usage: gpu_session.sh data|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
 shift
 
 case "$job" in
@@ -132,6 +134,13 @@ quality_dspark)
     status=$?
     tail -30 "$out/quality_dspark.log"
     exit $status
+    ;;
+prefill)
+    out=${1:?OUT}; mkdir -p "$out"
+    for k in 0 3; do for m in 512 0; do
+        python benchmarks/profile_decode_step.py --prefill --batch 20 --prompt_len 120 --mtp_step $k --rows 0 \
+            --graph_max_prefill_tokens $m 2>>"$out/prefill.err" | tail -1
+    done; done | tee "$out/prefill.txt"
     ;;
 diag)
     out=${1:?OUT}; mkdir -p "$out"

@@ -94,7 +94,8 @@ class CudaGraphSet:
         return out
 
 
-def capture_ladder(graphs: CudaGraphSet, sizes: Sequence[int], capture_one: Callable[[int], None]) -> None:
+def capture_ladder(graphs: CudaGraphSet, sizes: Sequence[int], capture_one: Callable[[int], None],
+                   what: str = "batch sizes") -> None:
     """Capture the largest size first, so smaller graphs reuse its pool memory; log the cost."""
     free_before, _ = torch.cuda.mem_get_info(graphs.device)
     for size in sorted(sizes, reverse=True):
@@ -102,6 +103,6 @@ def capture_ladder(graphs: CudaGraphSet, sizes: Sequence[int], capture_one: Call
     free_after, _ = torch.cuda.mem_get_info(graphs.device)
     graphs.capture_mib = (free_before - free_after) / 2**20
     logger.info(
-        "captured CUDA graphs for %d batch sizes (%d..%d) in %.1f s, holding %.1f MiB",
-        len(sizes), min(sizes), max(sizes), graphs.capture_seconds, graphs.capture_mib,
+        "captured CUDA graphs for %d %s (%d..%d) in %.1f s, holding %.1f MiB",
+        len(sizes), what, min(sizes), max(sizes), graphs.capture_seconds, graphs.capture_mib,
     )

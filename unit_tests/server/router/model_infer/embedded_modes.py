@@ -10,7 +10,8 @@ MODES = {
 
 def run_embedded(args, prompts):
     """Generate on CUDA in bf16 (request i: 24 + 9 i new tokens, ignore_eos), then free the engine.
-    Returns (results, whether CUDA graphs were captured)."""
+    Returns (results, whether CUDA graphs were captured: the decode graphs, and the prefill
+    rows' graphs unless --graph_max_prefill_tokens is 0)."""
     import gc
 
     import torch
@@ -20,7 +21,8 @@ def run_embedded(args, prompts):
     eng = OfflineEngine(args, device="cuda", dtype="bfloat16")
     params = [{"max_new_tokens": 24 + 9 * i, "ignore_eos": True} for i in range(len(prompts))]
     res = eng.generate(prompts, params)
-    captured = eng.backend.decode_step.graphs is not None
+    rows = eng.backend.prefill_rows
+    captured = eng.backend.decode_step.graphs is not None and (rows is None or rows.graphs is not None)
     del eng
     gc.collect()
     torch.cuda.empty_cache()

@@ -29,7 +29,11 @@ def _prompts():
 
 
 def _run(mode: str, graphs: bool):
-    res, captured = run_embedded(StartArgs(**MODES[mode], **ENGINE, disable_cudagraph=not graphs), _prompts())
+    return _run_args(MODES[mode], graphs)
+
+
+def _run_args(mode_args: dict, graphs: bool):
+    res, captured = run_embedded(StartArgs(**mode_args, **ENGINE, disable_cudagraph=not graphs), _prompts())
     return [(r.token_ids, r.logprobs) for r in res], captured
 
 
@@ -77,4 +81,16 @@ def test_strict_mtp_equals_plain_with_graphs_up_to_bf16_near_ties(outputs):
     plain, mtp = ([t for t, _ in outputs[(m, True)][0]] for m in ("plain", "mtp"))
     gaps = _first_divergence_gaps(_prompts(), plain, mtp)
     print(f"strict MTP vs plain (graphs, bf16): {len(gaps)} of {NUM_REQS} requests differ; fp32 logit gaps {gaps}")
+    assert all(g < NEAR_TIE_LOGIT_GAP for g in gaps), gaps
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp"])
+def test_prefill_rows_equal_the_prefill_forward_up_to_bf16_near_ties(outputs, mode):
+    """Short prefills run as decode rows from graphs (the default) or as the prefill forward
+    (--graph_max_prefill_tokens 0): the same math in GEMMs of other shapes. Any request that
+    differs must differ first at a near-tie of the fp32 reference (printed)."""
+    rows = [t for t, _ in outputs[(mode, True)][0]]
+    forward = [t for t, _ in _run_args(dict(MODES[mode], graph_max_prefill_tokens=0), True)[0]]
+    gaps = _first_divergence_gaps(_prompts(), rows, forward)
+    print(f"{mode}: prefill rows vs prefill forward (bf16): {len(gaps)} of {NUM_REQS} requests differ; gaps {gaps}")
     assert all(g < NEAR_TIE_LOGIT_GAP for g in gaps), gaps

@@ -21,6 +21,7 @@ from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.router.model_infer.decode_step import PAD_TOKEN_ID, DecodeRows, DecodeStep, commit_step
 from lightllm.server.router.model_infer.infer_batch import InferReq
+from lightllm.server.router.model_infer.prefill_rows import PrefillItem, PrefillRows
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, sample, token_logprobs
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 
@@ -143,6 +144,10 @@ class ModeBackend:
             self.model, self.req_to_next_token_ids, self.params_manager, self.draft, self.mtp_step,
             self.asd_config, max_reqs=max_step_reqs, ladder=ladder, use_graphs=use_graphs,
         )
+        self.prefill_rows = None  # short prefills as graph rows (prefill_rows.py)
+        if ladder is not None and graph_capable(args, self.parallel) and args.graph_max_prefill_tokens:
+            rows_draft = self.draft if hasattr(self.draft, "propose_rows") else None
+            self.prefill_rows = PrefillRows(self.model, args.graph_max_prefill_tokens, use_graphs, rows_draft)
 
     @property
     def verify_observer(self):
@@ -215,31 +220,51 @@ class ModeBackend:
             pad_tokens -= n
         b_seq_cpu = torch.tensor(b_seq, dtype=torch.int32)
         b_ready_cpu = torch.tensor(b_ready, dtype=torch.int32)
-        model_input = ModelInput(
-            batch_size=len(b_req_idx),
-            total_token_num=int(b_seq_cpu.sum()),
-            max_len_in_batch=int(b_seq_cpu.max()),
-            input_ids=self._to_dev(input_ids, torch.int64),
-            mem_indexes=torch.cat(slots_all).to(self.device),
-            b_req_idx=self._to_dev(b_req_idx, torch.int32),
-            b_seq_len=b_seq_cpu.to(self.device),
-            is_prefill=True,
-            b_ready_cache_len=b_ready_cpu.to(self.device),
-            b_seq_len_cpu=b_seq_cpu,
-            b_ready_cache_len_cpu=b_ready_cpu,
-        )
-        out = self.model.forward(model_input)
+        slots_cpu = torch.cat(slots_all)
+        size = self.prefill_rows.bucket_size(len(input_ids)) if self.prefill_rows is not None and not pad_tokens else None
+        rows_draft = size is not None and self.prefill_rows.draft is not None
+        model_input = None  # the prefill forward's input: without rows, or for a draft that drafts prefills itself
+        if size is None or (self.draft is not None and not rows_draft):
+            model_input = ModelInput(
+                batch_size=len(b_req_idx),
+                total_token_num=int(b_seq_cpu.sum()),
+                max_len_in_batch=int(b_seq_cpu.max()),
+                input_ids=self._to_dev(input_ids, torch.int64),
+                mem_indexes=slots_cpu.to(self.device),
+                b_req_idx=self._to_dev(b_req_idx, torch.int32),
+                b_seq_len=b_seq_cpu.to(self.device),
+                is_prefill=True,
+                b_ready_cache_len=b_ready_cpu.to(self.device),
+                b_seq_len_cpu=b_seq_cpu,
+                b_ready_cache_len_cpu=b_ready_cpu,
+            )
+        if size is not None:
+            items = [PrefillItem(r.req_idx, r.kv_len, r.prompt_ids, n) for r, n in zip(reqs, chunk_lens)]
+            rows = self.prefill_rows.stage(size, items, slots_cpu)
+            out = self.prefill_rows.forward(rows)
+        else:
+            out = self.model.forward(model_input)
         for req, n in zip(reqs, chunk_lens):
             req.kv_len += n
         done = [i for i, r in enumerate(reqs) if not r.in_prefill]
         updates, first_tokens = self._first_tokens([reqs[i] for i in done], out, done) if done else ([], {})
-        if self.draft is not None:
+        if self.draft is None:
+            return updates
+        if rows_draft:
+            drafts = self.prefill_rows.propose(rows, first_tokens)
+            if drafts is not None:
+                self._write_prefill_drafts(self._to_dev([reqs[i].req_idx for i in sorted(first_tokens)], torch.int64),
+                                           drafts, None)
+        else:
             proposed = self.draft.propose_after_prefill(reqs, model_input, out, b_ready, first_tokens)
             if proposed is not None:
-                req_idx, drafts, conf = proposed
-                self.req_to_next_token_ids[req_idx, 1:self.mtp_step + 1] = drafts
-                self.decode_step.set_draft_confidence(req_idx, conf)
+                self._write_prefill_drafts(*proposed)
         return updates
+
+    def _write_prefill_drafts(self, req_idx: torch.Tensor, drafts: torch.Tensor, conf: Optional[torch.Tensor]) -> None:
+        """The K proposals [done, K] (and their confidences) after each finished prompt's first token."""
+        self.req_to_next_token_ids[req_idx, 1:self.mtp_step + 1] = drafts
+        self.decode_step.set_draft_confidence(req_idx, conf)
 
     def _first_tokens(self, reqs: List[InferReq], out: ModelOutput, item_ids: List[int]):
         """Sample each finished prompt's first token; returns (updates, {item: token})."""
@@ -329,6 +354,12 @@ def draft_cache_needs(args: StartArgs) -> Tuple[Optional[int], int]:
     return cfg.num_hidden_layers, cfg.block_size
 
 
+def graph_capable(args: StartArgs, parallel: ParallelContext) -> bool:
+    """One rank, no micro-batches: where graphs can be captured (with --disable_cudagraph: where
+    the eager path pads as they would)."""
+    return parallel.world_size == 1 and not args.enable_decode_microbatch_overlap
+
+
 def decode_graph_plan(args: StartArgs, device: torch.device, parallel: ParallelContext):
     """(padding ladder, capture graphs?) for this backend. CUDA pads decode batches to the
     ladder with or without graphs; graphs need one rank (no collectives are captured)."""
@@ -336,7 +367,7 @@ def decode_graph_plan(args: StartArgs, device: torch.device, parallel: ParallelC
         return None, False
     max_bs = min(args.graph_max_batch_size, args.running_max_req_size)
     ladder = GraphLadder.from_flags(max_bs, min(args.graph_split_batch_size, max_bs), args.graph_grow_step_size)
-    single = parallel.world_size == 1 and not args.enable_decode_microbatch_overlap
+    single = graph_capable(args, parallel)
     if not args.disable_cudagraph and not single:
         logger.info("CUDA graphs need --tp 1 without micro-batch overlap: decoding eagerly")
     return ladder, single and not args.disable_cudagraph

@@ -7,6 +7,9 @@ Every proposer has the same two calls (``make_draft_proposer`` picks one per --m
     propose_after_prefill(reqs, model_input, out, chunk_starts, first_tokens)
         -> None or (req_idx [done], drafts [done, K], conf)
 
+``DraftProposer`` also drafts a short prefill run as decode rows (``propose_rows``, see
+prefill_rows.py); other proposers draft every prefill with ``propose_after_prefill``.
+
 ``conf`` is None or the proposals' confidences, one row per request: [requests, K] fp32.
 """
 from typing import Dict, List, Optional, Tuple
@@ -50,6 +53,21 @@ class DraftProposer:
             tok = self._greedy(hidden)
             all_next[:, depth + 1] = tok
         return all_next, None
+
+    @torch.no_grad()
+    def propose_rows(self, model_input: ModelInput, out: ModelOutput, known: torch.Tensor) -> torch.Tensor:
+        """A prefill as decode rows (no host sync, CUDA-graph safe): known [K, rows] is the token
+        row s takes at depth d (UNKNOWN_TOKEN: the previous depth's guess at s). Writes the draft
+        KV of every row; returns every row's guess at every depth [rows, K]."""
+        hidden = out.hidden_states
+        guess = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+        guesses = []
+        for d in range(self.mtp_step):
+            tok = torch.where(known[d] == UNKNOWN_TOKEN, guess, known[d])
+            hidden = self.model.forward_depth(d, model_input, hidden, tok)
+            guess = self._greedy(hidden)
+            guesses.append(guess)
+        return torch.stack(guesses, dim=1)
 
     @torch.no_grad()
     def propose_after_prefill(

@@ -1,0 +1,118 @@
+"""Short prefills run as decode rows (prefill_rows.py), on CPU with the eager path the CUDA
+graphs capture: the token ladder (hand-computed), and the engine's greedy tokens against
+transformers' own generation, with prompts on both sides of the rows limit and chunked."""
+import pytest
+import torch
+
+from lightllm.server.router.model_infer.prefill_rows import PrefillRows, token_ladder
+from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
+from unit_tests.server.router.engine_util import hf_greedy, make_engine
+
+ROWS_LIMIT = 16  # prompts (chunks) up to this many tokens take the rows path
+NEW_TOKENS = 6
+
+
+def test_token_ladder_is_powers_of_two_then_the_limit():
+    assert token_ladder(512).sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert token_ladder(100).sizes == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert token_ladder(1).sizes == (1,)
+    assert token_ladder(100).bucket_size(65) == 100 and token_ladder(100).bucket_size(101) is None
+
+
+def _with_rows(eng) -> list:
+    """Give ``eng`` a rows path (CPU has none by default) and record the padded sizes it runs."""
+    backend = eng.backend
+    draft = backend.draft if hasattr(backend.draft, "propose_rows") else None
+    rows = PrefillRows(backend.model, ROWS_LIMIT, use_graphs=False, draft=draft)
+    sizes = []
+    forward = rows.forward
+
+    def spy(batch):
+        sizes.append(batch.size)
+        return forward(batch)
+
+    rows.forward = spy
+    backend.prefill_rows = rows
+    return sizes
+
+
+def _record_prefill_drafts(eng) -> list:
+    """The proposals written after each finished prompt's first token, in order."""
+    backend = eng.backend
+    written = []
+    write = backend._write_prefill_drafts
+
+    def spy(req_idx, drafts, conf):
+        written.extend(drafts.tolist())
+        write(req_idx, drafts, conf)
+
+    backend._write_prefill_drafts = spy
+    return written
+
+
+@pytest.mark.parametrize("batch_max_tokens", [None, 12])
+def test_rows_prefill_drafts_equal_the_prefill_drafts(tmp_path, batch_max_tokens):
+    """Eagle K = 2: the proposals after every prompt, drafted over rows, equal those drafted by
+    ``propose_after_prefill`` over the prefill forward, and strict MTP still equals transformers."""
+    tiny = tiny_model("llama", tmp_path)
+    draft = tiny.draft("draft")
+    prompts = random_prompts(tiny.vocab_size, 3, range(3, 11), seed=4) + random_prompts(tiny.vocab_size, 2, range(20, 30))
+    written = {}
+    for with_rows in (True, False):
+        eng = make_engine(tiny.model_dir, running_max_req_size=1, max_req_total_len=64, batch_max_tokens=batch_max_tokens,
+                          mtp_mode="eagle_with_att", mtp_step=2, mtp_draft_model_dir=[draft])
+        sizes = _with_rows(eng) if with_rows else None
+        written[with_rows] = _record_prefill_drafts(eng)
+        res = eng.generate(prompts, [{"max_new_tokens": NEW_TOKENS, "ignore_eos": True}] * len(prompts))
+        assert sizes is None or sizes
+        for prompt, r in zip(prompts, res):
+            assert r.token_ids == hf_greedy(tiny.hf, prompt, NEW_TOKENS)
+    assert len(written[True]) == len(prompts) and written[True] == written[False]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch_max_tokens", [None, 12])
+def test_rows_prefill_matches_transformers(tmp_path, kind, batch_max_tokens):
+    tiny = tiny_model(kind, tmp_path)
+    # 3..10 tokens: rows; 20..29: the prefill forward, or chunks of at most 12 (rows, the second
+    # over a cached prefix)
+    prompts = random_prompts(tiny.hf.config.vocab_size, 3, range(3, 11), seed=1)
+    prompts += random_prompts(tiny.hf.config.vocab_size, 3, range(20, 30), seed=2)
+    # one request at a time: each prompt (or chunk) is its own prefill step
+    eng = make_engine(tiny.model_dir, running_max_req_size=1, max_req_total_len=64, batch_max_tokens=batch_max_tokens)
+    sizes = _with_rows(eng)
+    res = eng.generate(prompts, [{"max_new_tokens": NEW_TOKENS, "ignore_eos": True}] * len(prompts))
+    assert sizes and all(s in token_ladder(ROWS_LIMIT).sizes for s in sizes)
+    for prompt, r in zip(prompts, res):
+        assert r.token_ids == hf_greedy(tiny.hf, prompt, NEW_TOKENS)
+
+
+def test_rows_forward_equals_the_prefill_forward(tmp_path):
+    """Two prompts in one prefill step: every token's hidden state and each prompt's last-token
+    logits from the rows equal the prefill forward's (fp32, the same math)."""
+    tiny = tiny_model("llama", tmp_path)
+    eng = make_engine(tiny.model_dir, running_max_req_size=4, max_req_total_len=64)
+    backend = eng.backend
+    outs = []
+    real_forward = backend.model.forward
+
+    def record(model_input):
+        out = real_forward(model_input)
+        outs.append(out)
+        return out
+
+    backend.model.forward = record
+    prompts = random_prompts(tiny.hf.config.vocab_size, 2, range(5, 9), seed=3)
+    eng.generate(prompts, [{"max_new_tokens": 1}] * 2)  # the prefill forward
+    reference = outs[0]
+    backend.model.forward = real_forward
+    _with_rows(eng)
+    outs.clear()
+    backend.model.forward = record
+    eng.generate(prompts, [{"max_new_tokens": 1}] * 2)  # the same prefill as rows
+    rows = outs[0]
+    n = reference.hidden_states.shape[0]
+    torch.testing.assert_close(rows.hidden_states[:n], reference.hidden_states, rtol=1e-5, atol=1e-5)
+    assert rows.logits.shape[0] == token_ladder(ROWS_LIMIT).bucket_size(n)
+    last = torch.tensor([len(prompts[0]) - 1, n - 1])
+    torch.testing.assert_close(rows.logits[last], reference.logits, rtol=1e-5, atol=1e-5)
