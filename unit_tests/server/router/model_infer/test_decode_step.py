@@ -130,6 +130,7 @@ def test_dummy_weights_generate_reproducibly(config_only_dir):
     (dict(graph_max_batch_size=0), "--graph_max_batch_size"),
     (dict(graph_split_batch_size=0), "--graph_split_batch_size"),
     (dict(graph_grow_step_size=-1), "--graph_grow_step_size"),
+    (dict(graph_max_prefill_tokens=-1), "--graph_max_prefill_tokens"),
     (dict(load_format="dummy"), "--load_format"),  # needs --model_dir
     (dict(load_format="npz"), "--load_format"),
 ])
