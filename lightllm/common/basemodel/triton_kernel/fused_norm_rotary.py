@@ -1,6 +1,9 @@
 """Fused RMSNorm and rotary embedding kernels for the decode step.
 
-Both kernels reproduce the rounding steps of the PyTorch code in basic_ops.py:
+``_rotary_cache_kernel`` also writes the rotated K and V of each new token to its KV-cache
+slot, so one launch replaces rotary on q, rotary on k and the two cache writes.
+
+The kernels reproduce the rounding steps of the PyTorch code in basic_ops.py:
 every intermediate that torch stores in the tensor dtype is cast to that dtype here
 as well. Launches pass enable_fp_fusion=False so that a multiply and an add are not
 contracted into one fma, which would round once instead of twice.
@@ -39,32 +42,70 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _rotate_tile(x_row, stride_head, out_row, out_stride_head, num_heads, half, cos_lo, cos_hi, sin_lo, sin_hi,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # One token's [BLOCK_H, BLOCK_HALF] tile per half, rotated and stored.
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (cols < half)
+    x_lo_ptr = x_row + heads * stride_head + cols
+    x_lo = tl.load(x_lo_ptr, mask=mask, other=0.0).to(tl.float32)
+    x_hi = tl.load(x_lo_ptr + half, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_row.dtype.element_ty
+    # torch: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x_hi, x_lo]; each op rounds
+    out_lo = ((x_lo * cos_lo).to(dtype).to(tl.float32) + (-x_hi * sin_lo).to(dtype).to(tl.float32)).to(dtype)
+    out_hi = ((x_hi * cos_hi).to(dtype).to(tl.float32) + (x_lo * sin_hi).to(dtype).to(tl.float32)).to(dtype)
+    out_lo_ptr = out_row + heads * out_stride_head + cols
+    tl.store(out_lo_ptr, out_lo, mask=mask)
+    tl.store(out_lo_ptr + half, out_hi, mask=mask)
+
+
+@triton.jit
+def _load_cos_sin(cos_ptr, sin_ptr, token, stride_cs_token, half, BLOCK_HALF: tl.constexpr):
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    cs_ptr = token * stride_cs_token + cols
+    cos_lo = tl.load(cos_ptr + cs_ptr, mask=cols < half, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + cs_ptr + half, mask=cols < half, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + cs_ptr, mask=cols < half, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + cs_ptr + half, mask=cols < half, other=0.0).to(tl.float32)
+    return cos_lo, cos_hi, sin_lo, sin_hi
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr,
     stride_x_token, stride_x_head, stride_cs_token, stride_out_token, stride_out_head,
     num_heads, half,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    # One program per token, over all its heads: a [BLOCK_H, BLOCK_HALF] tile per half.
+    # One program per token, over all its heads.
     token = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < num_heads) & (cols < half)
-    x_lo_ptr = x_ptr + token * stride_x_token + heads * stride_x_head + cols
-    x_lo = tl.load(x_lo_ptr, mask=mask, other=0.0).to(tl.float32)
-    x_hi = tl.load(x_lo_ptr + half, mask=mask, other=0.0).to(tl.float32)
-    cs_ptr = token * stride_cs_token + cols
-    cos_lo = tl.load(cos_ptr + cs_ptr, mask=cols < half, other=0.0).to(tl.float32)
-    cos_hi = tl.load(cos_ptr + cs_ptr + half, mask=cols < half, other=0.0).to(tl.float32)
-    sin_lo = tl.load(sin_ptr + cs_ptr, mask=cols < half, other=0.0).to(tl.float32)
-    sin_hi = tl.load(sin_ptr + cs_ptr + half, mask=cols < half, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    # torch: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x_hi, x_lo]; each op rounds
-    out_lo = ((x_lo * cos_lo).to(dtype).to(tl.float32) + (-x_hi * sin_lo).to(dtype).to(tl.float32)).to(dtype)
-    out_hi = ((x_hi * cos_hi).to(dtype).to(tl.float32) + (x_lo * sin_hi).to(dtype).to(tl.float32)).to(dtype)
-    out_lo_ptr = out_ptr + token * stride_out_token + heads * stride_out_head + cols
-    tl.store(out_lo_ptr, out_lo, mask=mask)
-    tl.store(out_lo_ptr + half, out_hi, mask=mask)
+    cos_lo, cos_hi, sin_lo, sin_hi = _load_cos_sin(cos_ptr, sin_ptr, token, stride_cs_token, half, BLOCK_HALF)
+    _rotate_tile(x_ptr + token * stride_x_token, stride_x_head, out_ptr + token * stride_out_token, stride_out_head,
+                 num_heads, half, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_H, BLOCK_HALF)
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+    stride_cs_token, stride_qo_token, stride_qo_head, stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
+    q_heads, kv_heads, half,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    # One program per new token: rotate q into q_out, rotate k into its cache slot, copy v there.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    cos_lo, cos_hi, sin_lo, sin_hi = _load_cos_sin(cos_ptr, sin_ptr, token, stride_cs_token, half, BLOCK_HALF)
+    _rotate_tile(q_ptr + token * stride_q_token, stride_q_head, q_out_ptr + token * stride_qo_token, stride_qo_head,
+                 q_heads, half, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_QH, BLOCK_HALF)
+    _rotate_tile(k_ptr + token * stride_k_token, stride_k_head, k_cache_ptr + slot * stride_kc_slot, stride_kc_head,
+                 kv_heads, half, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_KH, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_KH)[:, None]
+    cols = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+    mask = (heads < kv_heads) & (cols < 2 * half)
+    v = tl.load(v_ptr + token * stride_v_token + heads * stride_v_head + cols, mask=mask, other=0.0)
+    tl.store(v_cache_ptr + slot * stride_vc_slot + heads * stride_vc_head + cols, v, mask=mask)
 
 
 def _num_warps(block: int) -> int:
@@ -103,3 +144,27 @@ def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
         num_warps=_num_warps(block_h * block_half), enable_fp_fusion=False,
     )
     return out
+
+
+def rotary_cache_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """q: [tokens, q_heads, head_dim], k, v: [tokens, kv_heads, head_dim] (last dim contiguous);
+    cos, sin: [tokens, head_dim], same strides; k_cache, v_cache: [num_slots, kv_heads, head_dim];
+    slots: [tokens] int64. Writes rotated k and v at the slots; returns rotated q (new tensor)."""
+    num_tokens, q_heads, head_dim = q.shape
+    kv_heads, half = k.shape[1], head_dim // 2
+    q_out = torch.empty((num_tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    block_qh, block_kh = triton.next_power_of_2(q_heads), triton.next_power_of_2(kv_heads)
+    block_half = triton.next_power_of_2(half)
+    _rotary_cache_kernel[(num_tokens,)](
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        q_heads, kv_heads, half,
+        BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half,
+        num_warps=_num_warps(block_qh * block_half), enable_fp_fusion=False,
+    )
+    return q_out

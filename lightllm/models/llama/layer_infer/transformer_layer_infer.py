@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.common.basemodel.infer_struct import InferStateInfo
-from lightllm.common.basemodel.layer_infer.basic_ops import apply_rotary, rms_norm, silu_and_mul
+from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm, rotary_and_cache_kv, silu_and_mul
 from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
 from lightllm.models.llama.layer_infer.attention_backends import LayerOps, LinearFn
 from lightllm.utils.dist_utils import TpComm
@@ -67,15 +67,12 @@ class LlamaTransformerLayerInfer:
         k = k.view(num_tokens, s.kv_heads, s.head_dim)
         v = v.view(num_tokens, s.kv_heads, s.head_dim)
         q, k = self._qk_norm(q, k, weight)
-        q = apply_rotary(q, infer_state.position_cos, infer_state.position_sin)
-        k = apply_rotary(k, infer_state.position_cos, infer_state.position_sin)
-
         mem = infer_state.mem_manager
         k_cache = mem.k_buffer[self.layer_num]  # [num_slots, kv_heads, head_dim]
         v_cache = mem.v_buffer[self.layer_num]
         # New tokens' K/V go in first, so each token (and each later MTP row) sees them.
-        k_cache[infer_state.mem_indexes] = k
-        v_cache[infer_state.mem_indexes] = v
+        q = rotary_and_cache_kv(q, k, v, infer_state.position_cos, infer_state.position_sin, k_cache, v_cache,
+                                infer_state.mem_indexes)
         attention = self.ops.prefill_attention if infer_state.is_prefill else self.ops.decode_attention
         o = attention(q, k_cache, v_cache, infer_state, self.sm_scale)  # [tokens, q_heads, head_dim]
         if infer_state.comm.attn_size == 1:

@@ -14,7 +14,11 @@ from unit_tests.devices import needs_cuda, needs_triton_cpu
 from unit_tests.triton_compile_util import compile_in_child
 
 from lightllm.common.basemodel.layer_infer import basic_ops
-from lightllm.common.basemodel.triton_kernel.fused_norm_rotary import apply_rotary_triton, rms_norm_triton
+from lightllm.common.basemodel.triton_kernel.fused_norm_rotary import (
+    apply_rotary_triton,
+    rms_norm_triton,
+    rotary_cache_kv_triton,
+)
 
 EPS = 1e-6
 LOW_PRECISION = [torch.bfloat16, torch.float16]
@@ -49,6 +53,15 @@ def ref_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([new_lo, new_hi], dim=-1).to(dtype)
 
 
+def ref_rotary_cache(q, k, v, cos, sin, k_cache, v_cache, slots):
+    """Rotated q; rotated k and v written to copies of the caches at ``slots``."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        k_cache[slot] = ref_rotary(k[t:t + 1], cos[t:t + 1], sin[t:t + 1])[0]
+        v_cache[slot] = v[t]
+    return ref_rotary(q, cos, sin), k_cache, v_cache
+
+
 # ---------------------------------------------------------------- inputs
 
 
@@ -58,6 +71,25 @@ def make_qkv_views(tokens, q_heads, kv_heads, head_dim, dtype, device, seed=0):
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(device)
     q, k, _ = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     return q.view(tokens, q_heads, head_dim), k.view(tokens, kv_heads, head_dim)
+
+
+def make_cache_inputs(tokens, q_heads, kv_heads, head_dim, dtype, device, num_slots=64, seed=3):
+    """q, k, v: views of one fused qkv tensor; caches with random contents; distinct random slots."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(device)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    caches = [torch.randn(num_slots, kv_heads, head_dim, generator=g).to(dtype).to(device) for _ in range(2)]
+    slots = torch.randperm(num_slots, generator=g)[:tokens].to(device)
+    views = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    return (*views, *caches, slots)
+
+
+def check_rotary_cache(q, k, v, k_cache, v_cache, slots, cos, sin):
+    """The kernel against the reference: rotated q, both caches bit for bit (other slots untouched)."""
+    want_q, want_k, want_v = ref_rotary_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    got_q = rotary_cache_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
 def make_cos_sin(tokens, head_dim, dtype, device, seed=1):
@@ -118,6 +150,24 @@ def test_rotary_bit_exact_cuda(shape, dtype):
         assert torch.equal(x, before)  # x is not modified
         # The dispatcher takes the Triton path on CUDA and equals the torch code bit for bit.
         assert torch.equal(basic_ops.apply_rotary(x, cos, sin), basic_ops.apply_rotary_torch(x, cos, sin))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", ROTARY_SHAPES)
+def test_rotary_cache_bit_exact_cuda(shape, dtype):
+    tokens, q_heads, kv_heads, head_dim = shape
+    q, k, v, k_cache, v_cache, slots = make_cache_inputs(tokens, q_heads, kv_heads, head_dim, dtype, "cuda")
+    cos, sin = make_cos_sin(tokens, head_dim, dtype, "cuda")
+    # the dispatcher (fused on CUDA) against the torch code it replaces, bit for bit
+    kc, vc = k_cache.clone(), v_cache.clone()
+    fused_q = basic_ops.rotary_and_cache_kv(q, k, v, cos, sin, kc, vc, slots)
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    kc_ref[slots] = basic_ops.apply_rotary_torch(k, cos, sin)
+    vc_ref[slots] = v
+    assert torch.equal(fused_q, basic_ops.apply_rotary_torch(q, cos, sin))
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    check_rotary_cache(q, k, v, k_cache, v_cache, slots, cos, sin)
 
 
 @needs_cuda
@@ -193,7 +243,44 @@ def test_cuda_graph_capture():
     assert_within_one_ulp(normed, ref_rms_norm(x, weight, EPS))
 
 
+@needs_cuda
+def test_rotary_cache_cuda_graph_capture():
+    """The fused op captures into a CUDA graph and replays on new inputs written in place."""
+    dtype, tokens = torch.bfloat16, 4
+    q, k, v, k_cache, v_cache, slots = make_cache_inputs(tokens, 9, 3, 64, dtype, "cuda")
+    cos, sin = make_cos_sin(tokens, 64, dtype, "cuda")
+    basic_ops.rotary_and_cache_kv(q, k, v, cos, sin, k_cache, v_cache, slots)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rotated = basic_ops.rotary_and_cache_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    nq, nk, nv, _, _, _ = make_cache_inputs(tokens, 9, 3, 64, dtype, "cuda", seed=7)
+    q.copy_(nq), k.copy_(nk), v.copy_(nv)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    want_q, want_k, want_v = ref_rotary_cache(q, k, v, cos, sin, before_k, before_v, slots)
+    assert torch.equal(rotated, want_q) and torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
 # ---------------------------------------------------------------- CPU interpreter (fp32)
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("shape", ROTARY_SHAPES)
+def test_rotary_cache_interpreter_fp32(shape):
+    tokens, q_heads, kv_heads, head_dim = shape
+    q, k, v, k_cache, v_cache, slots = make_cache_inputs(tokens, q_heads, kv_heads, head_dim, torch.float32, "cpu")
+    cos, sin = make_cos_sin(tokens, head_dim, torch.float32, "cpu")
+    check_rotary_cache(q, k, v, k_cache, v_cache, slots, cos, sin)
+
+
+@needs_triton_cpu
+def test_rotary_cache_interpreter_contiguous_qk_fp32():
+    """Qwen3: q and k come out of the q/k norms contiguous, v stays a view of qkv."""
+    q, k, v, k_cache, v_cache, slots = make_cache_inputs(5, 16, 8, 128, torch.float32, "cpu")
+    cos, sin = make_cos_sin(5, 128, torch.float32, "cpu")
+    check_rotary_cache(q.contiguous(), k.contiguous(), v, k_cache, v_cache, slots, cos, sin)
 
 
 @needs_triton_cpu
@@ -222,6 +309,14 @@ def test_rms_norm_interpreter_3d_view_fp32():
 
 def test_cpu_dispatch_uses_torch_code():
     """CPU tensors never take the Triton path: results equal the torch code exactly."""
+    q, k, v, k_cache, v_cache, slots = make_cache_inputs(3, 9, 3, 64, torch.bfloat16, "cpu")
+    cos, sin = make_cos_sin(3, 64, torch.bfloat16, "cpu")
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[slots] = basic_ops.apply_rotary_torch(k, cos, sin)
+    want_v[slots] = v
+    got_q = basic_ops.rotary_and_cache_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(got_q, basic_ops.apply_rotary_torch(q, cos, sin))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     q, _ = make_qkv_views(3, 9, 3, 64, torch.bfloat16, "cpu")
     cos, sin = make_cos_sin(3, 64, torch.bfloat16, "cpu")
     assert torch.equal(basic_ops.apply_rotary(q, cos, sin), basic_ops.apply_rotary_torch(q, cos, sin))
@@ -234,6 +329,10 @@ def test_cpu_dispatch_uses_torch_code():
 TRITON_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 NORM_DIMS = [64, 128, 576, 4096]
 ROTARY_CASES = [(9, 64), (3, 64), (16, 128), (8, 128)]  # (heads, head_dim)
+ROTARY_CACHE_CASES = [(9, 3, 64), (16, 8, 128), (32, 8, 128)]  # (q_heads, kv_heads, head_dim)
+ROTARY_CACHE_STRIDES = ["stride_q_token", "stride_q_head", "stride_k_token", "stride_k_head", "stride_v_token",
+                        "stride_v_head", "stride_cs_token", "stride_qo_token", "stride_qo_head", "stride_kc_slot",
+                        "stride_kc_head", "stride_vc_slot", "stride_vc_head"]
 
 
 def compile_cases() -> dict:
@@ -243,6 +342,8 @@ def compile_cases() -> dict:
             cases[f"rms_norm-{name}-{dim}"] = ("rms_norm", ptr, dim, None)
         for heads, head_dim in ROTARY_CASES:
             cases[f"rotary-{name}-{heads}x{head_dim}"] = ("rotary", ptr, head_dim, heads)
+        for q_heads, kv_heads, head_dim in ROTARY_CACHE_CASES:
+            cases[f"rotary_cache-{name}-{q_heads}/{kv_heads}x{head_dim}"] = ("rotary_cache", ptr, head_dim, (q_heads, kv_heads))
     return cases
 
 
@@ -261,6 +362,15 @@ def _compile_all() -> dict:
                          "stride_out_outer": "i64", "stride_out_inner": "i64", "dim": "i32", "inv_dim": "fp32",
                          "eps": "fp32", "BLOCK": "constexpr"}
             constexprs = {"BLOCK": triton.next_power_of_2(dim)}
+        elif kind == "rotary_cache":
+            kernel = k._rotary_cache_kernel
+            q_heads, kv_heads = heads
+            signature = {**{n: ptr for n in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "q_out_ptr",
+                                             "k_cache_ptr", "v_cache_ptr")}, "slot_ptr": "*i64",
+                         **{n: "i32" for n in ROTARY_CACHE_STRIDES}, "q_heads": "i32", "kv_heads": "i32", "half": "i32",
+                         "BLOCK_QH": "constexpr", "BLOCK_KH": "constexpr", "BLOCK_HALF": "constexpr"}
+            constexprs = {"BLOCK_QH": triton.next_power_of_2(q_heads), "BLOCK_KH": triton.next_power_of_2(kv_heads),
+                          "BLOCK_HALF": triton.next_power_of_2(dim // 2)}
         else:
             kernel = k._rotary_kernel
             signature = {"x_ptr": ptr, "cos_ptr": ptr, "sin_ptr": ptr, "out_ptr": ptr, "stride_x_token": "i32",
