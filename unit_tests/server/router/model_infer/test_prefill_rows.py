@@ -87,6 +87,39 @@ def test_rows_prefill_matches_transformers(tmp_path, kind, batch_max_tokens):
         assert r.token_ids == hf_greedy(tiny.hf, prompt, NEW_TOKENS)
 
 
+def test_rows_target_with_dspark_prefill_drafts(tmp_path):
+    """dspark drafts every prefill itself (propose_after_prefill) from the rows' hidden states:
+    the same proposals and confidences as over the prefill forward, strict output = transformers."""
+    from lightllm.models.dspark.train_module import random_dspark_draft
+
+    tiny = tiny_model("llama", tmp_path)
+    draft = random_dspark_draft(tiny.hf.config, str(tmp_path / "dspark"), seed=3, block_size=4)
+    prompts = random_prompts(tiny.vocab_size, 3, range(3, 11), seed=5) + random_prompts(tiny.vocab_size, 2, range(20, 30))
+    written = {}
+    for with_rows in (True, False):
+        eng = make_engine(tiny.model_dir, running_max_req_size=1, max_req_total_len=64, batch_max_tokens=12,
+                          mtp_mode="dspark", mtp_step=3, mtp_draft_model_dir=[draft])
+        sizes = _with_rows(eng) if with_rows else None
+        assert with_rows is False or eng.backend.prefill_rows.draft is None  # dspark: no rows draft pass
+        backend, calls = eng.backend, []
+        write = backend._write_prefill_drafts
+
+        def spy(req_idx, drafts, conf, write=write, calls=calls):
+            calls.append((drafts.tolist(), conf.tolist()))
+            write(req_idx, drafts, conf)
+
+        backend._write_prefill_drafts = spy
+        res = eng.generate(prompts, [{"max_new_tokens": NEW_TOKENS, "ignore_eos": True}] * len(prompts))
+        assert sizes is None or sizes
+        for prompt, r in zip(prompts, res):
+            assert r.token_ids == hf_greedy(tiny.hf, prompt, NEW_TOKENS)
+        written[with_rows] = calls
+    assert len(written[True]) == len(prompts)
+    for (d_rows, c_rows), (d_fwd, c_fwd) in zip(written[True], written[False]):
+        assert d_rows == d_fwd
+        torch.testing.assert_close(torch.tensor(c_rows), torch.tensor(c_fwd), rtol=1e-5, atol=1e-6)
+
+
 def test_rows_forward_equals_the_prefill_forward(tmp_path):
     """Two prompts in one prefill step: every token's hidden state and each prompt's last-token
     logits from the rows equal the prefill forward's (fp32, the same math)."""
