@@ -58,9 +58,11 @@ TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 10000 --magpie_domains d
                      --mtp_mode eagle_with_att --init_from /root/draft_old --unroll 4 --max_new_tokens 200
                      --gen_batch_size 768 --epochs 7 --lr 5e-4 --batch_size 64 --max_gen_seconds 240
                      --max_train_seconds 200 --device cuda)
-# dspark: the general prompt set replayed (no user-turn sampling), answers ~120 s, training 200 s
+# dspark: the eagle draft's prompt set replayed (no user-turn sampling), answers ~150 s, training 200 s.
+# The packaged dspark draft (seventh session) was trained on the first set,
+# docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz; this is the five-domain set.
 DSPARK_BLOCK=4
-TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz
+TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/data/drafts/eagle_with_att_general_v2_prompt_set.jsonl.gz
                     --block_size $DSPARK_BLOCK --draft_layers 2 --anchors_per_seq 48 --max_new_tokens 200 --gen_batch_size 768 --epochs 10
                     --lr 1e-3 --batch_size 64 --max_gen_seconds 150 --max_train_seconds 200 --device cuda)
 DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
