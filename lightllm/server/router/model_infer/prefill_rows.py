@@ -14,6 +14,7 @@ A depth-by-depth MTP draft (``DraftProposer``) drafts over the same rows in a se
 after the first tokens are sampled: position s at depth d takes token x_{s+d+1}, staged from
 the prompt (``known``) or, where unknown, the previous depth's guess at s.
 """
+import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -110,20 +111,24 @@ class PrefillRows:
         if self._copy_done is not None:
             self._copy_done.synchronize()
         st = self._stage_host[:size]
-        first_row, row = [], 0
-        for it in items:
-            rows = st[row:row + it.n]
-            pos = torch.arange(it.start, it.start + it.n)
-            prompt = torch.tensor(it.tokens, dtype=torch.int64)
-            rows[:, STAGE_INPUT_ID] = prompt[pos]
-            rows[:, STAGE_REQ_IDX] = it.req_idx
-            rows[:, STAGE_SEQ_LEN] = pos + 1
+        lens = [it.n for it in items]
+        row = sum(lens)
+        first_row = [r - n for r, n in zip(itertools.accumulate(lens), lens)]
+        if items:
+            # every item's whole prompt side by side; each row indexes its own prompt
+            prompt_lens = torch.tensor([len(it.tokens) for it in items])
+            prompt_start = torch.cumsum(prompt_lens, 0) - prompt_lens
+            flat = torch.tensor(list(itertools.chain.from_iterable(it.tokens for it in items)), dtype=torch.int64)
+            item = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(lens), output_size=row)
+            pos = torch.arange(row) - torch.tensor(first_row)[item] + torch.tensor([it.start for it in items])[item]
+            base, end = prompt_start[item], prompt_lens[item]
+            st[:row, STAGE_INPUT_ID] = flat[base + pos]
+            st[:row, STAGE_REQ_IDX] = torch.tensor([it.req_idx for it in items])[item]
+            st[:row, STAGE_SEQ_LEN] = pos + 1
             for d in range(self.k):  # x_{s+d+1}, inside the prompt (the first token comes after sampling)
                 nxt = pos + d + 1
-                rows[:, STAGE_COLUMNS + d] = torch.where(nxt < len(prompt), prompt[nxt.clamp(max=len(prompt) - 1)],
-                                                         UNKNOWN_TOKEN)
-            first_row.append(row)
-            row += it.n
+                st[:row, STAGE_COLUMNS + d] = torch.where(nxt < end, flat[base + torch.minimum(nxt, end - 1)],
+                                                          UNKNOWN_TOKEN)
         st[:row, STAGE_SLOT] = torch.as_tensor(slots, dtype=torch.int64)
         st[row:] = self._hold_row
         self._seq_cpu = st[:, STAGE_SEQ_LEN].to(torch.int32)

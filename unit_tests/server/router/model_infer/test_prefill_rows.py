@@ -36,6 +36,19 @@ def _with_rows(eng) -> list:
     return sizes
 
 
+def _record_items(eng) -> list:
+    """The number of items of every rows prefill step, in order."""
+    rows, counts = eng.backend.prefill_rows, []
+    stage = rows.stage
+
+    def spy(size, items, slots):
+        counts.append(len(items))
+        return stage(size, items, slots)
+
+    rows.stage = spy
+    return counts
+
+
 def _record_prefill_drafts(eng) -> list:
     """The proposals written after each finished prompt's first token, in order."""
     backend = eng.backend
@@ -50,21 +63,26 @@ def _record_prefill_drafts(eng) -> list:
     return written
 
 
-@pytest.mark.parametrize("batch_max_tokens", [None, 12])
-def test_rows_prefill_drafts_equal_the_prefill_drafts(tmp_path, batch_max_tokens):
+@pytest.mark.parametrize("running, batch_max_tokens", [(1, None), (1, 12), (4, 12)])
+def test_rows_prefill_drafts_equal_the_prefill_drafts(tmp_path, running, batch_max_tokens):
     """Eagle K = 2: the proposals after every prompt, drafted over rows, equal those drafted by
-    ``propose_after_prefill`` over the prefill forward, and strict MTP still equals transformers."""
+    ``propose_after_prefill`` over the prefill forward, and strict MTP still equals transformers.
+    With 4 running requests and 12-token steps, one step holds several items, some over a cached prefix."""
     tiny = tiny_model("llama", tmp_path)
     draft = tiny.draft("draft")
     prompts = random_prompts(tiny.vocab_size, 3, range(3, 11), seed=4) + random_prompts(tiny.vocab_size, 2, range(20, 30))
     written = {}
     for with_rows in (True, False):
-        eng = make_engine(tiny.model_dir, running_max_req_size=1, max_req_total_len=64, batch_max_tokens=batch_max_tokens,
-                          mtp_mode="eagle_with_att", mtp_step=2, mtp_draft_model_dir=[draft])
+        eng = make_engine(tiny.model_dir, running_max_req_size=running, max_req_total_len=64,
+                          batch_max_tokens=batch_max_tokens, mtp_mode="eagle_with_att", mtp_step=2,
+                          mtp_draft_model_dir=[draft])
         sizes = _with_rows(eng) if with_rows else None
+        items = _record_items(eng) if with_rows else None
         written[with_rows] = _record_prefill_drafts(eng)
         res = eng.generate(prompts, [{"max_new_tokens": NEW_TOKENS, "ignore_eos": True}] * len(prompts))
         assert sizes is None or sizes
+        if items is not None and running > 1:  # the case this parametrization is for
+            assert max(items) > 1
         for prompt, r in zip(prompts, res):
             assert r.token_ids == hf_greedy(tiny.hf, prompt, NEW_TOKENS)
     assert len(written[True]) == len(prompts) and written[True] == written[False]
