@@ -22,7 +22,7 @@ def test_token_ladder_is_powers_of_two_then_the_limit():
 def _with_rows(eng) -> list:
     """Give ``eng`` a rows path (CPU has none by default) and record the padded sizes it runs."""
     backend = eng.backend
-    draft = backend.draft if hasattr(backend.draft, "propose_rows") else None
+    draft = backend.draft if backend.draft is not None and backend.draft.drafts_prefill_rows else None
     rows = PrefillRows(backend.model, ROWS_LIMIT, use_graphs=False, draft=draft)
     sizes = []
     forward = rows.forward

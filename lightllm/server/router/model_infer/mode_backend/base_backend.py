@@ -21,8 +21,8 @@ from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.router.model_infer.decode_step import PAD_TOKEN_ID, DecodeRows, DecodeStep, commit_step
 from lightllm.server.router.model_infer.infer_batch import InferReq
-from lightllm.server.router.model_infer.prefill_rows import PrefillItem, PrefillRows
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, sample, token_logprobs
+from lightllm.server.router.model_infer.prefill_rows import PrefillItem, PrefillRows
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class ModeBackend:
         )
         self.prefill_rows = None  # short prefills as graph rows (prefill_rows.py)
         if ladder is not None and graph_capable(args, self.parallel) and args.graph_max_prefill_tokens:
-            rows_draft = self.draft if hasattr(self.draft, "propose_rows") else None
+            rows_draft = self.draft if self.draft is not None and self.draft.drafts_prefill_rows else None
             self.prefill_rows = PrefillRows(self.model, args.graph_max_prefill_tokens, use_graphs, rows_draft)
 
     @property

@@ -7,8 +7,9 @@ Every proposer has the same two calls (``make_draft_proposer`` picks one per --m
     propose_after_prefill(reqs, model_input, out, chunk_starts, first_tokens)
         -> None or (req_idx [done], drafts [done, K], conf)
 
-``DraftProposer`` also drafts a short prefill run as decode rows (``propose_rows``, see
-prefill_rows.py); other proposers draft every prefill with ``propose_after_prefill``.
+A proposer with ``drafts_prefill_rows`` also drafts a short prefill run as decode rows
+(``propose_rows``, see prefill_rows.py); the others draft every prefill with
+``propose_after_prefill``.
 
 ``conf`` is None or the proposals' confidences, one row per request: [requests, K] fp32.
 """
@@ -25,6 +26,7 @@ UNKNOWN_TOKEN = -1  # prefill: the next token of this position is not known yet
 class DraftProposer:
     has_confidence = False  # proposals come without confidences
     uses_accept_len = False  # every row drafts: propose() ignores accept_len
+    drafts_prefill_rows = True  # propose_rows: a short prefill's draft pass as graph rows
 
     def __init__(self, draft_model: LlamaMTPDraftModel):
         self.model = draft_model

@@ -14,6 +14,7 @@ from lightllm.models.dspark.model import DSparkDraftModel
 class DSparkProposer:
     has_confidence = True
     uses_accept_len = True  # the block is anchored at each request's last accepted row
+    drafts_prefill_rows = False  # every prefill drafts through propose_after_prefill
 
     def __init__(self, draft_model: DSparkDraftModel):
         self.model = draft_model
