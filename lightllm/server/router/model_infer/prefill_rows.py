@@ -23,7 +23,7 @@ import torch
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.cuda_graph import CudaGraphSet, GraphLadder, capture_ladder
 from lightllm.server.router.model_infer.decode_step import PAD_TOKEN_ID
-from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN
+from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, row_positions, tokens_ahead
 
 # host staging columns: one copy per step moves them to the device (then K columns of known tokens)
 STAGE_INPUT_ID, STAGE_REQ_IDX, STAGE_SEQ_LEN, STAGE_SLOT, STAGE_COLUMNS = 0, 1, 2, 3, 4
@@ -115,20 +115,14 @@ class PrefillRows:
         row = sum(lens)
         first_row = [r - n for r, n in zip(itertools.accumulate(lens), lens)]
         if items:
-            # every item's whole prompt side by side; each row indexes its own prompt
-            prompt_lens = torch.tensor([len(it.tokens) for it in items])
-            prompt_start = torch.cumsum(prompt_lens, 0) - prompt_lens
-            flat = torch.tensor(list(itertools.chain.from_iterable(it.tokens for it in items)), dtype=torch.int64)
-            item = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(lens), output_size=row)
-            pos = torch.arange(row) - torch.tensor(first_row)[item] + torch.tensor([it.start for it in items])[item]
-            base, end = prompt_start[item], prompt_lens[item]
-            st[:row, STAGE_INPUT_ID] = flat[base + pos]
+            starts = [it.start for it in items]
+            item, pos = row_positions(starts, lens)
+            # offset 0: the row's own token; 1..K: x_{s+d+1} inside the prompt (the first token comes after sampling)
+            tokens = tokens_ahead([it.tokens for it in items], item, pos, range(self.k + 1))
+            st[:row, STAGE_INPUT_ID] = tokens[0]
             st[:row, STAGE_REQ_IDX] = torch.tensor([it.req_idx for it in items])[item]
             st[:row, STAGE_SEQ_LEN] = pos + 1
-            for d in range(self.k):  # x_{s+d+1}, inside the prompt (the first token comes after sampling)
-                nxt = pos + d + 1
-                st[:row, STAGE_COLUMNS + d] = torch.where(nxt < end, flat[base + torch.minimum(nxt, end - 1)],
-                                                          UNKNOWN_TOKEN)
+            st[:row, STAGE_COLUMNS:] = tokens[1:].t()
         st[:row, STAGE_SLOT] = torch.as_tensor(slots, dtype=torch.int64)
         st[row:] = self._hold_row
         self._seq_cpu = st[:, STAGE_SEQ_LEN].to(torch.int32)

@@ -4,6 +4,7 @@ transformers' own generation, with prompts on both sides of the rows limit and c
 import pytest
 import torch
 
+from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, row_positions, tokens_ahead
 from lightllm.server.router.model_infer.prefill_rows import PrefillRows, token_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
@@ -17,6 +18,21 @@ def test_token_ladder_is_powers_of_two_then_the_limit():
     assert token_ladder(100).sizes == (1, 2, 4, 8, 16, 32, 64, 100)
     assert token_ladder(1).sizes == (1,)
     assert token_ladder(100).bucket_size(65) == 100 and token_ladder(100).bucket_size(101) is None
+
+
+def test_row_positions_and_tokens_ahead_hand_computed():
+    # item 0: positions 1..2 of [10, 11, 12]; item 1: positions 0..2 of [20, 21, 22, 23]
+    item, pos = row_positions([1, 0], [2, 3])
+    assert item.tolist() == [0, 0, 1, 1, 1] and pos.tolist() == [1, 2, 0, 1, 2]
+    u = UNKNOWN_TOKEN
+    assert tokens_ahead([[10, 11, 12], [20, 21, 22, 23]], item, pos, [0, 1, 2]).tolist() == [
+        [11, 12, 20, 21, 22],
+        [12, u, 21, 22, 23],
+        [u, u, 22, 23, u],
+    ]
+    item, pos = row_positions([], [])  # a DP rank with only padding items
+    assert item.dtype == pos.dtype == torch.int64 and pos.numel() == 0
+    assert tokens_ahead([], item, pos, [1, 2]).shape == (2, 0)
 
 
 def _with_rows(eng) -> list:

@@ -13,7 +13,8 @@ A proposer with ``drafts_prefill_rows`` also drafts a short prefill run as decod
 
 ``conf`` is None or the proposals' confidences, one row per request: [requests, K] fp32.
 """
-from typing import Dict, List, Optional, Tuple
+import itertools
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,6 +22,32 @@ from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.models.llama_mtp.model import LlamaMTPDraftModel
 
 UNKNOWN_TOKEN = -1  # prefill: the next token of this position is not known yet
+
+
+def row_positions(starts: Sequence[int], lens: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Prefill rows, item after item (item i: positions starts[i] .. starts[i] + lens[i] - 1):
+    each row's item and position, [sum(lens)] host int64 each."""
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    rows = int(lens_t.sum())
+    item = torch.repeat_interleave(torch.arange(len(lens)), lens_t, output_size=rows)
+    first_row = torch.cumsum(lens_t, 0) - lens_t
+    return item, torch.arange(rows) - first_row[item] + torch.tensor(starts, dtype=torch.int64)[item]
+
+
+def tokens_ahead(seqs: Sequence[Sequence[int]], item: torch.Tensor, pos: torch.Tensor,
+                 offsets: Sequence[int]) -> torch.Tensor:
+    """[len(offsets), rows] host int64: the prefill row of item i's position s (``row_positions``)
+    holds seqs[i][s + o] for each offset o, UNKNOWN_TOKEN past the end of seqs[i]."""
+    out = torch.full((len(offsets), pos.shape[0]), UNKNOWN_TOKEN, dtype=torch.int64)
+    if pos.shape[0] == 0:
+        return out
+    seq_lens = torch.tensor([len(q) for q in seqs], dtype=torch.int64)
+    flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)
+    base, end = (torch.cumsum(seq_lens, 0) - seq_lens)[item], seq_lens[item]
+    for j, o in enumerate(offsets):
+        q = pos + o
+        out[j] = torch.where(q < end, flat[base + torch.minimum(q, end - 1)], UNKNOWN_TOKEN)
+    return out
 
 
 class DraftProposer:
@@ -57,17 +84,23 @@ class DraftProposer:
         return all_next, None
 
     @torch.no_grad()
-    def propose_rows(self, model_input: ModelInput, out: ModelOutput, known: torch.Tensor) -> torch.Tensor:
-        """A prefill as decode rows (no host sync, CUDA-graph safe): known [K, rows] is the token
-        row s takes at depth d (UNKNOWN_TOKEN: the previous depth's guess at s). Writes the draft
-        KV of every row; returns every row's guess at every depth [rows, K]."""
+    def propose_rows(self, model_input: ModelInput, out: ModelOutput, known: torch.Tensor,
+                     sel: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The K depths over prefilled rows: known [K, rows] is the token row s takes at depth d
+        (UNKNOWN_TOKEN: its guess at depth d - 1). Writes the draft KV of every row; returns the
+        guesses [rows, K]. ``sel``: the only rows whose guesses can be needed (the others stay 0);
+        None: every row, a fixed shape with no host sync (CUDA graphs)."""
         hidden = out.hidden_states
         guess = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
         guesses = []
         for d in range(self.mtp_step):
             tok = torch.where(known[d] == UNKNOWN_TOKEN, guess, known[d])
             hidden = self.model.forward_depth(d, model_input, hidden, tok)
-            guess = self._greedy(hidden)
+            if sel is None:
+                guess = self._greedy(hidden)
+            else:
+                guess = torch.zeros_like(guess)
+                guess[sel] = self._greedy(hidden[sel])
             guesses.append(guess)
         return torch.stack(guesses, dim=1)
 
@@ -83,40 +116,20 @@ class DraftProposer:
         dev = out.hidden_states.device
         # Position s of depth d takes token x_{s+d+1}: known inside the prompt (and the first
         # generated token); otherwise the previous depth's greedy guess at s.
-        item_rows, rows_of_last_k = [], []
-        row = 0
-        for i, (req, start) in enumerate(zip(reqs, chunk_starts)):
-            n = req.kv_len - start
-            item_rows.append((row, n, start))
-            rows_of_last_k.extend(range(row + max(0, n - k), row + n))
-            row += n
-        row = out.hidden_states.shape[0]  # the requests' rows, then padding items (DP), if any
-        known = [[UNKNOWN_TOKEN] * row for _ in range(k)]
-        for i, (req, (r0, n, start)) in enumerate(zip(reqs, item_rows)):
-            seq = req.prompt_ids + ([first_tokens[i]] if i in first_tokens else [])
-            for d in range(k):
-                for o in range(n):
-                    q = start + o + d + 1
-                    if q < len(seq):
-                        known[d][r0 + o] = seq[q]
-        sel = torch.tensor(rows_of_last_k, dtype=torch.int64, device=dev)
-        hidden = out.hidden_states
-        guess = torch.zeros(row, dtype=torch.int64, device=dev)
-        proposals = []
-        for d in range(k):
-            tok = torch.tensor(known[d], dtype=torch.int64, device=dev)
-            tok = torch.where(tok == UNKNOWN_TOKEN, guess, tok)
-            hidden = self.model.forward_depth(d, model_input, hidden, tok)
-            guess = torch.zeros(row, dtype=torch.int64, device=dev)
-            guess[sel] = self._greedy(hidden[sel])
-            proposals.append(guess)
+        lens = [req.kv_len - start for req, start in zip(reqs, chunk_starts)]
+        seqs = [req.prompt_ids + ([first_tokens[i]] if i in first_tokens else []) for i, req in enumerate(reqs)]
+        known = torch.full((k, out.hidden_states.shape[0]), UNKNOWN_TOKEN, dtype=torch.int64)  # padding items (DP) too
+        known[:, :sum(lens)] = tokens_ahead(seqs, *row_positions(chunk_starts, lens), range(1, k + 1))
+        last_rows = list(itertools.accumulate(lens))  # one past each item's last row
+        sel = torch.tensor([r for end, n in zip(last_rows, lens) for r in range(end - min(n, k), end)],
+                           dtype=torch.int64, device=dev)
+        guesses = self.propose_rows(model_input, out, known.to(dev), sel)
         done = sorted(first_tokens)
         if not done:
             return None
-        last_rows = torch.tensor([item_rows[i][0] + item_rows[i][1] - 1 for i in done], device=dev)
+        last = torch.tensor([last_rows[i] - 1 for i in done], device=dev)
         req_idx = torch.tensor([reqs[i].req_idx for i in done], device=dev)
-        return req_idx, torch.stack([p[last_rows] for p in proposals], dim=1), None  # [done, K]
-
+        return req_idx, guesses[last], None  # [done, K]
 
 def make_draft_proposer(mtp_mode: str, draft_dirs: List[str], mtp_step: int, target, max_reqs: int):
     """The one registry of draft modes: dspark drafts a block, the MTP modes draft depth by depth.
