@@ -8,6 +8,7 @@ time, prefill only (``max_new_tokens`` 1), a request's whole time in the router 
 to its finish, ``--batch`` prompts in a row.
 """
 import argparse
+import itertools
 import time
 
 import torch
@@ -70,10 +71,11 @@ def prompt_ids(i: int, n: int):
 
 def profile_prefill(router, a) -> None:
     sp = SamplingParams.from_request({"max_new_tokens": 1, "ignore_eos": True})
-    count = iter(range(1 << 30))
+    count = itertools.count()
 
     def one() -> None:
-        router.add_req(AddReq(next(count), prompt_ids(next(count), a.prompt_len), sp, [], 0.0))
+        i = next(count)  # request id and prompt
+        router.add_req(AddReq(i, prompt_ids(i, a.prompt_len), sp, [], 0.0))
         while router.has_work:
             router.step()
 
