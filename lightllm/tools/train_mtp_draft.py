@@ -10,7 +10,8 @@ per batch:
 
 h^{(0)} is the target's last-layer output before its final norm; deeper depths
 take the module's own output (gradients flow through the chain) and the
-ground-truth token. Loss = sum_d DEPTH_LOSS_DECAY**d * CE_d over answer labels.
+ground-truth token. Loss = sum_d DEPTH_LOSS_DECAY**d * CE_d over answer labels, with
+CE_d = (1 - w) * CE(label) + w * CE(the target's own distribution there), w = ``--soft_label_weight``.
 
 Initialisation (``--init``, ``INIT_SCHEMES``): ``last_layer`` (default; at step 0 the module
 re-applies the target's last layer to its own state, the token half starts at 0) or ``random``.
@@ -119,6 +120,7 @@ class TrainConfig:
     seed: int = 0
     heldout_fraction: float = HELDOUT_FRACTION
     max_train_seconds: Optional[float] = None  # time budget: the LR decays by steps or time, then stop
+    soft_label_weight: float = 0.0  # share of each depth's loss against the target's distribution (0: hard only)
     dspark: Optional[dspark_train.DSparkTrainOptions] = None  # --mtp_mode dspark only
 
     def __post_init__(self):
@@ -131,6 +133,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.lr > 0 and 0 <= self.heldout_fraction < 1):
             raise ValueError("lr must be > 0 and heldout_fraction in [0, 1)")
+        if not 0 <= self.soft_label_weight <= 1:
+            raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
+        if self.soft_label_weight > 0 and self.mtp_mode == dspark_train.DSPARK:
+            raise ValueError("soft_label_weight > 0 is not supported with --mtp_mode dspark (hard labels only)")
 
     @property
     def with_attention(self) -> bool:
@@ -312,29 +318,48 @@ def new_draft_module(target: nn.Module, cfg: TrainConfig, first_batch: Batch, de
 
 @dataclass
 class UnrollOutput:
-    ce_by_depth: List[torch.Tensor]  # scalar CE per depth (0 where a depth has no label)
+    ce_by_depth: List[torch.Tensor]  # scalar hard-label CE per depth (0 where a depth has no label)
     correct_by_depth: List[torch.Tensor]  # [batch, seq] bool: top-1 == label (False where no label)
     valid_by_depth: List[torch.Tensor]  # [batch, seq] bool: the depth has a label here
+    # scalar training loss per depth: (1 - w) * hard CE + w * soft CE (the hard CE itself when w == 0)
+    loss_by_depth: List[torch.Tensor] = field(default_factory=list)
 
 
-def draft_outputs(module: nn.Module, target: nn.Module, head: TargetHead, batch: Batch, cfg: TrainConfig):
+@torch.no_grad()
+def target_probs(head: TargetHead, h0: torch.Tensor, valid: torch.Tensor, depth: int) -> torch.Tensor:
+    """The target's next-token distribution [n, vocab] fp32 for depth ``depth`` at the ``valid`` positions s:
+    its prediction at s + depth + 1, the position whose greedy token is the label x_{s+depth+2}."""
+    rows, cols = valid.nonzero(as_tuple=True)
+    return torch.softmax(head.logits(h0[rows, cols + depth + 1]), dim=-1)
+
+
+def draft_outputs(module: nn.Module, target: nn.Module, head: TargetHead, batch: Batch, cfg: TrainConfig,
+                  soft_labels: bool = True):
     """(per-depth outputs, the training loss) of one batch: dspark blocks, or depths 0..K-1 unrolled
-    with ground-truth input tokens and the module's own hidden chain."""
+    with ground-truth input tokens and the module's own hidden chain. ``soft_labels`` False skips the
+    soft-label term (the loss is then the hard one, as ``evaluate`` reports it)."""
     if cfg.mtp_mode == dspark_train.DSPARK:
         return dspark_train.batch_outputs(module, target, head, batch, cfg, sample=module.training)
-    hidden = target_hidden(target, batch.tokens)  # [batch, seq, hidden]
+    h0 = target_hidden(target, batch.tokens)  # [batch, seq, hidden]
+    soft_weight = cfg.soft_label_weight if soft_labels else 0.0
+    hidden = h0
     out = UnrollOutput([], [], [])
     for depth in range(cfg.unroll):
         tokens_in, labels = depth_inputs(batch, depth)
         hidden = module.step(depth, hidden, tokens_in, head.embed)
         valid = labels != IGNORE_INDEX
         logits = head.logits(hidden[valid])  # [n, vocab], only where a label exists
-        out.ce_by_depth.append(F.cross_entropy(logits, labels[valid]) if valid.any() else hidden.sum() * 0.0)
+        ce = F.cross_entropy(logits, labels[valid]) if valid.any() else hidden.sum() * 0.0
+        out.ce_by_depth.append(ce)
+        if soft_weight > 0 and valid.any():
+            soft_ce = -(target_probs(head, h0, valid, depth) * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+            ce = (1 - soft_weight) * ce + soft_weight * soft_ce
+        out.loss_by_depth.append(ce)
         correct = torch.zeros_like(valid)
         correct[valid] = logits.argmax(-1) == labels[valid]
         out.correct_by_depth.append(correct)
         out.valid_by_depth.append(valid)
-    return out, sum(w * ce for w, ce in zip(cfg.depth_weights, out.ce_by_depth))
+    return out, sum(w * loss for w, loss in zip(cfg.depth_weights, out.loss_by_depth))
 
 
 @torch.no_grad()
@@ -347,7 +372,7 @@ def evaluate(module: MTPDraftTrainModule, target: nn.Module, head: TargetHead, s
     chain_sum, chain_n = 0, 0
     for i in range(0, len(seqs), cfg.batch_size):
         batch = collate(seqs[i: i + cfg.batch_size], device)
-        out = draft_outputs(module, target, head, batch, cfg)[0]
+        out = draft_outputs(module, target, head, batch, cfg, soft_labels=False)[0]  # hard-label metrics
         for d in range(k):
             n = int(out.valid_by_depth[d].sum())
             ce_sum[d] += float(out.ce_by_depth[d]) * n
@@ -613,6 +638,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_gen_seconds", type=float, default=None,
                    help="time budget of both generation phases (Magpie at most "
                         f"{MAGPIE_TIME_SHARE:.0%}%); unfinished answers are cut, partial answers kept")
+    p.add_argument("--soft_label_weight", type=float, default=d.soft_label_weight,
+                   help="share of each depth's loss that is the cross-entropy against the target's full "
+                        "distribution at the label's position, softmax(lm_head(norm(h0))) with h0 the target's "
+                        "last hidden state; 0 = hard labels only, 1 = soft labels only (held-out metrics stay "
+                        "hard-label)")
     p.add_argument("--max_train_seconds", type=float, default=None,
                    help="training time budget in seconds: the LR schedule decays by steps or time, whichever is "
                         "further along, and training stops (and saves) when it ends")
@@ -643,7 +673,7 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     dspark = dspark_train.options_from_args(a, tokenizer, model_dir) if a.mtp_mode == dspark_train.DSPARK else None
     cfg = TrainConfig(mtp_mode=a.mtp_mode, init=a.init, init_from=a.init_from, unroll=a.unroll, epochs=a.epochs, lr=a.lr,
                       lr_schedule=a.lr_schedule, batch_size=a.batch_size, seed=a.seed,
-                      max_train_seconds=a.max_train_seconds, dspark=dspark)
+                      max_train_seconds=a.max_train_seconds, soft_label_weight=a.soft_label_weight, dspark=dspark)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     if torch.device(device).type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 draft

@@ -47,17 +47,17 @@ set -uo pipefail
 TRAIN_FLAGS=(--mtp_mode eagle_with_att --init last_layer --unroll 4 --max_new_tokens 200
              --gen_batch_size 768 --epochs 8 --lr 1e-3 --batch_size 64 --max_gen_seconds 240
              --max_train_seconds 200 --device cuda)
-# the general mixture, fine-tuning the shipped draft (kept in /root/draft_old): 10000 user turns in five
-# Magpie domains (default, code, writing, advice, explanation) at 30% GSM8K. The 240 s generation budget is
-# shared (user turns at most 40%, the answers the rest, cut at the deadline), training 200 s, held-out answers
-# and top-1 ~30 s, model loads and engine starts ~60 s: about 9 minutes of a 10-minute call.
-# (The sixth session's recipe, 6000 default-domain turns at 40% GSM8K, 10 epochs, 180 s, is in the
-# training_info.json shipped with that draft.)
+# the general mixture (issue 16): 10000 user turns in five Magpie domains (default, code, writing, advice,
+# explanation) at 30% GSM8K, soft labels (the target's own distribution), fine-tuning the eighth session's
+# five-domain draft, which the job takes from git (GENERAL_INIT_COMMIT) so that the recipe reproduces whatever
+# the checkout ships. The 240 s generation budget is shared (user turns at most 40%, the answers the rest, cut
+# at the deadline), training 200 s, held-out answers and top-1 ~5 s: about 330 s in all (ninth session).
+GENERAL_INIT_COMMIT=1379c83
 TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 10000 --magpie_domains default,code,writing,advice,explanation
                      --gsm8k_fraction 0.3 --magpie_seed_mode batch
-                     --mtp_mode eagle_with_att --init_from /root/draft_old --unroll 4 --max_new_tokens 200
+                     --mtp_mode eagle_with_att --init_from /root/draft_init --unroll 4 --max_new_tokens 200
                      --gen_batch_size 768 --epochs 7 --lr 5e-4 --batch_size 64 --max_gen_seconds 240
-                     --max_train_seconds 200 --device cuda)
+                     --max_train_seconds 200 --soft_label_weight 1.0 --device cuda)
 # dspark: the eagle draft's prompt set replayed (no user-turn sampling), answers ~150 s, training 200 s.
 # The packaged dspark draft (seventh session) was trained on the first set,
 # docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz; this is the five-domain set.
@@ -114,6 +114,8 @@ train_general)
     out=${1:?OUT}; mkdir -p "$out/draft"
     # the checkout's draft, before env.sh replaces it with this job's at the next call
     [[ -d /root/draft_old || -f /root/draft_new/model.safetensors ]] || { mkdir -p /root/draft_old && cp "$DRAFT_DIR"/* /root/draft_old/; }
+    mkdir -p /root/draft_init
+    for f in config.json model.safetensors; do git show "$GENERAL_INIT_COMMIT:$DRAFT_DIR/$f" > "/root/draft_init/$f" || exit 1; done
     python -m lightllm.tools.train_mtp_draft --data .data/train.jsonl --out "$out/draft" "${TRAIN_GENERAL_FLAGS[@]}" \
         > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
     mkdir -p /root/draft_new && cp "$out"/draft/* /root/draft_new/

@@ -13,7 +13,9 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from lightllm.models.dspark.train_module import DSPARK, DSparkTrainOptions
 from lightllm.models.llama_mtp.model import MTPDraftConfig
 from lightllm.models.llama_mtp.train_module import MTPDraftTrainModule
 from lightllm.tools import train_mtp_draft as tool
@@ -24,6 +26,7 @@ from lightllm.tools.train_mtp_draft import (
     TrainSequence,
     collate,
     depth_inputs,
+    draft_outputs,
     evaluate,
     generate_answers,
     init_from_last_layer,
@@ -55,16 +58,24 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", params=list(tool.INIT_SCHEMES))
-def trained(request, one_thread, tmp_path_factory):
-    cfg = dataclasses.replace(TRAIN_CFG, init=request.param)
-    root = tmp_path_factory.mktemp("train_mtp_" + request.param)
+@pytest.fixture(scope="module")
+def target_answers(one_thread, tmp_path_factory):
+    """The tiny target (transformers, fp32), its checkpoint dir and its greedy answers to random prompts."""
+    root = tmp_path_factory.mktemp("train_mtp_target")
     hf = build_hf_model("llama", seed=0)
     target_dir = save_checkpoint(hf, str(root / "target"), sharded=False)
     rng = random.Random(0)
     prompts = [[rng.randrange(hf.config.vocab_size) for _ in range(rng.randrange(4, 12))] for _ in range(NUM_PROMPTS)]
     seqs = generate_answers(target_dir, prompts, ANSWER_TOKENS, eos_token_ids=[], device="cpu", dtype="float32",
                             progress=False)
+    return hf, target_dir, seqs
+
+
+@pytest.fixture(scope="module", params=list(tool.INIT_SCHEMES))
+def trained(request, target_answers, tmp_path_factory):
+    cfg = dataclasses.replace(TRAIN_CFG, init=request.param)
+    root = tmp_path_factory.mktemp("train_mtp_" + request.param)
+    hf, target_dir, seqs = target_answers
     result = train_draft(hf, seqs, cfg, "cpu", progress=False)
     draft_dir = str(root / "draft")
     tool.save_outputs(result, draft_dir, training_info(result, cfg, {"data_path": "synthetic"}))
@@ -217,6 +228,159 @@ def test_train_config_rejects_bad_values():
         TrainConfig(unroll=0)
     assert TrainConfig(mtp_mode="vanilla_no_att", unroll=3).num_modules == 3
     assert TrainConfig(mtp_mode="eagle_no_att", unroll=3).num_modules == 1
+
+
+# ---- soft labels (--soft_label_weight): the target's full distribution as the label ----
+
+FP32_RTOL = 1e-5  # fp32 sums over a few hundred vocab entries, against a float64 reference
+SOFT_SEQ_LENS = ((12, 3), (7, 2), (10, 6))  # (length, prompt_len): every depth has labels, with padding
+SOFT_WEIGHTS = (0.0, 0.5, 1.0)
+
+
+def _soft_batch(hf):
+    rng = random.Random(1)
+    seqs = [TrainSequence([rng.randrange(hf.config.vocab_size) for _ in range(n)], p) for n, p in SOFT_SEQ_LENS]
+    return seqs, collate(seqs, "cpu")
+
+
+def _random_draft(hf, batch):
+    torch.manual_seed(0)
+    return new_draft_module(hf, dataclasses.replace(TRAIN_CFG, init="random"), batch, "cpu")
+
+
+@torch.no_grad()
+def _draft_logits_by_depth(module, hf, head, batch):
+    """The draft's logits [batch, seq, vocab] at every position, per depth (its forward, not under test)."""
+    hidden = tool.target_hidden(hf, batch.tokens)
+    logits = []
+    for depth in range(UNROLL):
+        hidden = module.step(depth, hidden, depth_inputs(batch, depth)[0], head.embed)
+        logits.append(head.logits(hidden))
+    return logits
+
+
+@torch.no_grad()
+def _reference_ce_by_depth(hf, seqs, draft_logits, target_offset=1):
+    """Per depth d: (hard CE, soft CE), float64 means over the positions s whose label x_{s+d+2} is an answer
+    token, by explicit loops. The soft label is the target's own transformers forward on the unpadded
+    sequence at position s + d + target_offset (1: the position predicting the label)."""
+    target_logits = [hf(torch.tensor([seq.token_ids])).logits[0].double() for seq in seqs]
+    hard, soft = [], []
+    for d in range(UNROLL):
+        hard_sum, soft_sum, n = 0.0, 0.0, 0
+        for b, seq in enumerate(seqs):
+            for s in range(len(seq.token_ids)):
+                label_pos = s + d + 2
+                if label_pos >= len(seq.token_ids) or label_pos < seq.prompt_len:
+                    continue
+                log_q = torch.log_softmax(draft_logits[d][b, s].double(), dim=-1)
+                p = torch.softmax(target_logits[b][s + d + target_offset], dim=-1)
+                hard_sum -= float(log_q[seq.token_ids[label_pos]])
+                soft_sum -= float((p * log_q).sum())
+                n += 1
+        assert n > 0
+        hard.append(hard_sum / n)
+        soft.append(soft_sum / n)
+    return hard, soft
+
+
+def _floats(xs):
+    return [float(x.detach()) for x in xs]
+
+
+def test_soft_label_loss_matches_a_loop_reference(one_thread):
+    hf = build_hf_model("llama", seed=1)
+    seqs, batch = _soft_batch(hf)
+    module, head = _random_draft(hf, batch), tool.TargetHead(hf)
+    hard, soft = _reference_ce_by_depth(hf, seqs, _draft_logits_by_depth(module, hf, head, batch))
+    outs = {w: draft_outputs(module, hf, head, batch, dataclasses.replace(TRAIN_CFG, soft_label_weight=w))
+            for w in SOFT_WEIGHTS}
+    weights = TRAIN_CFG.depth_weights
+    out1, loss1 = outs[1.0]
+    assert _floats(out1.loss_by_depth) == pytest.approx(soft, rel=FP32_RTOL)
+    assert float(loss1.detach()) == pytest.approx(sum(w * x for w, x in zip(weights, soft)), rel=FP32_RTOL)
+    # the reported (hard) CE does not depend on the weight
+    for out, _ in outs.values():
+        assert _floats(out.ce_by_depth) == pytest.approx(hard, rel=FP32_RTOL)
+    # w = 0.5: per depth the average of the hard-only and the soft-only losses
+    (out0, loss0), (half, loss_half) = outs[0.0], outs[0.5]
+    for d in range(UNROLL):
+        mid = 0.5 * (_floats(out0.loss_by_depth)[d] + _floats(out1.loss_by_depth)[d])
+        assert _floats(half.loss_by_depth)[d] == pytest.approx(mid, rel=FP32_RTOL)
+    total0, total_half, total1 = _floats((loss0, loss_half, loss1))
+    assert total_half == pytest.approx(0.5 * (total0 + total1), rel=FP32_RTOL)
+    # the reference tells the positions apart: the target's distribution one position off gives other numbers
+    for offset in (0, 2):
+        shifted = _reference_ce_by_depth(hf, seqs, _draft_logits_by_depth(module, hf, head, batch), offset)[1]
+        assert all(abs(a - b) > 100 * FP32_RTOL * abs(b) for a, b in zip(shifted, soft)), (offset, shifted, soft)
+    assert all(abs(a - b) > 100 * FP32_RTOL * abs(b) for a, b in zip(hard, soft))
+    # the soft label is a constant: gradients reach the draft only
+    loss1.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in module.parameters())
+
+
+def _hard_outputs_before_soft_labels(module, hf, head, batch, cfg):
+    """draft_outputs' per-depth CE and loss as they were before --soft_label_weight (a copy of that code)."""
+    hidden = tool.target_hidden(hf, batch.tokens)
+    ces = []
+    for depth in range(cfg.unroll):
+        tokens_in, labels = depth_inputs(batch, depth)
+        hidden = module.step(depth, hidden, tokens_in, head.embed)
+        valid = labels != IGNORE_INDEX
+        logits = head.logits(hidden[valid])
+        ces.append(F.cross_entropy(logits, labels[valid]) if valid.any() else hidden.sum() * 0.0)
+    return ces, sum(w * ce for w, ce in zip(cfg.depth_weights, ces))
+
+
+def test_zero_soft_label_weight_is_the_hard_loss_exactly_without_target_logits(one_thread, monkeypatch):
+    hf = build_hf_model("llama", seed=1)
+    seqs, batch = _soft_batch(hf)
+    module, head = _random_draft(hf, batch), tool.TargetHead(hf)
+    cfg = dataclasses.replace(TRAIN_CFG, soft_label_weight=0.0)
+    before_ces, before_loss = _hard_outputs_before_soft_labels(module, hf, head, batch, cfg)
+    hard = _reference_ce_by_depth(hf, seqs, _draft_logits_by_depth(module, hf, head, batch))[0]
+    calls = []
+    logits = head.logits
+    monkeypatch.setattr(head, "logits", lambda hidden: calls.append(hidden.shape[0]) or logits(hidden))
+    out, loss = draft_outputs(module, hf, head, batch, cfg)
+    assert torch.equal(loss, before_loss)
+    assert all(torch.equal(a, b) for a, b in zip(out.ce_by_depth, before_ces))
+    assert all(torch.equal(a, b) for a, b in zip(out.loss_by_depth, before_ces))
+    assert _floats(out.ce_by_depth) == pytest.approx(hard, rel=FP32_RTOL)
+    # lm_head once per depth, for the draft only: no target logits
+    assert len(calls) == UNROLL
+    # w > 0: once more per depth, only at the labelled positions; evaluate stays hard-label (no target logits)
+    calls.clear()
+    soft_cfg = dataclasses.replace(cfg, soft_label_weight=1.0)
+    out = draft_outputs(module, hf, head, batch, soft_cfg)[0]
+    assert calls == [int(v.sum()) for v in out.valid_by_depth for _ in range(2)]
+    calls.clear()
+    metrics = evaluate(module, hf, head, seqs, soft_cfg, "cpu")
+    assert len(calls) == UNROLL and metrics == evaluate(module, hf, head, seqs, cfg, "cpu")
+
+
+def test_train_config_checks_the_soft_label_weight():
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="soft_label_weight must be in"):
+            TrainConfig(soft_label_weight=bad)
+    assert TrainConfig(soft_label_weight=1.0).soft_label_weight == 1.0
+    dspark = DSparkTrainOptions()
+    assert TrainConfig(mtp_mode=DSPARK, unroll=1, dspark=dspark).soft_label_weight == 0.0
+    with pytest.raises(ValueError, match="not supported with --mtp_mode dspark"):
+        TrainConfig(mtp_mode=DSPARK, unroll=1, dspark=dspark, soft_label_weight=0.5)
+
+
+def test_soft_label_training_lowers_the_heldout_loss(target_answers):
+    hf, _, seqs = target_answers
+    cfg = dataclasses.replace(TRAIN_CFG, soft_label_weight=1.0)
+    result = train_draft(hf, seqs, cfg, "cpu", progress=False)
+    first, last = result.loss_history[:4], result.loss_history[-4:]
+    assert sum(last) < sum(first), result.loss_history
+    # held-out metrics are the hard-label ones, comparable across weights
+    assert result.heldout_after.loss_by_depth[0] < result.heldout_before.loss_by_depth[0]
+    assert result.heldout_after.top1_by_depth[0] >= result.heldout_before.top1_by_depth[0]
+    info = training_info(result, cfg, {})
+    assert info["config"]["soft_label_weight"] == 1.0
 
 
 def test_default_draft_dir_only_for_the_embedded_model_in_eagle_with_att(tmp_path, monkeypatch):
@@ -393,9 +557,11 @@ def test_mix_run_writes_a_replayable_prompt_set_and_training_info(tiny_run, fake
     # replay: the same prompts in the same order
     again = tmp_path / "again"
     tool.main(_argv(tiny_run, again, "--prompt_source", "file", "--prompt_set",
-                    str(first / tool.PROMPT_SET_FILENAME)))
+                    str(first / tool.PROMPT_SET_FILENAME), "--soft_label_weight", "0.5"))
     assert mp.read_prompt_set(str(again / tool.PROMPT_SET_FILENAME)) == records
     info2 = json.loads((again / TRAINING_INFO_FILENAME).read_text())
+    assert info["recipe"]["soft_label_weight"] == info["config"]["soft_label_weight"] == 0.0
+    assert info2["recipe"]["soft_label_weight"] == info2["config"]["soft_label_weight"] == 0.5
     assert info2["magpie"] is None and info2["prompts_by_source"] == info["prompts_by_source"]
     assert info2["answer_tokens"] == info["answer_tokens"]
 
