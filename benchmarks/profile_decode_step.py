@@ -35,6 +35,7 @@ def main():
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--disable_cudagraph", action="store_true")
     p.add_argument("--enable_deterministic_inference", action="store_true")
+    p.add_argument("--disable_overlap_schedule", action="store_true")
     p.add_argument("--model_dir", default=None)
     p.add_argument("--load_format", default="auto")
     p.add_argument("--prefill", action="store_true", help="profile one-request prefills, not decode steps")
@@ -45,7 +46,8 @@ def main():
     eng = OfflineEngine(StartArgs(model_dir=a.model_dir, load_format=a.load_format, running_max_req_size=a.batch,
                                   max_req_total_len=1024, batch_max_tokens=65536,
                                   disable_cudagraph=a.disable_cudagraph, graph_max_prefill_tokens=a.graph_max_prefill_tokens,
-                                  enable_deterministic_inference=a.enable_deterministic_inference, **mtp))
+                                  enable_deterministic_inference=a.enable_deterministic_inference,
+                                  disable_overlap_schedule=a.disable_overlap_schedule, **mtp))
     router = eng.router
     if a.prefill:
         return profile_prefill(router, a)
@@ -61,6 +63,7 @@ def main():
     sync()
     graphs = "eager" if a.disable_cudagraph else "graphs"
     graphs += ", deterministic" if a.enable_deterministic_inference else ""
+    graphs += ", no overlap" if a.disable_overlap_schedule else ""
     print(f"batch {a.batch} K {a.mtp_step} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
     print_profile(lambda: router.step(), a.rows)
 

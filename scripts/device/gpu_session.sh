@@ -38,6 +38,8 @@
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
 #   gpu_session.sh graphs OUT          CUDA graph vs eager: the graph tests, then ms per decode step at
 #                                       batch 1 / 64 / 256, K = 0 and 3, and the 8B-shaped dummy model
+#   gpu_session.sh overlap OUT          the overlap schedule: its GPU tests, the step
+#                                       with and without it, the matrix with both arms
 #   gpu_session.sh perf OUT [MODELS] [MODES]  one decode step profiled (batch 1), then benchmarks/bench_e2e_throughput.py
 #                                       --matrix: engine vs transformers (OUT/bench_vs_hf.json)
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
@@ -70,7 +72,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
+job=${1:?usage: gpu_session.sh data|overlap|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
 shift
 
 case "$job" in
@@ -88,6 +90,21 @@ from lightllm.utils.embedded_model import get_default_model_dir as d; write_dumm
         python benchmarks/profile_decode_step.py --model_dir /root/d8b --load_format dummy --batch $b --rows 0 --steps 30 $g \
             2>>"$out/steps.err" | tail -1
     done; done | tee -a "$out/steps.txt"
+    ;;
+overlap)
+    # the overlap schedule: its GPU tests, the step with and without it, then the matrix with both
+    # arms (plain / mtp3 and their *_no_overlap rows)
+    out=${1:?OUT}; mkdir -p "$out"
+    timeout 200 python -m pytest -q -p no:cacheprovider -m "" unit_tests/server/router/model_infer/test_overlap_schedule_cuda.py \
+        > "$out/tests.log" 2>&1
+    tail -3 "$out/tests.log"
+    for b in 1 64; do for o in "" --disable_overlap_schedule; do
+        python benchmarks/profile_decode_step.py --batch $b --rows 0 --steps 100 $o 2>>"$out/perf.err" | tail -1
+    done; done | tee "$out/steps.txt"
+    timeout 230 python benchmarks/bench_e2e_throughput.py --matrix --matrix_models embedded \
+        --matrix_modes plain plain_no_overlap mtp3 mtp3_no_overlap --max_new_tokens 128 \
+        --gsm8k .data/test.jsonl --out "$out/bench_vs_hf.json" > "$out/bench.log" 2>>"$out/perf.err"
+    tail -12 "$out/bench.log"
     ;;
 perf)
     out=${1:?OUT}; models=${2:-embedded llama3_8b_dummy}; modes=${3:-}; mkdir -p "$out"

@@ -93,20 +93,22 @@ class StepTiming:
     decode_by_batch: Dict[int, BatchClock] = field(default_factory=dict)
 
     def add(self, seconds: float, batch_reqs: int, decode: bool, decoded_reqs: int = 0,
-            ladder: Optional[GraphLadder] = None) -> None:
-        """One step; a decode step that decoded ``decoded_reqs`` requests is also filed by batch size."""
+            ladder: Optional[GraphLadder] = None, steps: int = 1) -> None:
+        """One step; a decode step that decoded ``decoded_reqs`` requests is also filed by batch size.
+        ``steps`` 0: a call that only finished a step launched by an earlier one (overlap): its
+        time belongs to that step, which was already counted."""
         self.seconds += seconds
-        self.steps += 1
-        self.batch_reqs += batch_reqs
+        self.steps += steps
+        self.batch_reqs += batch_reqs * steps
         if decode:
             self.decode_seconds += seconds
-            self.decode_steps += 1
-            self.decode_batch_reqs += batch_reqs
+            self.decode_steps += steps
+            self.decode_batch_reqs += batch_reqs * steps
             if decoded_reqs:
                 clock = self.decode_by_batch.setdefault(decode_batch_bucket(decoded_reqs, ladder), BatchClock())
                 clock.seconds += seconds
-                clock.steps += 1
-                clock.reqs += decoded_reqs
+                clock.steps += steps
+                clock.reqs += decoded_reqs * steps
 
 
 @dataclass
@@ -185,14 +187,24 @@ class RouterManager:
 
     def abort(self, req_id: int) -> List[ReqStepUpdate]:
         req = self.queue.remove(req_id)
+        updates = []
         if req is None:
             req = next((r for r in self.running if r.req_id == req_id), None)
             if req is None:
                 return []
+            req.finish_reason = FinishReason.ABORT
+            # a decode step in flight (overlap): commit it for the others, so this one's KV goes now
+            updates = self.backend.flush_decode()
+            self._reap_finished()  # this one, and any the flushed step finished
+        req.finish_reason = FinishReason.ABORT
+        return updates + [self.backend._update(req, [], [], accept_len=0)]
+
+    def _reap_finished(self) -> None:
+        """Free and drop the running requests that have finished."""
+        done = [r for r in self.running if r.finish_reason is not None]
+        for req in done:
             self._finish(req)
             self.running.remove(req)
-        req.finish_reason = FinishReason.ABORT
-        return [self.backend._update(req, [], [], accept_len=0)]
 
     def _finish(self, req: InferReq) -> None:
         self.backend.free_req(req)
@@ -221,6 +233,7 @@ class RouterManager:
         req_idx rows (the step may have allocated some no request records yet). Waiting
         requests hold neither, so the pools are whole again."""
         failed, self.running = self.running, []
+        self.backend.drop_inflight()
         for req in failed:
             req.slots, req.req_idx = [], -1
             self.queue.release(req)
@@ -233,11 +246,11 @@ class RouterManager:
         t0 = time.perf_counter()
         updates, self._failed = self._failed, []
         updates.extend(self._admit())
-        if not self.running:
-            return updates
+        if not self.running:  # a step still in flight for requests that are all gone: take its slots back
+            return updates + self.backend.flush_decode()
         batch_reqs = len(self.running)
         try:
-            step_updates = self.backend.run_step(self.running)
+            step_updates = self.backend.run_step(self.running, may_admit=bool(self.queue.waiting))
         except Exception as e:
             # Ranks run the same step on the same inputs, so an error that comes from them is
             # raised on every rank and all fail the same requests, in lock-step. An error on one
@@ -255,13 +268,11 @@ class RouterManager:
                 self._step_tokens += u.accept_len
         if self._steps:
             self.mean_tokens_per_step = self._step_tokens / self._steps
-        done = [r for r in self.running if r.finish_reason is not None]
-        for req in done:
-            self._finish(req)
-            self.running.remove(req)
+        self._reap_finished()
         decode = not self.backend.last_step_prefilled
         self.timing.add(time.perf_counter() - t0, batch_reqs, decode,
-                        self.backend.last_decode_reqs if decode else 0, self._ladder)
+                        self.backend.last_decode_reqs if decode else 0, self._ladder,
+                        self.backend.last_decode_steps if decode else 1)
         return updates + step_updates
 
     @property

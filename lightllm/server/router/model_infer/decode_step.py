@@ -8,6 +8,11 @@
     commit_step (host, pure bookkeeping over the packed result): append tokens, stop checks,
              rejected slots to free
 
+Overlap (``launch_finish`` / ``wait``, ``prepare_successor``): the next step of the same
+requests can be launched before the host has read this one; its rows take their KV lengths
+from this step's accept lengths on the device. ``snapshot`` / ``restore`` undo such a step
+(docs/decode_step.md, "What overlaps").
+
 Padding rows (HOLD rows) sit after the real rows: the forwards and the draft run over
 them; sampling, verification and commit never see them. On CUDA a batch of n requests is
 padded to the graph ladder's size (``GraphLadder.bucket_size``) whether graphs are on or
@@ -22,6 +27,7 @@ import torch
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.cuda_graph import CudaGraphSet, GraphLadder, capture_ladder
 from lightllm.common.basemodel.mtp_verify_torch import mtp_scatter_next_token_ids_torch
+from lightllm.models.llama.layer_infer.attention_backends import TORCH_BACKEND, resolve_attention_backend
 from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID, mtp_scatter_next_token_ids
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, token_logprobs
@@ -33,6 +39,8 @@ logger = logging.getLogger(__name__)
 PAD_TOKEN_ID = 0
 # Columns of the host staging tensor: one row per decode row.
 STAGE_REQ_IDX, STAGE_SEQ_LEN, STAGE_SLOT, STAGE_COLUMNS = 0, 1, 2, 3
+# Host staging and result buffers used by turns: one step in flight while the next is staged.
+HOST_BUFFERS = 2
 
 # sample(logits [rows, vocab], b_req_idx [rows], reqs per row, seeds per row) -> SampleOutput
 Sampler = Callable[[torch.Tensor, torch.Tensor, List[InferReq], list], SampleOutput]
@@ -116,6 +124,18 @@ class HostStepResult:
 
 
 @dataclass
+class PendingResult:
+    """A step whose packed result is on its way to the host (``DecodeStep.launch_finish``)."""
+
+    host: torch.Tensor  # pinned view the async copy writes
+    done: Optional[torch.cuda.Event]  # None on CPU (the copy is synchronous there)
+    num_rows: int  # real rows
+    num_reqs: int
+    asd: bool
+    accept_len: torch.Tensor  # [num_reqs] int32 device: what a successor step's KV lengths add
+
+
+@dataclass
 class ReqCommit:
     """What one request kept in a step."""
 
@@ -126,14 +146,20 @@ class ReqCommit:
 
 def commit_step(
     reqs: List[InferReq], host: HostStepResult, slots: List[int], rows_per_req: int
-) -> Tuple[List[ReqCommit], List[int]]:
+) -> Tuple[List[Optional[ReqCommit]], List[int]]:
     """Host bookkeeping of one decode step (no device work): append each request's accepted
     tokens until it finishes (EOS / stop / length), count MTP and ASD totals, extend its KV
-    slots. Returns what each request kept and the slots of the rows it did not keep."""
+    slots. Returns what each request kept (None for a request that had already finished or
+    was aborted when the step ran: an overlapped step; it keeps nothing) and the slots of the
+    rows nobody kept."""
     k1 = rows_per_req
     commits, free_slots = [], []
     for r, req in enumerate(reqs):
         start, a = r * k1, host.accept_len[r]
+        if req.finish_reason is not None:
+            free_slots.extend(slots[start:start + k1])
+            commits.append(None)
+            continue
         kept = 0
         for j in range(a):
             kept += 1
@@ -151,6 +177,13 @@ def commit_step(
         conf = host.confidence[r] if host.confidence is not None else None
         commits.append(ReqCommit(host.ids[start:start + kept], host.logprobs[start:start + kept], conf))
     return commits, free_slots
+
+
+def decode_attention_is_torch(model) -> bool:
+    """Whether the model decodes with the torch attention path (it reads KV lengths on the host)."""
+    kvargs = getattr(model, "kvargs", None)
+    name = getattr(kvargs, "decode_attention_backend", "auto")
+    return resolve_attention_backend(name, model.device) == TORCH_BACKEND
 
 
 class DecodeStep:
@@ -182,8 +215,11 @@ class DecodeStep:
         k1 = mtp_step + 1
         self.max_rows = max_reqs * k1
         dev, on_gpu = self.device, self.device.type == "cuda"
-        # Host staging (pinned on CUDA) -> one copy per step into _staged.
-        self._stage_host = torch.zeros((self.max_rows, STAGE_COLUMNS), dtype=torch.int64, pin_memory=on_gpu)
+        # Host staging (pinned on CUDA) -> one copy per step into _staged; two of each host buffer,
+        # used by turns, so that a step can be staged while the previous one is still in flight.
+        self._stage_hosts = [torch.zeros((self.max_rows, STAGE_COLUMNS), dtype=torch.int64, pin_memory=on_gpu)
+                             for _ in range(HOST_BUFFERS)]
+        self._stage_turn = 0
         self._staged = torch.zeros((self.max_rows, STAGE_COLUMNS), dtype=torch.int64, device=dev)
         self.b_req_idx = torch.full((self.max_rows,), self.req_manager.HOLD_REQUEST_ID, dtype=torch.int32, device=dev)
         self.b_seq_len = torch.ones((self.max_rows,), dtype=torch.int32, device=dev)
@@ -203,13 +239,27 @@ class DecodeStep:
         # ASD verify's relaxed-row output (strict verification has none)
         self._relaxed_mask = torch.zeros((self.max_rows,), dtype=torch.int32, device=dev) if asd is not None else None
         max_packed = HostStepResult.packed_size(self.max_rows, max_reqs, asd is not None, self.conf_width)
-        self._packed_host = torch.zeros((max_packed,), dtype=torch.float64, pin_memory=on_gpu)
-        self._copy_done = torch.cuda.Event() if on_gpu else None
+        self._packed_hosts = [torch.zeros((max_packed,), dtype=torch.float64, pin_memory=on_gpu)
+                              for _ in range(HOST_BUFFERS)]
+        self._copies_done = [torch.cuda.Event() if on_gpu else None for _ in range(HOST_BUFFERS)]
+        self._packed_turn = 0
+        # What an overlapped step may change per request, saved before it runs (``snapshot``).
+        self._snap_next = torch.zeros((max_reqs, req_to_next_token_ids.shape[1]), dtype=torch.int64, device=dev)
+        self._snap_regret = torch.zeros((max_reqs,), dtype=torch.float32, device=dev)
+        self._snap_conf = torch.zeros((max_reqs, max(self.conf_width, 1)), dtype=torch.float32, device=dev)
+        # The torch attention path reads the rows' KV lengths on the host: a successor step then
+        # needs them exact (a device read; CPU only in practice), elsewhere an upper bound does.
+        self.exact_host_seq_len = not on_gpu or decode_attention_is_torch(model)
         self.graphs: Optional[CudaGraphSet] = None
         if use_graphs:
             self._capture_graphs()
 
     # ---- rows ----
+    def padded_rows(self, num_reqs: int) -> int:
+        """Rows a decode step of ``num_reqs`` requests runs: padded to the ladder's size on CUDA."""
+        size = self.ladder.bucket_size(num_reqs) if self.ladder is not None else None
+        return (num_reqs if size is None else size) * (self.mtp_step + 1)
+
     def prepare(self, reqs: List[InferReq], num_rows: Optional[int] = None) -> DecodeRows:
         """Allocate K+1 KV slots per request and stage the rows; pad with HOLD rows to
         ``num_rows`` rows (DP: the same rows on every rank) or, on CUDA, to the ladder's size."""
@@ -224,24 +274,55 @@ class DecodeStep:
             raise ValueError(f"{n} requests need {real} rows, more than num_rows={num_rows}")
         if num_rows > self.max_rows:
             raise ValueError(f"{num_rows} decode rows exceed the step's {self.max_rows} static rows")
+        kv_len = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        # the row of position kv_len + j caches kv_len + j + 1 tokens after the forward
+        seq = (kv_len[:, None] + self._mtp_offsets_host[None, :] + 1).reshape(-1)
+        seq_cpu, slots = self._stage(reqs, num_rows, seq)
+        return self._rows(reqs, num_rows, seq_cpu, slots, graph_size)
+
+    def prepare_successor(self, prev: DecodeRows, prev_result: PendingResult) -> DecodeRows:
+        """The next step of ``prev``'s requests, staged before the host has read ``prev``'s
+        result: same rows and padding, fresh KV slots, and KV lengths that add ``prev``'s
+        accept lengths on the device. (A request that finishes in ``prev`` still has rows here;
+        the commit drops them.)"""
+        k1, n = prev.rows_per_req, len(prev.reqs)
+        real = n * k1
+        # computed before the staged copy below overwrites b_seq_len
+        seq_dev = (self.b_seq_len[:real].view(n, k1) + prev_result.accept_len.view(n, 1)).view(-1)
+        bound = prev.b_seq_len_cpu[:real].long() + k1  # what any accept length keeps below
+        seq_cpu, slots = self._stage(prev.reqs, prev.num_rows, bound)
+        self.b_seq_len[:real].copy_(seq_dev)
+        if self.exact_host_seq_len:
+            seq_cpu = self.b_seq_len[:prev.num_rows].cpu()
+        return self._rows(prev.reqs, prev.num_rows, seq_cpu, slots, prev.graph_size)
+
+    def _stage(self, reqs: List[InferReq], num_rows: int, seq: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Slots for the real rows, then one host->device copy of (req_idx, seq_len, slot) per row
+        into the static buffers; returns the rows' seq lengths on the host (int32) and the slots."""
+        k1 = self.mtp_step + 1
+        n = len(reqs)
+        real = n * k1
         slots = self.mem_manager.alloc(real)  # [real] host
-        st = self._stage_host[:num_rows]
+        st = self._stage_hosts[self._stage_turn][:num_rows]
+        self._stage_turn = (self._stage_turn + 1) % HOST_BUFFERS
         if real:
             req_idx = torch.tensor([r.req_idx for r in reqs], dtype=torch.int64)
-            kv_len = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
             st[:real, STAGE_REQ_IDX].view(n, k1).copy_(req_idx[:, None].expand(n, k1))
-            # the row of position kv_len + j caches kv_len + j + 1 tokens after the forward
-            st[:real, STAGE_SEQ_LEN].view(n, k1).copy_(kv_len[:, None] + self._mtp_offsets_host[None, :] + 1)
+            st[:real, STAGE_SEQ_LEN] = seq
             st[:real, STAGE_SLOT] = slots
         st[real:, STAGE_REQ_IDX] = self.req_manager.HOLD_REQUEST_ID
         st[real:, STAGE_SEQ_LEN] = 1
         st[real:, STAGE_SLOT] = self.mem_manager.HOLD_SLOT
-        seq_cpu = st[:, STAGE_SEQ_LEN].to(torch.int32)
+        seq_cpu = st[:, STAGE_SEQ_LEN].to(torch.int32)  # a copy: the buffer is staged again later
         staged = self._staged[:num_rows]
         staged.copy_(st, non_blocking=True)
         self.b_req_idx[:num_rows].copy_(staged[:, STAGE_REQ_IDX])
         self.b_seq_len[:num_rows].copy_(staged[:, STAGE_SEQ_LEN])
         self.mem_indexes[:num_rows].copy_(staged[:, STAGE_SLOT])
+        return seq_cpu, slots
+
+    def _rows(self, reqs, num_rows: int, seq_cpu: torch.Tensor, slots: torch.Tensor,
+              graph_size: Optional[int]) -> DecodeRows:
         return DecodeRows(
             reqs=reqs,
             mtp_step=self.mtp_step,
@@ -251,9 +332,33 @@ class DecodeStep:
             b_seq_len_cpu=seq_cpu,
             mem_indexes=self.mem_indexes[:num_rows],
             mem_indexes_cpu=slots,
-            b_req_mtp_start_loc=self.b_req_mtp_start_loc[:n],
+            b_req_mtp_start_loc=self.b_req_mtp_start_loc[:len(reqs)],
             graph_size=graph_size,
         )
+
+    def snapshot(self, rows: DecodeRows) -> None:
+        """Save what a step of ``rows`` changes per request (pending tokens and drafts, the ASD
+        ledger, draft confidences), so that ``restore`` can undo it. Device-only."""
+        n, req = len(rows.reqs), self._req_rows(rows)
+        self._snap_next[:n] = self.req_to_next_token_ids[req]
+        if self.params_manager.req_to_asd_cum_regret is not None:
+            self._snap_regret[:n] = self.params_manager.req_to_asd_cum_regret[req]
+        if self.conf_width:
+            self._snap_conf[:n] = self.req_to_draft_conf[req]
+
+    def restore(self, rows: DecodeRows) -> None:
+        """Undo a step of ``rows`` (run after ``snapshot``): its KV slots are the caller's to free."""
+        n, req = len(rows.reqs), self._req_rows(rows)
+        self.req_to_next_token_ids[req] = self._snap_next[:n]
+        if self.params_manager.req_to_asd_cum_regret is not None:
+            self.params_manager.req_to_asd_cum_regret[req] = self._snap_regret[:n]
+        if self.conf_width:
+            self.req_to_draft_conf[req] = self._snap_conf[:n]
+
+    @staticmethod
+    def _req_rows(rows: DecodeRows) -> torch.Tensor:
+        """[num_reqs] int64: each request's table row (its first decode row's)."""
+        return rows.b_req_idx[:rows.num_real_rows:rows.rows_per_req].long()
 
     def model_input(self, rows: DecodeRows) -> ModelInput:
         """Device-only: point each row's position at its slot, gather its input token."""
@@ -323,6 +428,18 @@ class DecodeStep:
         self, rows: DecodeRows, out: ModelOutput, sampler: Sampler, seed_of: SeedFn
     ) -> HostStepResult:
         """sample -> verify -> pack + async host copy -> draft -> scatter -> wait for the copy."""
+        return self.wait(self.launch_finish(rows, out, sampler, seed_of))
+
+    def wait(self, pending: PendingResult) -> HostStepResult:
+        """Wait for a launched step's packed result and unpack it."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        return HostStepResult.unpack(pending.host, pending.num_rows, pending.num_reqs, pending.asd, self.conf_width)
+
+    def launch_finish(
+        self, rows: DecodeRows, out: ModelOutput, sampler: Sampler, seed_of: SeedFn
+    ) -> PendingResult:
+        """sample -> verify -> pack + async host copy -> draft -> scatter, all queued; no host wait."""
         k1 = rows.rows_per_req
         real = rows.num_real_rows
         n = len(rows.reqs)
@@ -352,10 +469,12 @@ class DecodeStep:
         spent = self.params_manager.req_to_asd_cum_regret[req_rows] if with_asd else None
         conf = self.req_to_draft_conf[req_rows] if self.conf_width else None  # drafts verified now
         packed = HostStepResult.pack(next_ids, logprobs, accept_len, relaxed if with_asd else None, spent, conf)
-        host = self._packed_host[:packed.shape[0]]
+        turn = self._packed_turn
+        self._packed_turn = (turn + 1) % HOST_BUFFERS
+        host, done = self._packed_hosts[turn][:packed.shape[0]], self._copies_done[turn]
         host.copy_(packed, non_blocking=True)
-        if self._copy_done is not None:
-            self._copy_done.record()
+        if done is not None:
+            done.record()
         # The GPU drafts while the host waits for the copy and commits.
         if self.mtp_step > 0:
             self.first_tokens[:real].copy_(next_ids)
@@ -370,9 +489,7 @@ class DecodeStep:
             scatter(self.req_to_next_token_ids, rows.b_req_mtp_start_loc, all_next[:real], b_req_idx, accept_len)
         else:
             self.req_to_next_token_ids[b_req_idx.long(), 0] = next_ids
-        if self._copy_done is not None:
-            self._copy_done.synchronize()
-        return HostStepResult.unpack(host, real, n, with_asd, self.conf_width)
+        return PendingResult(host, done, real, n, with_asd, accept_len)
 
     def _verify_record(self, rows, target_ids, next_ids, logits, accept_len) -> VerifyStepRecord:
         k, real = rows.mtp_step, rows.num_real_rows

@@ -92,6 +92,30 @@ def test_commit_stops_at_length_and_stop_ids():
     assert (short.finish_reason, stopped.finish_reason) == (FinishReason.LENGTH, FinishReason.STOP)
 
 
+
+def test_commit_drops_a_request_that_finished_before_the_step():
+    """An overlapped step still has rows of a request that finished (or was aborted) in the step
+    committed before it: that request keeps nothing, gets None, and all its rows' slots are
+    freed; the requests around it commit as usual (K = 2: three rows per request)."""
+    a, c = _req(), _req(stop=[[31]])
+    done = _req()
+    done.output_ids, done.output_logprobs, done.kv_len, done.slots = [7], [-0.5], 4, [50, 51, 52, 53]
+    done.finish_reason, done.decode_steps, done.asd_regret_spent = FinishReason.EOS, 1, 1.0
+    host = HostStepResult(ids=[10, 11, 12, 20, 21, 22, 30, 31, 32], logprobs=[-1.0] * 3 + [-2.0] * 3 + [-3.0] * 3,
+                          accept_len=[2, 3, 3], relaxed=[False] * 9, spent=[0.5, 9.0, 0.25])
+    slots = [100, 101, 102, 200, 201, 202, 300, 301, 302]
+    commits, free = commit_step([a, done, c], host, slots, rows_per_req=3)
+    assert commits[1] is None
+    assert [commits[0].tokens, commits[2].tokens] == [[10, 11], [30, 31]]
+    assert free == [102, 200, 201, 202, 302]  # every row of the finished request
+    # the finished request is left as it was
+    assert (done.output_ids, done.kv_len, done.slots) == ([7], 4, [50, 51, 52, 53])
+    assert (done.finish_reason, done.decode_steps, done.asd_regret_spent) == (FinishReason.EOS, 1, 1.0)
+    assert done.mtp_accepted_token_num == 0
+    # the others: as without it
+    assert (a.slots, a.kv_len, a.mtp_accepted_token_num, a.asd_regret_spent) == ([100, 101], 5, 1, 0.5)
+    assert (c.slots, c.kv_len, c.mtp_accepted_token_num, c.finish_reason) == ([300, 301], 5, 2, FinishReason.STOP)
+
 @pytest.fixture(scope="module")
 def config_only_dir(tmp_path_factory):
     """A model dir with config.json only (no weights)."""

@@ -19,7 +19,9 @@ from lightllm.common.req_manager import ReqSamplingParamsManager
 from lightllm.models.registry import load_model
 from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.core.objs.start_args_type import StartArgs
-from lightllm.server.router.model_infer.decode_step import PAD_TOKEN_ID, DecodeRows, DecodeStep, commit_step
+from lightllm.server.router.model_infer.decode_step import (
+    PAD_TOKEN_ID, DecodeRows, DecodeStep, HostStepResult, PendingResult, commit_step,
+)
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, sample, token_logprobs
 from lightllm.server.router.model_infer.prefill_rows import PrefillItem, PrefillRows
@@ -57,6 +59,9 @@ class ReqStepUpdate:
         target.asd_regret_spent = self.asd_regret_spent
 
 
+# Decode steps a request's KV table must hold room for past its committed tokens: the step
+# being committed and one overlapped step launched before it (docs/decode_step.md).
+OVERLAP_STEPS_AHEAD = 2
 CPU_DEFAULT_KV_TOKENS = 16384  # CPU default KV pool when --max_total_token_num is unset
 GPU_KV_MEMORY_FRACTION = 0.5  # share of free GPU memory the default KV pool may take
 
@@ -102,7 +107,9 @@ class ModeBackend:
                                             draft_kv_layers)
             ),
             max_req_num=args.running_max_req_size,
-            max_seq_length=args.max_req_total_len + self.mtp_step + 1 + extra_positions,
+            # one decode step past the longest request, and one more for a step launched before the
+            # previous one's tokens are known (overlap)
+            max_seq_length=args.max_req_total_len + OVERLAP_STEPS_AHEAD * (self.mtp_step + 1) + extra_positions,
             data_type=dtype,
             device=device,
             load_format=args.load_format,
@@ -144,6 +151,7 @@ class ModeBackend:
             self.model, self.req_to_next_token_ids, self.params_manager, self.draft, self.mtp_step,
             self.asd_config, max_reqs=max_step_reqs, ladder=ladder, use_graphs=use_graphs,
         )
+        self.last_decode_steps = 1  # decode steps the last run_step launched (the router's step clock)
         self.prefill_rows = None  # short prefills as graph rows (prefill_rows.py)
         if ladder is not None and graph_capable(args, self.parallel) and args.graph_max_prefill_tokens:
             rows_draft = self.draft if self.draft is not None and self.draft.drafts_prefill_rows else None
@@ -334,13 +342,28 @@ class ModeBackend:
 
     def verify_draft_commit(self, rows: DecodeRows, out: ModelOutput) -> List[ReqStepUpdate]:
         """The one decode flow: sample -> verify -> draft -> scatter (device), then the host commit."""
-        host = self.decode_step.finish(rows, out, self.sample_rows, self._seed)
+        return self.commit_decode(rows, self.decode_step.wait(self.launch_verify_draft(rows, out)))
+
+    def launch_verify_draft(self, rows: DecodeRows, out: ModelOutput) -> PendingResult:
+        """The device half of ``verify_draft_commit``, queued without a host wait."""
+        return self.decode_step.launch_finish(rows, out, self.sample_rows, self._seed)
+
+    def commit_decode(self, rows: DecodeRows, host: HostStepResult) -> List[ReqStepUpdate]:
+        """The host half: commit each request's tokens, free the slots nobody kept, build the
+        updates (none for a request that had finished before an overlapped step ran)."""
         commits, free_slots = commit_step(rows.reqs, host, rows.mem_indexes_cpu.tolist(), rows.rows_per_req)
         if free_slots:
             self.mem_manager.free(free_slots)
-        self._update_penalties(rows.reqs, [c.tokens for c in commits])
-        return [self._update(req, c.tokens, c.logprobs, len(c.tokens), c.draft_confidence)
-                for req, c in zip(rows.reqs, commits)]
+        kept = [(req, c) for req, c in zip(rows.reqs, commits) if c is not None]
+        self._update_penalties([req for req, _ in kept], [c.tokens for _, c in kept])
+        return [self._update(req, c.tokens, c.logprobs, len(c.tokens), c.draft_confidence) for req, c in kept]
+
+    def flush_decode(self) -> List[ReqStepUpdate]:
+        """Commit a decode step still in flight (overlap); the base backend never leaves one."""
+        return []
+
+    def drop_inflight(self) -> None:
+        """Forget a step still in flight without committing it (the pools are reset after a failure)."""
 
 
 def draft_cache_needs(args: StartArgs) -> Tuple[Optional[int], int]:

@@ -1,8 +1,27 @@
-"""Chunked-prefill backend: each step either prefills prompt chunks or decodes every running request."""
-from typing import List, Tuple
+"""Chunked-prefill backend: each step either prefills prompt chunks or decodes every running request.
 
+Overlap (one rank, unless ``--disable_overlap_schedule``): a decode step is left in flight,
+and the next call launches the next step of the same requests before it reads and commits
+the one in flight, so the host's commit, stop checks and the router's work run while the GPU
+decodes. Outputs stay those of the plain schedule: a step is only launched ahead for requests
+whose next step does not depend on the host (no seeds, no penalties), and when a request
+finishes, the step already launched for it is undone and run again without it unless the
+batch keeps its padded shape (docs/decode_step.md, "What overlaps").
+"""
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from lightllm.server.router.model_infer.decode_step import DecodeRows, PendingResult
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.base_backend import ModeBackend, ReqStepUpdate
+
+
+@dataclass
+class InFlightStep:
+    """A launched decode step whose result the host has not read yet."""
+
+    rows: DecodeRows
+    pending: PendingResult
 
 
 class ChunkedPrefillBackend(ModeBackend):
@@ -11,18 +30,88 @@ class ChunkedPrefillBackend(ModeBackend):
         self.batch_max_tokens = args.batch_max_tokens
         self.last_step_prefilled = False  # what run_step did last: prefill chunks or a decode step
         self.last_decode_reqs = 0  # requests the last decode step decoded (the router's step clock)
+        self.last_decode_steps = 1  # decode steps the last call launched (0: it only committed one)
+        self.overlap_schedule = not args.disable_overlap_schedule and self.parallel.world_size == 1
+        self._inflight: Optional[InFlightStep] = None
+        self.steps_ahead = 0  # decode steps launched before the previous one was committed
+        self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
 
-    def run_step(self, running: List[InferReq]) -> List[ReqStepUpdate]:
+    def run_step(self, running: List[InferReq], may_admit: bool = False) -> List[ReqStepUpdate]:
         """One engine step. Prefill and decode alternate while both have work,
-        so a stream of long prompts never starves running decodes."""
+        so a stream of long prompts never starves running decodes. ``may_admit``: requests are
+        waiting (a finish may let one in, which the plain schedule prefills next)."""
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
+        self.last_decode_steps = 1
+        if self._inflight is not None:
+            self.last_step_prefilled = False
+            return self._advance(decoding, bool(prefilling), may_admit)
         if prefilling and (not decoding or not self.last_step_prefilled):
             self.last_step_prefilled = True
             return self.prefill_chunks(prefilling)
         self.last_step_prefilled = False
         self.last_decode_reqs = len(decoding)
-        return self.decode(decoding) if decoding else []
+        if not decoding:
+            return []
+        if not self._may_run_ahead(decoding):
+            return self.decode(decoding)
+        rows = self.prepare_decode_rows(decoding)
+        self._inflight = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
+        return []
+
+    def _advance(self, decoding: List[InferReq], prefilling: bool, may_admit: bool) -> List[ReqStepUpdate]:
+        """With a step in flight: launch the next step of the same requests and commit the one in
+        flight, or (anything else to do first) only commit it."""
+        cur = self._inflight
+        same = not prefilling and len(decoding) == len(cur.rows.reqs) and all(
+            a is b for a, b in zip(decoding, cur.rows.reqs))
+        k1 = self.mtp_step + 1
+        # the requests the committed step decodes (a kept step's finished rows are padding)
+        self.last_decode_reqs = sum(r.finish_reason is None for r in cur.rows.reqs)
+        if not (same and self._may_run_ahead(decoding)
+                and self.mem_manager.can_use_mem_size >= len(decoding) * k1):
+            self._inflight = None
+            self.last_decode_steps = 0
+            return self.commit_decode(cur.rows, self.decode_step.wait(cur.pending))
+        self.decode_step.snapshot(cur.rows)  # after cur's writes, before the next step's
+        rows = self.decode_step.prepare_successor(cur.rows, cur.pending)
+        nxt = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
+        self.steps_ahead += 1
+        updates = self.commit_decode(cur.rows, self.decode_step.wait(cur.pending))
+        self._inflight = nxt
+        finished = sum(r.finish_reason is not None for r in rows.reqs)
+        if finished and (may_admit or finished == len(rows.reqs) or
+                         self.decode_step.padded_rows(len(rows.reqs) - finished) != rows.num_rows):
+            self._undo(nxt)  # the plain schedule's next step differs: a new prefill or another shape
+            self.last_decode_steps = 0  # this call only committed a step; the re-run is counted
+        return updates
+
+    def _undo(self, step: InFlightStep) -> None:
+        """Take back a launched step: the batch it ran is not the one the plain schedule runs."""
+        self.decode_step.wait(step.pending)  # its host buffers and inputs are reused later
+        self.decode_step.restore(step.rows)
+        self.mem_manager.free(step.rows.mem_indexes_cpu.tolist())
+        self._inflight = None
+        self.discarded_steps += 1
+
+    def _may_run_ahead(self, reqs: List[InferReq]) -> bool:
+        """Whether the next step of ``reqs`` may be launched before the current one is committed:
+        its inputs must not depend on the host's commit (per-position seeds, penalty counts, a
+        verify observer), and no request may reach max_new_tokens in the current step (that
+        finish is known in advance: no step is launched for nothing)."""
+        k1 = self.mtp_step + 1
+        return self.overlap_schedule and self.verify_observer is None and all(
+            r.params.seed is None and not r.has_penalty and len(r.output_ids) + k1 < r.params.max_new_tokens
+            for r in reqs)
+
+    def flush_decode(self) -> List[ReqStepUpdate]:
+        if self._inflight is None:
+            return []
+        cur, self._inflight = self._inflight, None
+        return self.commit_decode(cur.rows, self.decode_step.wait(cur.pending))
+
+    def drop_inflight(self) -> None:
+        self._inflight = None
 
     def prefill_chunks(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:
         return self.prefill(*self.chunk_plan(reqs))

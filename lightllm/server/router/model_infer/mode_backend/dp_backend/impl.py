@@ -35,6 +35,7 @@ class DPBackend(ChunkedPrefillBackend):
         self.dp_rank = self.parallel.dp_rank
         self.dp_size = self.parallel.dp_size
         self.overlap = args.enable_decode_microbatch_overlap
+        self.overlap_schedule = False  # its decode lays rows out per DP group / micro-batch, step by step
 
     def _by_group(self, reqs: Sequence[InferReq]) -> List[List[InferReq]]:
         groups: List[List[InferReq]] = [[] for _ in range(self.dp_size)]

@@ -1,0 +1,545 @@
+"""The overlap schedule (chunked-prefill backend, one rank) on CPU: the next decode step is
+launched before the one in flight is committed, and outputs stay those of
+--disable_overlap_schedule.
+
+Each comparison runs two engines on the same tiny model and arguments, with and without the
+overlap schedule, and compares every router step's updates in order (tokens, log-probs, accept
+lengths, MTP / ASD totals): equal lists mean equal outputs and the same schedule of steps. The
+workloads end requests at points the engine cannot predict (stop sequences, EOS) while others
+decode and waiting requests join, so steps launched ahead are kept (the finished rows dropped
+at commit) or undone.
+
+On CPU there is no padding ladder and every such finish undoes the step ahead; setting
+``decode_step.ladder`` pads like CUDA and exercises the keep path (the finished request's rows
+run in the step and are dropped at commit).
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import pytest
+
+from lightllm.common.basemodel.cuda_graph import GraphLadder
+from lightllm.server.core.objs.sampling_params import SamplingParams
+from lightllm.server.router.manager import AddReq, BatchClock, StepTiming
+from lightllm.server.router.model_infer.infer_batch import FinishReason
+from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
+from unit_tests.server.router.engine_util import changed_hold_rows, hold_rows, make_engine
+
+K = 2
+ASD_BUDGET = 3.0  # relaxes tokens with the eagle draft below
+COMMON = dict(max_req_total_len=64, running_max_req_size=4, batch_max_tokens=64, max_total_token_num=500)
+MAX_IDLE_STEPS = 100  # router steps without an update before a run is declared stuck
+STOP_NGRAM = 2  # tokens of each stop sequence
+UNPREDICTABLE = (FinishReason.STOP, FinishReason.EOS)  # finishes the engine learns at commit
+
+# Parity workload: more requests than running_max_req_size, ended by a stop sequence, an EOS
+# token (both taken from a reference run's output) or max_new_tokens.
+MAX_NEW = (14, 6, 20, 11, 17, 9, 15)
+ENDS = ("stop", "length", "eos", "stop", "eos", "length", "stop")
+PROMPT_LENS = range(3, 24)
+PARITY_SEED = 5
+
+# Keep path: CUDA's ladder cut at 8 requests, eight requests that all fit at once.
+KEEP_LADDER = GraphLadder.from_flags(8, 8, 8)  # 1, 2, 4, 8
+KEEP_ARGS = dict(max_req_total_len=64, running_max_req_size=8, batch_max_tokens=200, max_total_token_num=800)
+KEEP_MAX_NEW = 28
+KEEP_FIRST_STEP = 2  # steps (router steps with updates; 0: the prefill) before the first finish
+KEEP_STEP_GAP = 2  # at least this many steps between two finishes
+# Request 0 has the longest sequence throughout (CPU attention reads the batch's longest KV
+# length; a finished request's row must not change it); the others end by stop sequences.
+KEEP_PROMPT_LENS = (34, 10, 9, 8, 7, 6, 5, 4)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("overlap")
+    out = {}
+    for kind, seed in (("llama", 2), ("qwen3", 3)):
+        m = tiny_model(kind, seed=seed, root=root / kind)
+        out[kind] = dict(target=m.model_dir, vocab=m.vocab_size, eagle=m.draft("eagle", True, 1, seed=4))
+    return out
+
+
+def _mode_args(m: dict, mode: str) -> dict:
+    if mode == "plain":
+        return {}
+    mtp = dict(mtp_mode="eagle_with_att", mtp_step=K, mtp_draft_model_dir=[m["eagle"]])
+    if mode == "mtp":
+        return mtp
+    return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": ASD_BUDGET}[mode])
+
+
+# ---- driving a router ----
+
+
+@dataclass
+class Spec:
+    """One request of a workload."""
+
+    prompt: List[int]
+    params: dict  # SamplingParams fields
+    eos: List[int] = field(default_factory=list)
+
+
+class Upd(NamedTuple):
+    """What a test compares of one ReqStepUpdate."""
+
+    req_id: int
+    token_ids: Tuple[int, ...]
+    logprobs: Tuple[float, ...]
+    finish_reason: Optional[str]
+    accept_len: int
+    mtp_accepted: int
+    asd_relaxed: int
+    asd_spent: float
+
+
+@dataclass
+class Run:
+    groups: List[List[Upd]]  # the updates of every router step that returned some, in order
+    backend: object
+    freed: bool  # every KV slot and req_idx row back
+    changed_hold: List[str]  # tables whose HOLD row changed
+
+    def updates(self) -> List[Upd]:
+        return [u for g in self.groups for u in g]
+
+    def tokens(self) -> Dict[int, List[int]]:
+        out: Dict[int, List[int]] = {}
+        for u in self.updates():
+            out.setdefault(u.req_id, []).extend(u.token_ids)
+        return out
+
+    def logprobs(self) -> Dict[int, List[float]]:
+        out: Dict[int, List[float]] = {}
+        for u in self.updates():
+            out.setdefault(u.req_id, []).extend(u.logprobs)
+        return out
+
+    def last(self) -> Dict[int, Upd]:
+        """Each request's last update (its finish reason and totals)."""
+        return {u.req_id: u for u in self.updates()}
+
+    def finish_group(self) -> Dict[int, int]:
+        """Index in ``groups`` of the step each request finished in."""
+        return {u.req_id: i for i, g in enumerate(self.groups) for u in g if u.finish_reason is not None}
+
+    def token_groups(self) -> Dict[int, List[int]]:
+        """For each request, the index in ``groups`` of the step that committed each token."""
+        out: Dict[int, List[int]] = {}
+        for i, g in enumerate(self.groups):
+            for u in g:
+                out.setdefault(u.req_id, []).extend([i] * len(u.token_ids))
+        return out
+
+
+def _engine(model_dir: str, overlap: bool, ladder: Optional[GraphLadder] = None, **kw):
+    eng = make_engine(model_dir, disable_overlap_schedule=not overlap, **kw)
+    if ladder is not None:
+        eng.backend.decode_step.ladder = ladder  # CPU pads decode batches like CUDA
+    return eng
+
+
+def _add(router, specs: List[Spec], first_id: int = 0) -> None:
+    server_budget = router.backend.args.mtp_asd_regret_budget
+    for i, s in enumerate(specs):
+        sp = SamplingParams(**s.params)
+        router.add_req(AddReq(first_id + i, list(s.prompt), sp, list(s.eos), sp.asd_budget(server_budget)))
+
+
+def _upd(u) -> Upd:
+    return Upd(u.req_id, tuple(u.token_ids), tuple(u.logprobs), u.finish_reason, u.accept_len,
+               u.mtp_accepted_token_num, u.asd_relaxed_token_num, u.asd_regret_spent)
+
+
+def _drive(router, groups: List[List[Upd]], after_step: Optional[Callable] = None) -> None:
+    """Step ``router`` until it has no work, appending each step's updates to ``groups``."""
+    idle = 0
+    while router.has_work:
+        ups = router.step()
+        if after_step is not None:
+            after_step(router, ups)
+        idle = 0 if ups else idle + 1
+        assert idle < MAX_IDLE_STEPS, "the engine made no progress"
+        if ups:
+            groups.append([_upd(u) for u in ups])
+
+
+def _finished_run(eng, groups: List[List[Upd]], before) -> Run:
+    backend = eng.backend
+    mem, reqm = backend.mem_manager, backend.req_manager
+    freed = mem.can_use_mem_size == mem.size and reqm.can_alloc_num == reqm.max_request_num
+    return Run(groups, backend, freed, changed_hold_rows(backend, before))
+
+
+def _run(eng, specs: List[Spec], after_step: Optional[Callable] = None) -> Run:
+    before = hold_rows(eng.backend)
+    _add(eng.router, specs)
+    groups: List[List[Upd]] = []
+    _drive(eng.router, groups, after_step)
+    return _finished_run(eng, groups, before)
+
+
+def _both(model_dir: str, specs: List[Spec], ladder: Optional[GraphLadder] = None,
+          after_step: Optional[Callable] = None, **kw) -> Tuple[Run, Run]:
+    """(plain schedule, overlap schedule) runs of ``specs``; ``after_step`` watches the overlap run."""
+    plain = _run(_engine(model_dir, False, ladder, **kw), specs)
+    return plain, _run(_engine(model_dir, True, ladder, **kw), specs, after_step)
+
+
+def _assert_pools_whole(*runs: Run) -> None:
+    for run in runs:
+        assert run.freed  # every KV slot (an undone step's included) and req_idx row back
+        assert run.changed_hold == []
+
+
+# ---- workloads ----
+
+
+def _first_new_ngram_end(tokens: List[int], lo: int, hi: int, n: int) -> int:
+    """The first index in [lo, hi) where the n-gram ending there occurs for the first time."""
+    for i in range(max(lo, n - 1), hi):
+        gram = tokens[i - n + 1:i + 1]
+        if all(tokens[j - n + 1:j + 1] != gram for j in range(n - 1, i)):
+            return i
+    raise AssertionError(f"no new {n}-gram in [{lo}, {hi}) of {tokens}: choose another workload")
+
+
+def _greedy_specs(prompts: List[List[int]], max_new) -> List[Spec]:
+    return [Spec(p, dict(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, max_new)]
+
+
+def _parity_specs(model_dir: str, vocab: int, seed: int, **kw) -> List[Spec]:
+    """The parity workload, its stop sequences and EOS tokens taken from a plain run's output."""
+    prompts = random_prompts(vocab, len(MAX_NEW), PROMPT_LENS, seed)
+    ref = _run(_engine(model_dir, False, **kw), _greedy_specs(prompts, MAX_NEW)).tokens()
+    specs = []
+    for i, (p, n, end) in enumerate(zip(prompts, MAX_NEW, ENDS)):
+        params = dict(max_new_tokens=n, ignore_eos=end != "eos")
+        lo = max(2, n // 3)  # after a few decode steps, before max_new_tokens
+        eos = []
+        if end == "stop":
+            at = _first_new_ngram_end(ref[i], lo, n - 1, STOP_NGRAM)
+            params["stop_token_ids"] = [ref[i][at - STOP_NGRAM + 1:at + 1]]
+        elif end == "eos":
+            eos = [ref[i][_first_new_ngram_end(ref[i], lo, n - 1, 1)]]
+        specs.append(Spec(p, params, eos))
+    return specs
+
+
+def _keep_specs(model_dir: str, vocab: int, seed: int, order: Optional[List[int]] = None, **kw) -> List[Spec]:
+    """Eight requests; all but request 0 end by a stop sequence, KEEP_STEP_GAP steps apart,
+    in ``order`` (request ids, first to finish first; default: from the last request to
+    request 1, so that the finished rows always sit where the plain schedule's padding does)."""
+    prompts = [random_prompts(vocab, 1, range(n, n + 1), seed + i)[0] for i, n in enumerate(KEEP_PROMPT_LENS)]
+    ref = _run(_engine(model_dir, False, KEEP_LADDER, **kw), _greedy_specs(prompts, [KEEP_MAX_NEW] * len(prompts)))
+    tokens, steps = ref.tokens(), ref.token_groups()
+    order = order if order is not None else list(range(len(prompts) - 1, 0, -1))
+    stops, prev_step = {}, KEEP_FIRST_STEP - KEEP_STEP_GAP
+    for i in order:  # each finishes KEEP_STEP_GAP steps or more after the one before it
+        lo = next(j for j, s in enumerate(steps[i]) if s >= prev_step + KEEP_STEP_GAP)
+        at = _first_new_ngram_end(tokens[i], lo, KEEP_MAX_NEW - 1, STOP_NGRAM)
+        stops[i], prev_step = tokens[i][at - STOP_NGRAM + 1:at + 1], steps[i][at]
+    specs = _greedy_specs(prompts, [KEEP_MAX_NEW] * len(prompts))
+    for i, stop in stops.items():
+        specs[i].params["stop_token_ids"] = [stop]
+    return specs
+
+
+class FinishWatch:
+    """Counts, in an overlap run, the finishes the engine learnt with a step already launched
+    ahead (it launched one in the same call), and how many of those steps it kept."""
+
+    def __init__(self):
+        self.ahead = self.discarded = 0
+        self.seen = self.kept = 0
+
+    def __call__(self, router, ups) -> None:
+        b = router.backend
+        if any(u.finish_reason in UNPREDICTABLE for u in ups) and b.steps_ahead > self.ahead:
+            self.seen += 1
+            self.kept += b.discarded_steps == self.discarded
+        self.ahead, self.discarded = b.steps_ahead, b.discarded_steps
+
+
+# ---- 1. outputs equal the plain schedule ----
+
+PARITY_CASES = [("llama", "plain"), ("llama", "mtp"), ("llama", "asd0"), ("llama", "asd"),
+                ("qwen3", "plain"), ("qwen3", "mtp")]
+
+
+@pytest.mark.parametrize("kind,mode", PARITY_CASES)
+def test_overlap_gives_the_plain_schedules_outputs(models, kind, mode):
+    """Stop sequences and EOS mid-run, waiting requests joining: the same updates, step by
+    step (tokens, log-probs, accept lengths, ASD ledger) as --disable_overlap_schedule; steps
+    really ran ahead, and (no ladder on CPU) the ones a finish invalidated were undone."""
+    m = models[kind]
+    kw = dict(COMMON, **_mode_args(m, mode))
+    specs = _parity_specs(m["target"], m["vocab"], PARITY_SEED, **kw)
+    watch = FinishWatch()
+    plain, overlap = _both(m["target"], specs, after_step=watch, **kw)
+    assert overlap.groups == plain.groups
+    assert set(u.finish_reason for u in plain.last().values()) == {"stop", "eos", "length"}
+    assert plain.backend.steps_ahead == 0
+    b = overlap.backend
+    assert b.steps_ahead > 0 and b.discarded_steps > 0
+    assert watch.seen > 0 and watch.kept == 0  # no ladder: every invalidated step is undone
+    _assert_pools_whole(plain, overlap)
+    relaxed = sum(u.asd_relaxed for u in overlap.last().values())
+    assert (relaxed > 0) == (mode == "asd")
+
+
+HOST_DEPENDENT = (  # requests whose next step needs the host's commit: they never run ahead
+    dict(max_new_tokens=6, ignore_eos=True, repetition_penalty=1.3),
+    dict(max_new_tokens=5, ignore_eos=True, do_sample=True, temperature=1.0, top_k=40, seed=11),
+)
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp"])
+def test_penalty_and_seeded_requests_never_run_ahead(models, mode):
+    """A repetition penalty and a seeded sampled request next to greedy ones: the same updates
+    as the plain schedule; no step with them in it is ever left in flight, and steps run ahead
+    again once they are gone."""
+    m = models["llama"]
+    kw = dict(COMMON, **_mode_args(m, mode))
+    greedy = _parity_specs(m["target"], m["vocab"], seed=9, **kw)[:4]
+    extra = random_prompts(m["vocab"], len(HOST_DEPENDENT), PROMPT_LENS, seed=8)
+    specs = [Spec(p, dict(params)) for p, params in zip(extra, HOST_DEPENDENT)] + greedy
+    decoded_with_greedy = []
+
+    def check(router, ups) -> None:
+        inflight = router.backend._inflight
+        if inflight is not None:
+            assert all(r.params.seed is None and not r.has_penalty for r in inflight.rows.reqs)
+        decoded_with_greedy.append(any(r.has_penalty for r in router.running) and len(router.running) > 1)
+
+    plain, overlap = _both(m["target"], specs, after_step=check, **kw)
+    assert overlap.groups == plain.groups
+    assert any(decoded_with_greedy)
+    lens = [len(plain.tokens()[i]) for i in range(len(HOST_DEPENDENT))]
+    assert lens == [p["max_new_tokens"] for p in HOST_DEPENDENT]
+    assert overlap.backend.steps_ahead > 0
+    _assert_pools_whole(plain, overlap)
+
+
+# ---- 2. the keep path (a padding ladder on CPU) ----
+
+
+def _padded_size_kept(ladder: GraphLadder, num_reqs: int) -> int:
+    """Finishes, one at a time from ``num_reqs`` requests down to one, that keep the padded size."""
+    return sum(ladder.bucket_size(n) == ladder.bucket_size(n - 1) for n in range(num_reqs, 1, -1))
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp"])
+def test_finished_rows_in_the_padding_keep_the_step_ahead(models, mode):
+    """With CUDA's padding: a finish that leaves the padded size unchanged keeps the step
+    launched ahead (the finished request's rows take the padding's place and are dropped at
+    commit), one that shrinks it undoes the step; both give the plain schedule's updates."""
+    m = models["llama"]
+    kw = dict(KEEP_ARGS, **_mode_args(m, mode))
+    specs = _keep_specs(m["target"], m["vocab"], seed=30, **kw)
+    watch = FinishWatch()
+    plain, overlap = _both(m["target"], specs, KEEP_LADDER, after_step=watch, **kw)
+    # the workload: requests 7, 6, ..., 1 stop in that order, request 0 runs to its length
+    ends = plain.finish_group()
+    assert [ends[i] for i in range(len(specs))] == sorted(ends.values(), reverse=True)
+    assert len(set(ends.values())) == len(specs)
+    assert plain.last()[0].finish_reason == "length"
+    assert overlap.groups == plain.groups
+    # every stop was learnt with a step ahead; it was kept where the padded size stayed
+    assert watch.seen == len(specs) - 1
+    assert watch.kept == _padded_size_kept(KEEP_LADDER, len(specs)) > 0
+    assert overlap.backend.discarded_steps == watch.seen - watch.kept > 0
+    _assert_pools_whole(plain, overlap)
+
+
+# CPU attention (torch SDPA) rounds a row differently at another batch position: finished
+# rows in the middle of a kept step move the others, so log-probs agree to rounding only there.
+CPU_POSITION_ROUNDING = 1e-5
+
+
+def _without_logprobs(run: Run) -> List[List[Upd]]:
+    return [[u._replace(logprobs=()) for u in g] for g in run.groups]
+
+
+def test_finishes_in_any_order_keep_the_same_tokens(models):
+    """Requests finishing in the middle of the batch (their rows keep their place, the plain
+    schedule compacts): the same steps and tokens; log-probs equal up to CPU rounding."""
+    m = models["llama"]
+    specs = _keep_specs(m["target"], m["vocab"], seed=41, order=[3, 6, 1, 5, 7, 2, 4], **KEEP_ARGS)
+    watch = FinishWatch()
+    plain, overlap = _both(m["target"], specs, KEEP_LADDER, after_step=watch, **KEEP_ARGS)
+    assert _without_logprobs(overlap) == _without_logprobs(plain)
+    lp_plain, lp_overlap = plain.logprobs(), overlap.logprobs()
+    for i in lp_plain:
+        assert lp_overlap[i] == pytest.approx(lp_plain[i], abs=CPU_POSITION_ROUNDING), i
+    assert watch.kept > 0
+    _assert_pools_whole(plain, overlap)
+
+
+def test_a_kept_step_does_not_run_before_a_waiting_requests_prefill(models):
+    """Four requests running, a fifth waiting: the last running request stops (the padded size
+    would not change). The plain schedule then prefills the waiting request and decodes all
+    four; the overlap schedule must do the same, so it undoes the step it launched ahead."""
+    m = models["llama"]
+    ladder = GraphLadder.from_flags(4, 4, 4)  # 1, 2, 4
+    specs = _keep_specs(m["target"], m["vocab"], seed=50, order=[3], **KEEP_ARGS)[:4]
+    waiting = random_prompts(m["vocab"], 1, range(6, 7), seed=51)[0]
+    specs.append(Spec(waiting, dict(max_new_tokens=8, ignore_eos=True)))
+    watch = FinishWatch()
+    plain, overlap = _both(m["target"], specs, ladder, after_step=watch, **COMMON)
+    assert watch.seen == 1 and watch.kept == 0
+    assert overlap.groups == plain.groups
+
+
+# ---- 3. abort through the router ----
+
+ABORT_MAX_NEW = 12
+ABORTED = 1  # the middle one of three requests
+ABORT_AT_TOKENS = 4  # committed tokens of the aborted request when it is aborted
+
+
+def _step_until(router, tokens: Dict[int, List[int]], req_id: int, n: int, groups: List[List[Upd]]) -> None:
+    while len(tokens.get(req_id, [])) < n:
+        ups = router.step()
+        for u in ups:
+            tokens.setdefault(u.req_id, []).extend(u.token_ids)
+        if ups:
+            groups.append([_upd(u) for u in ups])
+
+
+def test_abort_flushes_the_step_in_flight(models):
+    """Abort while a step is in flight: that step is committed for the other requests (their
+    updates first, the abort's last), the aborted request's KV and req_idx go back at once, and
+    the others end as in the plain schedule with the request aborted after that same step."""
+    m = models["llama"]
+    prompts = random_prompts(m["vocab"], 3, range(5, 15), seed=60)
+    specs = _greedy_specs(prompts, [ABORT_MAX_NEW] * len(prompts))
+    survivors = [i for i in range(len(specs)) if i != ABORTED]
+
+    eng = _engine(m["target"], True, **COMMON)
+    router, backend = eng.router, eng.backend
+    before = hold_rows(backend)
+    _add(router, specs)
+    tokens, groups = {}, []
+    _step_until(router, tokens, ABORTED, ABORT_AT_TOKENS, groups)
+    inflight = backend._inflight
+    assert inflight is not None and ABORTED in [r.req_id for r in inflight.rows.reqs]
+    ups = router.abort(ABORTED)
+    assert (ups[-1].req_id, ups[-1].finish_reason, ups[-1].token_ids) == (ABORTED, "abort", [])
+    flushed = ups[:-1]
+    assert sorted(u.req_id for u in flushed) == survivors
+    assert all(len(u.token_ids) == 1 and u.finish_reason is None for u in flushed)
+    mem, reqm = backend.mem_manager, backend.req_manager
+    assert [r.req_id for r in router.running] == survivors
+    assert mem.can_use_mem_size == mem.size - sum(len(r.slots) for r in router.running)  # nothing else held
+    assert reqm.can_alloc_num == reqm.max_request_num - len(survivors)
+    groups.append([_upd(u) for u in ups])
+    _drive(router, groups)
+    overlap = _finished_run(eng, groups, before)
+
+    ref_eng = _engine(m["target"], False, **COMMON)
+    ref_before = hold_rows(ref_eng.backend)
+    _add(ref_eng.router, specs)
+    ref_tokens, ref_groups = {}, []
+    _step_until(ref_eng.router, ref_tokens, ABORTED, ABORT_AT_TOKENS + 1, ref_groups)  # + the flushed step
+    ref_ups = ref_eng.router.abort(ABORTED)
+    assert [u.finish_reason for u in ref_ups] == ["abort"]
+    _drive(ref_eng.router, ref_groups)
+    plain = _finished_run(ref_eng, ref_groups, ref_before)
+
+    for i in survivors:
+        assert overlap.tokens()[i] == plain.tokens()[i] and overlap.logprobs()[i] == plain.logprobs()[i], i
+        assert len(overlap.tokens()[i]) == ABORT_MAX_NEW and overlap.last()[i].finish_reason == "length"
+    assert len(overlap.tokens()[ABORTED]) == ABORT_AT_TOKENS
+    _assert_pools_whole(plain, overlap)
+
+
+FLUSH_FINISH_MAX_NEW = 6  # the other request's last token is in the step the abort flushes
+
+
+def test_a_request_finished_by_an_aborts_flush_gets_one_final_update(models):
+    """Two aborts in one message batch (serve_steps handles them in turn): the first flushes a
+    step in which the second request finishes; that request gets exactly one final update."""
+    m = models["llama"]
+    specs = _greedy_specs(random_prompts(m["vocab"], 2, range(5, 15), seed=61), [20, FLUSH_FINISH_MAX_NEW])
+    router = _engine(m["target"], True, **COMMON).router
+    backend = router.backend
+    _add(router, specs)
+    tokens, groups = {}, []
+    _step_until(router, tokens, 1, FLUSH_FINISH_MAX_NEW - 1, groups)
+    inflight = backend._inflight
+    assert inflight is not None and 1 in [r.req_id for r in inflight.rows.reqs]
+    ups = router.abort(0) + router.abort(1)
+    assert [u.finish_reason for u in ups if u.req_id == 1 and u.finish_reason is not None] == ["length"]
+
+
+# ---- 4. the router's step clock ----
+
+
+class ClockWatch:
+    """Per router step: the step clock's change and whether the call only committed a step."""
+
+    def __init__(self, router):
+        self.prev = self._read(router)
+        self.calls = []  # (commit_only, decode updates, d steps, d decode_steps, d seconds, d decode_seconds)
+
+    @staticmethod
+    def _read(router):
+        t = router.timing
+        return t.steps, t.decode_steps, t.seconds, t.decode_seconds
+
+    def __call__(self, router, ups) -> None:
+        now = self._read(router)
+        delta = tuple(a - b for a, b in zip(now, self.prev))
+        self.prev = now
+        decoded = sum(1 for u in ups if u.accept_len)
+        self.calls.append((router.backend.last_decode_steps == 0, decoded) + delta)
+
+
+def _decode_steps_and_reqs(run: Run) -> Tuple[int, int]:
+    """(committed decode steps, request decode steps) of a run: from its updates."""
+    decode_groups = [g for g in run.groups if any(u.accept_len for u in g)]
+    return len(decode_groups), sum(1 for g in decode_groups for u in g if u.accept_len)
+
+
+@pytest.mark.parametrize("ends", [
+    "length",
+    "stop",
+])
+def test_step_clock_counts_each_committed_decode_step_once(models, ends):
+    """With overlap, StepTiming counts every committed decode step once, as the plain schedule
+    does (the steps of the same workload); a call that only commits a step launched earlier
+    adds time but no step."""
+    m = models["llama"]
+    specs = _parity_specs(m["target"], m["vocab"], seed=70, **COMMON)
+    if ends == "length":
+        specs = [Spec(s.prompt, dict(max_new_tokens=s.params["max_new_tokens"], ignore_eos=True)) for s in specs]
+    timings, watches, runs = [], [], []
+    for overlap in (False, True):
+        eng = _engine(m["target"], overlap, **COMMON)
+        eng.router.take_timing()
+        watch = ClockWatch(eng.router)
+        runs.append(_run(eng, specs, watch))
+        timings.append(eng.router.take_timing())
+        watches.append(watch)
+    (plain_t, overlap_t), (plain, overlap), watch = timings, runs, watches[1]
+    assert overlap.groups == plain.groups
+    steps, req_steps = _decode_steps_and_reqs(overlap)
+    assert plain_t.decode_steps == steps and plain_t.decode_batch_reqs == req_steps
+    assert overlap.backend.steps_ahead > 0
+    assert (overlap_t.decode_steps, overlap_t.decode_batch_reqs) == (steps, req_steps)
+    assert sum(c.steps for c in overlap_t.decode_by_batch.values()) == steps
+    commit_only = [c for c in watch.calls if c[0]]
+    assert any(decoded for _, decoded, *_ in commit_only)  # calls that committed a step, launching none
+    for _, _, d_steps, d_decode, d_seconds, d_decode_seconds in commit_only:
+        assert d_steps == d_decode == 0 and d_seconds > 0 and d_decode_seconds > 0
+
+
+def test_a_commit_only_call_adds_time_but_no_step():
+    t = StepTiming()
+    t.add(0.5, 3, decode=True, decoded_reqs=3)  # launched a step
+    t.add(0.25, 3, decode=True, decoded_reqs=3, steps=0)  # only committed it
+    assert (t.steps, t.decode_steps, t.batch_reqs, t.decode_batch_reqs) == (1, 1, 3, 3)
+    assert (t.seconds, t.decode_seconds) == (0.75, 0.75)
+    assert t.decode_by_batch == {3: BatchClock(0.75, 1, 3)}
