@@ -293,7 +293,7 @@ class DecodeStep:
         seq_cpu, slots = self._stage(prev.reqs, prev.num_rows, bound)
         self.b_seq_len[:real].copy_(seq_dev)
         if self.exact_host_seq_len:
-            seq_cpu = self.b_seq_len[:prev.num_rows].cpu()
+            seq_cpu = self.b_seq_len[:prev.num_rows].to("cpu", copy=True)
         return self._rows(prev.reqs, prev.num_rows, seq_cpu, slots, prev.graph_size)
 
     def _stage(self, reqs: List[InferReq], num_rows: int, seq: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
