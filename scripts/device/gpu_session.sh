@@ -96,7 +96,7 @@ overlap)
     # arms (plain / mtp3 and their *_no_overlap rows)
     out=${1:?OUT}; mkdir -p "$out"
     timeout 200 python -m pytest -q -p no:cacheprovider -m "" unit_tests/server/router/model_infer/test_overlap_schedule_cuda.py \
-        > "$out/tests.log" 2>&1
+        --junitxml "$out/tests.xml" > "$out/tests.log" 2>&1
     tail -3 "$out/tests.log"
     for b in 1 64; do for o in "" --disable_overlap_schedule; do
         python benchmarks/profile_decode_step.py --batch $b --rows 0 --steps 100 $o 2>>"$out/perf.err" | tail -1

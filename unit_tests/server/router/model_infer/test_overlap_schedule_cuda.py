@@ -34,7 +34,7 @@ def _run(mode_args: dict, overlap: bool):
     prompts = embedded_gsm8k_prompts(NUM_REQS)[2]
     eng = OfflineEngine(StartArgs(**mode_args, **ENGINE, disable_overlap_schedule=not overlap),
                         device="cuda", dtype="bfloat16")
-    res = eng.generate(prompts, _params())
+    res = eng.generate(prompts, _params(), eos_token_ids=eng.eos_token_ids())
     b = eng.backend
     stats = dict(ahead=b.steps_ahead, undone=b.discarded_steps, graphs=b.decode_step.graphs is not None,
                  eos=sum(r.finish_reason == "eos" for r in res))
@@ -50,13 +50,14 @@ def outputs():
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_overlap_equals_the_plain_schedule(outputs, mode):
+def test_overlap_equals_the_plain_schedule(outputs, mode, record_property):
     (over, st), (ref, ref_st) = outputs[(mode, True)], outputs[(mode, False)]
+    record_property("overlap_stats", st)  # steps ahead, undone, EOS finishes (in the JUnit XML)
     assert st["graphs"] and ref_st["graphs"]
-    assert ref_st["ahead"] == 0 and st["ahead"] > 0, st
-    assert st["eos"] > 0, st  # finishes the host learns only at commit
     assert [t for t, _ in over] == [t for t, _ in ref]
     assert [lp for _, lp in over] == [lp for _, lp in ref]  # bit-exact, not close
+    assert ref_st["ahead"] == 0 and st["ahead"] > 0, st
+    assert st["eos"] > 0, st  # finishes the host learns only at commit
 
 
 def test_b0_equals_strict_with_overlap(outputs):
