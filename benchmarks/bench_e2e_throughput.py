@@ -273,13 +273,12 @@ MATRIX_MODES["plain_det"] = dict(enable_deterministic_inference=True)
 MATRIX_MODES["mtp3_det"] = dict(MATRIX_MODES["mtp3"], enable_deterministic_inference=True)
 MATRIX_MODES["dspark3"] = dict(MATRIX_MODES["mtp3"], mtp_mode="dspark")
 MATRIX_MODES["dspark_asd_usage"] = dict(MATRIX_MODES["asd_usage"], mtp_mode="dspark")
-# the same engines with each decode step committed before the next is launched (the overlap's baseline)
+# plain decoding with each step committed before the next is launched (the overlap schedule's baseline)
 MATRIX_MODES["plain_no_overlap"] = dict(disable_overlap_schedule=True)
-MATRIX_MODES["mtp3_no_overlap"] = dict(MATRIX_MODES["mtp3"], disable_overlap_schedule=True)
 MATRIX_MODELS = ("embedded", "llama3_8b_dummy")
 MATRIX_BATCHES = {"embedded": {"plain": (1, 64, 256), "mtp3": (1, 64), "asd_usage": (1, 64),
                                "plain_det": (1, 64), "mtp3_det": (1, 64), "dspark3": (1, 64),
-                               "dspark_asd_usage": (1, 64), "plain_no_overlap": (1, 64), "mtp3_no_overlap": (1, 64)},
+                               "dspark_asd_usage": (1, 64), "plain_no_overlap": (1, 64)},
                   "llama3_8b_dummy": {"plain": (1, 64, 256)}}
 # Each cell's engine waves cover at least this many distinct prompts (batch 1: one per wave),
 # so a cell's tokens per step is not one prompt's.

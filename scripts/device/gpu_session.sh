@@ -93,7 +93,7 @@ from lightllm.utils.embedded_model import get_default_model_dir as d; write_dumm
     ;;
 overlap)
     # the overlap schedule: its GPU tests, the step with and without it, then the matrix with both
-    # arms (plain / mtp3 and their *_no_overlap rows)
+    # arms of plain decoding (plain, plain_no_overlap) and the MTP rows
     out=${1:?OUT}; mkdir -p "$out"
     timeout 200 python -m pytest -q -p no:cacheprovider -m "" unit_tests/server/router/model_infer/test_overlap_schedule_cuda.py \
         --junitxml "$out/tests.xml" > "$out/tests.log" 2>&1
@@ -102,7 +102,7 @@ overlap)
         python benchmarks/profile_decode_step.py --batch $b --rows 0 --steps 100 $o 2>>"$out/perf.err" | tail -1
     done; done | tee "$out/steps.txt"
     timeout 230 python benchmarks/bench_e2e_throughput.py --matrix --matrix_models embedded \
-        --matrix_modes plain plain_no_overlap mtp3 mtp3_no_overlap --max_new_tokens 128 \
+        --matrix_modes plain plain_no_overlap mtp3 asd_usage --max_new_tokens 128 \
         --gsm8k .data/test.jsonl --out "$out/bench_vs_hf.json" > "$out/bench.log" 2>>"$out/perf.err"
     tail -12 "$out/bench.log"
     ;;

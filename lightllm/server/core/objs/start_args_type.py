@@ -38,7 +38,7 @@ class StartArgs:
     graph_grow_step_size: int = 16
     disable_cudagraph: bool = False  # eager decode (same padding, the bit-exact reference)
     graph_max_prefill_tokens: int = 512  # CUDA: prefills up to this many tokens run as graph rows (0: never)
-    disable_overlap_schedule: bool = False  # commit each decode step before launching the next one
+    disable_overlap_schedule: bool = False  # plain decoding: commit each step before launching the next
     enable_deterministic_inference: bool = False  # batch-invariant kernels (CUDA): same tokens in any batch
     load_format: str = "auto"  # one of lightllm.common.constants.LOAD_FORMATS
     # Resolved during validation (never set by users)

@@ -135,6 +135,9 @@ class Run:
 
 def _engine(model_dir: str, overlap: bool, ladder: Optional[GraphLadder] = None, **kw):
     eng = make_engine(model_dir, disable_overlap_schedule=not overlap, **kw)
+    # the engine overlaps plain decoding only; the same code runs any K, and with MTP the step
+    # ahead's KV lengths come from real accept lengths: test it there too
+    eng.backend.overlap_schedule = overlap
     if ladder is not None:
         eng.backend.decode_step.ladder = ladder  # CPU pads decode batches like CUDA
     return eng

@@ -1,6 +1,6 @@
 """Chunked-prefill backend: each step either prefills prompt chunks or decodes every running request.
 
-Overlap (one rank, unless ``--disable_overlap_schedule``): a decode step is left in flight,
+Overlap (one rank, decoding without MTP, unless ``--disable_overlap_schedule``): a decode step is left in flight,
 and the next call launches the next step of the same requests before it reads and commits
 the one in flight, so the host's commit, stop checks and the router's work run while the GPU
 decodes. Outputs stay those of the plain schedule: a step is only launched ahead for requests
@@ -31,7 +31,11 @@ class ChunkedPrefillBackend(ModeBackend):
         self.last_step_prefilled = False  # what run_step did last: prefill chunks or a decode step
         self.last_decode_reqs = 0  # requests the last decode step decoded (the router's step clock)
         self.last_decode_steps = 1  # decode steps the last call launched (0: it only committed one)
-        self.overlap_schedule = not args.disable_overlap_schedule and self.parallel.world_size == 1
+        # Plain decoding only: with MTP the host's commit already runs under the draft pass, and a
+        # step launched ahead measured no faster on the H200 (docs/decode_step.md); the code is the
+        # same for any K (the tests run it with MTP too).
+        self.overlap_schedule = (not args.disable_overlap_schedule and self.parallel.world_size == 1
+                                 and self.mtp_step == 0)
         self._inflight: Optional[InFlightStep] = None
         self.steps_ahead = 0  # decode steps launched before the previous one was committed
         self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
