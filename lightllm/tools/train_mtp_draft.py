@@ -349,9 +349,10 @@ def draft_outputs(module: nn.Module, target: nn.Module, head: TargetHead, batch:
         hidden = module.step(depth, hidden, tokens_in, head.embed)
         valid = labels != IGNORE_INDEX
         logits = head.logits(hidden[valid])  # [n, vocab], only where a label exists
-        ce = F.cross_entropy(logits, labels[valid]) if valid.any() else hidden.sum() * 0.0
+        has_labels = bool(valid.any())
+        ce = F.cross_entropy(logits, labels[valid]) if has_labels else hidden.sum() * 0.0
         out.ce_by_depth.append(ce)
-        if soft_weight > 0 and valid.any():
+        if soft_weight > 0 and has_labels:
             soft_ce = -(target_probs(head, h0, valid, depth) * F.log_softmax(logits, dim=-1)).sum(-1).mean()
             ce = (1 - soft_weight) * ce + soft_weight * soft_ce
         out.loss_by_depth.append(ce)

@@ -187,16 +187,17 @@ class RouterManager:
 
     def abort(self, req_id: int) -> List[ReqStepUpdate]:
         req = self.queue.remove(req_id)
-        updates = []
-        if req is None:
+        running = req is None
+        if running:
             req = next((r for r in self.running if r.req_id == req_id), None)
             if req is None:
                 return []
-            req.finish_reason = FinishReason.ABORT
+        req.finish_reason = FinishReason.ABORT
+        updates = []
+        if running:
             # a decode step in flight (overlap): commit it for the others, so this one's KV goes now
             updates = self.backend.flush_decode()
             self._reap_finished()  # this one, and any the flushed step finished
-        req.finish_reason = FinishReason.ABORT
         return updates + [self.backend._update(req, [], [], accept_len=0)]
 
     def _reap_finished(self) -> None:

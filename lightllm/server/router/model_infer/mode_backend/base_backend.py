@@ -151,7 +151,7 @@ class ModeBackend:
             self.model, self.req_to_next_token_ids, self.params_manager, self.draft, self.mtp_step,
             self.asd_config, max_reqs=max_step_reqs, ladder=ladder, use_graphs=use_graphs,
         )
-        self.last_decode_steps = 1  # decode steps the last run_step launched (the router's step clock)
+        self.last_decode_steps = 1  # decode steps the last run_step launched (0: it only committed one)
         self.prefill_rows = None  # short prefills as graph rows (prefill_rows.py)
         if ladder is not None and graph_capable(args, self.parallel) and args.graph_max_prefill_tokens:
             rows_draft = self.draft if self.draft is not None and self.draft.drafts_prefill_rows else None
@@ -342,7 +342,7 @@ class ModeBackend:
 
     def verify_draft_commit(self, rows: DecodeRows, out: ModelOutput) -> List[ReqStepUpdate]:
         """The one decode flow: sample -> verify -> draft -> scatter (device), then the host commit."""
-        return self.commit_decode(rows, self.decode_step.wait(self.launch_verify_draft(rows, out)))
+        return self.commit_decode(rows, self.decode_step.finish(rows, out, self.sample_rows, self._seed))
 
     def launch_verify_draft(self, rows: DecodeRows, out: ModelOutput) -> PendingResult:
         """The device half of ``verify_draft_commit``, queued without a host wait."""

@@ -30,7 +30,6 @@ class ChunkedPrefillBackend(ModeBackend):
         self.batch_max_tokens = args.batch_max_tokens
         self.last_step_prefilled = False  # what run_step did last: prefill chunks or a decode step
         self.last_decode_reqs = 0  # requests the last decode step decoded (the router's step clock)
-        self.last_decode_steps = 1  # decode steps the last call launched (0: it only committed one)
         # Plain decoding only: with MTP the host's commit already runs under the draft pass, and a
         # step launched ahead measured no faster on the H200 (docs/decode_step.md); the code is the
         # same for any K (the tests run it with MTP too).
@@ -74,9 +73,8 @@ class ChunkedPrefillBackend(ModeBackend):
         self.last_decode_reqs = sum(r.finish_reason is None for r in cur.rows.reqs)
         if not (same and self._may_run_ahead(decoding)
                 and self.mem_manager.can_use_mem_size >= len(decoding) * k1):
-            self._inflight = None
             self.last_decode_steps = 0
-            return self.commit_decode(cur.rows, self.decode_step.wait(cur.pending))
+            return self.flush_decode()
         self.decode_step.snapshot(cur.rows)  # after cur's writes, before the next step's
         rows = self.decode_step.prepare_successor(cur.rows, cur.pending)
         nxt = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
