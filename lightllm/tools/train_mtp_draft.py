@@ -672,9 +672,12 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dspark = dspark_train.options_from_args(a, tokenizer, model_dir) if a.mtp_mode == dspark_train.DSPARK else None
-    cfg = TrainConfig(mtp_mode=a.mtp_mode, init=a.init, init_from=a.init_from, unroll=a.unroll, epochs=a.epochs, lr=a.lr,
-                      lr_schedule=a.lr_schedule, batch_size=a.batch_size, seed=a.seed,
-                      max_train_seconds=a.max_train_seconds, soft_label_weight=a.soft_label_weight, dspark=dspark)
+    try:
+        cfg = TrainConfig(mtp_mode=a.mtp_mode, init=a.init, init_from=a.init_from, unroll=a.unroll, epochs=a.epochs,
+                          lr=a.lr, lr_schedule=a.lr_schedule, batch_size=a.batch_size, seed=a.seed,
+                          max_train_seconds=a.max_train_seconds, soft_label_weight=a.soft_label_weight, dspark=dspark)
+    except ValueError as e:  # a bad flag value: a usage error at start-up, not a traceback
+        make_parser().error(str(e))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     if torch.device(device).type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 draft

@@ -587,3 +587,13 @@ def test_portable_path(monkeypatch, tmp_path):
     beside = os.path.join(os.path.dirname(tool.REPO), "shared", "data", "gsm8k", "train.jsonl")
     assert tool.portable_path(beside) == "../shared/data/gsm8k/train.jsonl"
     assert tool.portable_path(str(tmp_path / "elsewhere")) == os.path.join(tool.OUTSIDE_REPO, "elsewhere")
+
+
+def test_a_bad_training_flag_is_a_usage_error_at_start_up(tiny_run, capsys):
+    """TrainConfig's checks reach the command line as argparse errors (exit 2, the message), not tracebacks."""
+    for flag, value, message in (("--soft_label_weight", "2", "soft_label_weight must be in [0, 1], got 2.0"),
+                                 ("--epochs", "0", "epochs must be >= 1, got 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            tool.main(_argv(tiny_run, tiny_run[0] / "bad", flag, value))
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
