@@ -64,6 +64,7 @@ from tqdm import tqdm
 
 from lightllm.models.dspark import train_module as dspark_train
 from lightllm.models.draft_config import DRAFT_SAFETENSORS
+from lightllm.models.llama_mtp.model import MTPDraftConfig
 from lightllm.models.llama_mtp.train_module import MTPDraftTrainModule
 from lightllm.server.core.objs.start_args_type import MTP_MODES
 from lightllm.tools import magpie_prompts as magpie
@@ -121,6 +122,8 @@ class TrainConfig:
     heldout_fraction: float = HELDOUT_FRACTION
     max_train_seconds: Optional[float] = None  # time budget: the LR decays by steps or time, then stop
     soft_label_weight: float = 0.0  # share of each depth's loss against the target's distribution (0: hard only)
+    # MTP modes: target layers depth 0 reads through fc (EAGLE-3's fusion); empty: the last layer alone
+    target_layer_ids: Tuple[int, ...] = ()
     dspark: Optional[dspark_train.DSparkTrainOptions] = None  # --mtp_mode dspark only
 
     def __post_init__(self):
@@ -137,6 +140,10 @@ class TrainConfig:
             raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
         if self.soft_label_weight > 0 and self.mtp_mode == dspark_train.DSPARK:
             raise ValueError("soft_label_weight > 0 is not supported with --mtp_mode dspark (hard labels only)")
+        if self.target_layer_ids and self.mtp_mode == dspark_train.DSPARK:
+            raise ValueError("dspark's target layers are its DSparkTrainOptions' (set from --target_layer_ids)")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or min(self.target_layer_ids, default=0) < 0:
+            raise ValueError(f"target_layer_ids must be distinct layer indices, got {list(self.target_layer_ids)}")
 
     @property
     def with_attention(self) -> bool:
@@ -246,24 +253,22 @@ class TargetHead(nn.Module):
 
 
 @torch.no_grad()
-def target_hidden(target: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens: [batch, seq] -> h^{(0)} [batch, seq, hidden] fp32: the input of the target's final norm.
-
-    Right padding needs no attention mask: causal attention never lets a real
-    position see the padding after it."""
-    captured = []
-    hook = target.model.norm.register_forward_hook(lambda mod, args, out: captured.append(args[0]))
-    try:
-        target.model(input_ids=tokens, use_cache=False)
-    finally:
-        hook.remove()
-    return captured[0].float()
+def target_hidden(target: nn.Module, tokens: torch.Tensor,
+                  layer_ids: Sequence[int] = ()) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """tokens: [batch, seq] -> (h^{(0)} [batch, seq, hidden] fp32, the input of the target's final norm;
+    the outputs of decoder layers ``layer_ids`` side by side [batch, seq, len * hidden] fp32, or None
+    without layer_ids), from one forward. Right padding needs no attention mask: causal attention
+    never lets a real position see the padding after it."""
+    last = target.config.num_hidden_layers - 1  # its output is the final norm's input
+    states = dspark_train.target_aux_hidden(target, tokens, [*layer_ids, last])
+    hidden = states.shape[-1] // (len(layer_ids) + 1)
+    return states[..., -hidden:], (states[..., :-hidden] if layer_ids else None)
 
 
 @torch.no_grad()
 def measure_hidden_scale(target: nn.Module, batch: Batch) -> float:
     """Median per-token RMS of the target's h^{(0)} over the real (unpadded) tokens of ``batch``."""
-    h = target_hidden(target, batch.tokens)  # [batch, seq, hidden]
+    h = target_hidden(target, batch.tokens)[0]  # [batch, seq, hidden]
     return float(h.pow(2).mean(-1).sqrt()[batch.is_real].median())
 
 
@@ -272,7 +277,7 @@ def init_random(module: MTPDraftTrainModule, target: nn.Module, batch: Batch) ->
     """Every Linear ~ N(0, initializer_range) (as transformers initialises Llama), every norm weight = 1
     (the global torch RNG)."""
     std = getattr(target.config, "initializer_range", None) or DEFAULT_INIT_STD
-    for name, p in module.mtp.named_parameters():
+    for name, p in module.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
         else:
@@ -302,17 +307,44 @@ def init_from_last_layer(module: MTPDraftTrainModule, target: nn.Module, batch: 
 INIT_SCHEMES = {"last_layer": init_from_last_layer, "random": init_random}
 
 
+@torch.no_grad()
+def fc_reads_last_layer(module: MTPDraftTrainModule, num_target_layers: int) -> None:
+    """fc = the identity on the last target layer's block, zeros elsewhere: depth 0 reads exactly what a
+    draft without fusion reads, and training learns what the other layers add."""
+    last = num_target_layers - 1
+    if last not in module.target_layer_ids:
+        raise ValueError(f"--target_layer_ids {module.target_layer_ids} must include the target's last layer "
+                         f"{last} to start from the last layer's output (or use --init random)")
+    hidden = module.target_config.hidden_size
+    j = module.target_layer_ids.index(last)
+    module.fc.weight.zero_()
+    module.fc.weight[:, j * hidden:(j + 1) * hidden].copy_(torch.eye(hidden))
+
+
 def new_draft_module(target: nn.Module, cfg: TrainConfig, first_batch: Batch, device) -> MTPDraftTrainModule:
-    """A fresh module for ``cfg.mtp_mode`` on ``device``, initialised with ``cfg.init``."""
+    """A fresh module for ``cfg.mtp_mode`` on ``device``, initialised with ``cfg.init``; or ``cfg.init_from``,
+    given an fc that reads the last layer when ``cfg.target_layer_ids`` asks for fusion and it has none."""
     if cfg.mtp_mode == dspark_train.DSPARK:
         return dspark_train.new_train_module(target, cfg.dspark, cfg.init, cfg.init_from, device)
+    num_layers = target.config.num_hidden_layers
     if cfg.init_from is not None:
         module = MTPDraftTrainModule.load_draft(copy.deepcopy(target.config), cfg.init_from).float().to(device)
         if module.with_attention != cfg.with_attention or len(module.mtp) != cfg.num_modules:
             raise ValueError(f"--init_from {cfg.init_from}: its draft does not fit --mtp_mode {cfg.mtp_mode}")
+        if cfg.target_layer_ids and not module.target_layer_ids:
+            hidden = target.config.hidden_size
+            module.target_layer_ids = list(cfg.target_layer_ids)
+            module.fc = nn.Linear(len(cfg.target_layer_ids) * hidden, hidden, bias=False).to(device)
+            fc_reads_last_layer(module, num_layers)
+        elif module.target_layer_ids != list(cfg.target_layer_ids):
+            raise ValueError(f"--init_from {cfg.init_from} reads target layers {module.target_layer_ids}, "
+                             f"not --target_layer_ids {list(cfg.target_layer_ids)}")
         return module
-    module = MTPDraftTrainModule(copy.deepcopy(target.config), cfg.with_attention, cfg.num_modules).to(device)
+    module = MTPDraftTrainModule(copy.deepcopy(target.config), cfg.with_attention, cfg.num_modules,
+                                 cfg.target_layer_ids).to(device)
     INIT_SCHEMES[cfg.init](module, target, first_batch)
+    if module.fc is not None and cfg.init == "last_layer":
+        fc_reads_last_layer(module, num_layers)
     return module
 
 
@@ -340,9 +372,9 @@ def draft_outputs(module: nn.Module, target: nn.Module, head: TargetHead, batch:
     soft-label term (the loss is then the hard one, as ``evaluate`` reports it)."""
     if cfg.mtp_mode == dspark_train.DSPARK:
         return dspark_train.batch_outputs(module, target, head, batch, cfg, sample=module.training)
-    h0 = target_hidden(target, batch.tokens)  # [batch, seq, hidden]
+    h0, aux = target_hidden(target, batch.tokens, module.target_layer_ids)  # [batch, seq, hidden], fusion input
     soft_weight = cfg.soft_label_weight if soft_labels else 0.0
-    hidden = h0
+    hidden = module.features(h0, aux)
     out = UnrollOutput([], [], [])
     for depth in range(cfg.unroll):
         tokens_in, labels = depth_inputs(batch, depth)
@@ -595,6 +627,23 @@ def domains_arg(text: str) -> Tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def check_target_layer_ids(a: argparse.Namespace, num_layers: int) -> None:
+    """--target_layer_ids against the target and the initialisation, before any generation (ValueError)."""
+    ids = a.target_layer_ids or []
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"--target_layer_ids {bad} are not layers of the target (0..{num_layers - 1})")
+    if not ids or a.mtp_mode == dspark_train.DSPARK:
+        return
+    init_ids = MTPDraftConfig.load(a.init_from).target_layer_ids if a.init_from else []
+    if a.init_from and init_ids and init_ids != ids:
+        raise ValueError(f"--init_from {a.init_from} reads target layers {init_ids}, not --target_layer_ids {ids}")
+    starts_from_last = not init_ids and (a.init_from or a.init == "last_layer")
+    if starts_from_last and num_layers - 1 not in ids:
+        raise ValueError(f"--target_layer_ids {ids} must include the target's last layer {num_layers - 1}: fc "
+                         "starts as the identity on it (or use --init random)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     m = magpie.MagpieConfig()
@@ -647,6 +696,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_train_seconds", type=float, default=None,
                    help="training time budget in seconds: the LR schedule decays by steps or time, whichever is "
                         "further along, and training stops (and saves) when it ends")
+    p.add_argument("--target_layer_ids", type=int, nargs="+", default=None,
+                   help="target decoder layers the draft reads. MTP modes: depth 0 reads fc of their outputs "
+                        "side by side (EAGLE-3's fusion; with --init last_layer or an --init_from draft without "
+                        "fusion, fc starts as the identity on the last layer, which must be listed); default: "
+                        "the last layer's output alone. dspark: its context (default: "
+                        f"{dspark_train.DEFAULT_NUM_TARGET_LAYERS} evenly spaced, the last included)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     dspark_train.add_cli_flags(p)
     return p
@@ -668,14 +723,17 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     a = parse_args(argv)
     model_dir = a.model_dir or model_dir_or_embedded(None)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dspark = dspark_train.options_from_args(a, tokenizer, model_dir) if a.mtp_mode == dspark_train.DSPARK else None
+    is_dspark = a.mtp_mode == dspark_train.DSPARK
     try:
+        check_target_layer_ids(a, AutoConfig.from_pretrained(model_dir).num_hidden_layers)
+        dspark = dspark_train.options_from_args(a, tokenizer, model_dir) if is_dspark else None
         cfg = TrainConfig(mtp_mode=a.mtp_mode, init=a.init, init_from=a.init_from, unroll=a.unroll, epochs=a.epochs,
                           lr=a.lr, lr_schedule=a.lr_schedule, batch_size=a.batch_size, seed=a.seed,
-                          max_train_seconds=a.max_train_seconds, soft_label_weight=a.soft_label_weight, dspark=dspark)
+                          max_train_seconds=a.max_train_seconds, soft_label_weight=a.soft_label_weight,
+                          target_layer_ids=() if is_dspark else tuple(a.target_layer_ids or ()), dspark=dspark)
     except ValueError as e:  # a bad flag value: a usage error at start-up, not a traceback
         make_parser().error(str(e))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device

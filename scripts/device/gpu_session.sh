@@ -49,17 +49,18 @@ set -uo pipefail
 TRAIN_FLAGS=(--mtp_mode eagle_with_att --init last_layer --unroll 4 --max_new_tokens 200
              --gen_batch_size 768 --epochs 8 --lr 1e-3 --batch_size 64 --max_gen_seconds 240
              --max_train_seconds 200 --device cuda)
-# the general mixture (issue 16): 10000 user turns in five Magpie domains (default, code, writing, advice,
-# explanation) at 30% GSM8K, soft labels (the target's own distribution), fine-tuning the eighth session's
-# five-domain draft, which the job takes from git (GENERAL_INIT_COMMIT) so that the recipe reproduces whatever
+# the general mixture (issue 16): 15000 new user turns (--seed 1) in five Magpie domains (default, code, writing,
+# advice, explanation) at 20% GSM8K, soft labels (the target's own distribution), depth 0 reading fc of target
+# layers 2, 10, 20 and 29 (EAGLE-3's fusion; fc starts as the identity on layer 29), fine-tuning the ninth
+# session's draft (v3), which the job takes from git (GENERAL_INIT_COMMIT) so that the recipe reproduces whatever
 # the checkout ships. The 240 s generation budget is shared (user turns at most 40%, the answers the rest, cut
-# at the deadline), training 200 s, held-out answers and top-1 ~5 s: about 330 s in all (ninth session).
-GENERAL_INIT_COMMIT=1379c83
-TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 10000 --magpie_domains default,code,writing,advice,explanation
-                     --gsm8k_fraction 0.3 --magpie_seed_mode batch
-                     --mtp_mode eagle_with_att --init_from /root/draft_init --unroll 4 --max_new_tokens 200
-                     --gen_batch_size 768 --epochs 7 --lr 5e-4 --batch_size 64 --max_gen_seconds 240
-                     --max_train_seconds 200 --soft_label_weight 1.0 --device cuda)
+# at the deadline), training 270 s, held-out answers and top-1 ~5 s: about 480 s in all.
+GENERAL_INIT_COMMIT=fbdc936
+TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 15000 --magpie_domains default,code,writing,advice,explanation
+                     --gsm8k_fraction 0.2 --magpie_seed_mode batch --seed 1
+                     --mtp_mode eagle_with_att --init_from /root/draft_init --target_layer_ids 2 10 20 29
+                     --unroll 4 --max_new_tokens 200 --gen_batch_size 768 --epochs 6 --lr 5e-4 --batch_size 64
+                     --max_gen_seconds 240 --max_train_seconds 270 --soft_label_weight 1.0 --device cuda)
 # dspark: the eagle draft's prompt set replayed (no user-turn sampling), answers ~150 s, training 200 s.
 # The packaged dspark draft (seventh session) was trained on the first set,
 # docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz; this is the five-domain set.

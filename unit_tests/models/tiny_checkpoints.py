@@ -8,7 +8,7 @@ MTP draft for it to ``root/name``. ``random_prompts`` draws token-id prompts for
 import os
 import random
 from dataclasses import dataclass
-from typing import List
+from typing import List, Sequence
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -123,11 +123,12 @@ class TinyModel:
         return self.hf.config.vocab_size
 
     def draft(self, name: str, with_attention: bool = True, num_modules: int = 1, seed: int = 0,
-              std: float = WEIGHT_STD) -> str:
+              std: float = WEIGHT_STD, target_layer_ids: Sequence[int] = ()) -> str:
         """A random MTP draft for this target, written to ``root/name``; returns its dir.
-        A small ``std`` (0.02) gives a weak draft: mismatches, so ASD relaxations, are common."""
+        A small ``std`` (0.02) gives a weak draft: mismatches, so ASD relaxations, are common.
+        ``target_layer_ids``: depth 0 reads fc of those target layers (feature fusion)."""
         return random_draft(self.hf.config, os.path.join(self.root, name), with_attention, num_modules,
-                            seed=seed, std=std)
+                            seed=seed, std=std, target_layer_ids=target_layer_ids)
 
 
 def tiny_model(kind: str, root, seed: int = 0, sharded: bool = False) -> TinyModel:

@@ -71,10 +71,15 @@ def target_answers(one_thread, tmp_path_factory):
     return hf, target_dir, seqs
 
 
-@pytest.fixture(scope="module", params=list(tool.INIT_SCHEMES))
+FUSED_INIT = "last_layer+fusion"  # last_layer, depth 0 reading fc of target layers 0 and 1 (the last)
+
+
+@pytest.fixture(scope="module", params=[*tool.INIT_SCHEMES, FUSED_INIT])
 def trained(request, target_answers, tmp_path_factory):
-    cfg = dataclasses.replace(TRAIN_CFG, init=request.param)
-    root = tmp_path_factory.mktemp("train_mtp_" + request.param)
+    fused = request.param == FUSED_INIT
+    cfg = dataclasses.replace(TRAIN_CFG, init="last_layer" if fused else request.param,
+                              target_layer_ids=(0, 1) if fused else ())
+    root = tmp_path_factory.mktemp("train_mtp_" + request.param.replace("+", "_"))
     hf, target_dir, seqs = target_answers
     result = train_draft(hf, seqs, cfg, "cpu", progress=False)
     draft_dir = str(root / "draft")
@@ -125,6 +130,54 @@ def test_init_from_a_draft_dir_starts_from_its_weights(one_thread, tmp_path):
     assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
     with pytest.raises(ValueError, match="does not fit"):
         tool.new_draft_module(hf, dataclasses.replace(cfg, mtp_mode="eagle_no_att"), None, "cpu")
+
+
+def test_target_hidden_is_the_final_norm_input_and_the_asked_layers_in_order(one_thread):
+    hf = build_hf_model("qwen3", seed=1)  # 3 layers
+    tokens = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
+    captured = {}
+    hook = hf.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("h", i[0]))
+    with torch.no_grad():
+        states = hf(tokens, output_hidden_states=True).hidden_states  # embeddings, then each layer's output
+    hook.remove()
+    h0, aux = tool.target_hidden(hf, tokens, [1, 0])
+    assert torch.equal(h0, captured["h"].float())
+    assert torch.equal(aux, torch.cat([states[2], states[1]], dim=-1).float())
+    h0_alone, none = tool.target_hidden(hf, tokens)
+    assert none is None and torch.equal(h0_alone, h0)
+
+
+def test_fusion_added_to_a_draft_starts_as_that_draft_and_round_trips(one_thread, tmp_path):
+    """--target_layer_ids on an --init_from draft without fusion: fc = identity on the last layer's block,
+    so every depth's logits equal the source draft's; the saved dir reads the layers back."""
+    hf = build_hf_model("llama", seed=1)
+    last = hf.config.num_hidden_layers - 1
+    src = MTPDraftTrainModule(hf.config, with_attention=True, num_modules=1)
+    tool.init_random(src, hf, None)
+    src.save_draft(str(tmp_path / "src"))
+    cfg = dataclasses.replace(TRAIN_CFG, init_from=str(tmp_path / "src"), target_layer_ids=(0, last))
+    fused = tool.new_draft_module(hf, cfg, None, "cpu")
+    h = hf.config.hidden_size
+    assert fused.fc.weight.shape == (h, 2 * h)
+    assert torch.equal(fused.fc.weight, torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1))
+    batch = collate([TrainSequence(list(range(1, 14)), 4), TrainSequence(list(range(30, 40)), 3)], "cpu")
+    head = tool.TargetHead(hf)
+    saved_src = MTPDraftTrainModule.load_draft(hf.config, str(tmp_path / "src"))  # its bf16 weights, as fused has
+    with torch.no_grad():
+        before, after = (draft_outputs(m, hf, head, batch, TRAIN_CFG)[0] for m in (saved_src, fused))
+    for a, b in zip(before.ce_by_depth, after.ce_by_depth):
+        assert float(a) == pytest.approx(float(b), rel=1e-6)
+    with torch.no_grad():
+        fused.fc.weight.normal_(0.0, 0.1)
+        changed = draft_outputs(fused, hf, head, batch, TRAIN_CFG)[0]
+    assert abs(float(changed.ce_by_depth[0]) - float(before.ce_by_depth[0])) > 1e-3  # fc is on the path
+    fused.save_draft(str(tmp_path / "fused"))
+    assert MTPDraftConfig.load(str(tmp_path / "fused")).target_layer_ids == [0, last]
+    again = tool.new_draft_module(hf, dataclasses.replace(cfg, init_from=str(tmp_path / "fused")), None, "cpu")
+    assert torch.allclose(again.fc.weight, fused.fc.weight.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="reads target layers"):
+        tool.new_draft_module(hf, dataclasses.replace(cfg, init_from=str(tmp_path / "fused"), target_layer_ids=()),
+                              None, "cpu")
 
 
 def test_random_init_is_small_normal_with_unit_norms(one_thread):
@@ -251,7 +304,7 @@ def _random_draft(hf, batch):
 @torch.no_grad()
 def _draft_logits_by_depth(module, hf, head, batch):
     """The draft's logits [batch, seq, vocab] at every position, per depth (its forward, not under test)."""
-    hidden = tool.target_hidden(hf, batch.tokens)
+    hidden = tool.target_hidden(hf, batch.tokens)[0]
     logits = []
     for depth in range(UNROLL):
         hidden = module.step(depth, hidden, depth_inputs(batch, depth)[0], head.embed)
@@ -321,7 +374,7 @@ def test_soft_label_loss_matches_a_loop_reference(one_thread):
 
 def _hard_outputs_before_soft_labels(module, hf, head, batch, cfg):
     """draft_outputs' per-depth CE and loss as they were before --soft_label_weight (a copy of that code)."""
-    hidden = tool.target_hidden(hf, batch.tokens)
+    hidden = tool.target_hidden(hf, batch.tokens)[0]
     ces = []
     for depth in range(cfg.unroll):
         tokens_in, labels = depth_inputs(batch, depth)
@@ -591,9 +644,12 @@ def test_portable_path(monkeypatch, tmp_path):
 
 def test_a_bad_training_flag_is_a_usage_error_at_start_up(tiny_run, capsys):
     """TrainConfig's checks reach the command line as argparse errors (exit 2, the message), not tracebacks."""
-    for flag, value, message in (("--soft_label_weight", "2", "soft_label_weight must be in [0, 1], got 2.0"),
-                                 ("--epochs", "0", "epochs must be >= 1, got 0")):
+    for flags, message in ((["--soft_label_weight", "2"], "soft_label_weight must be in [0, 1], got 2.0"),
+                           (["--epochs", "0"], "epochs must be >= 1, got 0"),
+                           (["--target_layer_ids", "0", "5"], "--target_layer_ids [5] are not layers of the target"),
+                           (["--target_layer_ids", "0", "0", "1"], "target_layer_ids must be distinct"),
+                           (["--target_layer_ids", "0"], "must include the target's last layer 1")):
         with pytest.raises(SystemExit) as exit_info:
-            tool.main(_argv(tiny_run, tiny_run[0] / "bad", flag, value))
+            tool.main(_argv(tiny_run, tiny_run[0] / "bad", *flags))
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err

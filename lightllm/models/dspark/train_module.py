@@ -532,15 +532,12 @@ def check_train_config(cfg) -> None:
 
 
 def add_cli_flags(p) -> None:
-    """train_mtp_draft's --mtp_mode dspark flags."""
+    """train_mtp_draft's --mtp_mode dspark flags (--target_layer_ids is the tool's own, shared)."""
     d = DSparkTrainOptions()
     g = p.add_argument_group("--mtp_mode dspark")
     g.add_argument("--block_size", type=int, default=d.block_size, help="anchor + mask positions of a block")
     g.add_argument("--draft_layers", type=int, default=d.num_hidden_layers, help="draft decoder layers")
     g.add_argument("--markov_rank", type=int, default=d.markov_rank, help="rank of the Markov head (0: none)")
-    g.add_argument("--target_layer_ids", type=int, nargs="+", default=None,
-                   help=f"target layers of the context (default: {DEFAULT_NUM_TARGET_LAYERS} evenly spaced, "
-                        "the last included)")
     g.add_argument("--mask_token_id", type=int, default=None,
                    help="default: a special id the chat template never writes, else vocab_size - 1")
     g.add_argument("--anchors_per_seq", type=int, default=d.anchors_per_seq, help="training blocks per sequence")

@@ -2,20 +2,23 @@
 
 One module computes ``h' = layer(eh_proj([enorm(embed(x_next)); hnorm(h)]))``;
 its logits come from the target's final norm and shared ``lm_head`` and it
-shares the target's embedding. ``*_with_att`` modules have a full decoder layer
+shares the target's embedding. Depth 0's ``h`` is the target's last-layer output,
+or, when the draft's config names ``target_layer_ids``, ``fc`` of those target
+layers' outputs side by side (EAGLE-3's feature fusion; deeper depths take the
+draft's own output either way). ``*_with_att`` modules have a full decoder layer
 with its own KV cache; ``*_no_att`` modules have the MLP half only.
 
 Depth d (1..K) of a draft chain runs module d (vanilla) or the one module
 (eagle). Every depth has its own KV buffer, indexed by the target's KV slots:
 depth d at the row of target position s writes slot(s) of buffer d.
 """
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
 
 import torch
 
 from lightllm.common.basemodel.basemodel import TransformerArch, to_device
-from lightllm.common.basemodel.batch_objs import ModelInput
+from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm
 from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict, take_weight
@@ -38,7 +41,13 @@ class MTPDraftConfig(DraftLayerShape):
     with_attention: bool
     num_modules: int = 1
     qk_norm: bool = False
+    # target layers whose outputs depth 0 reads through ``fc`` (empty: the last layer's output alone)
+    target_layer_ids: List[int] = field(default_factory=list)
     model_type: str = DRAFT_MODEL_TYPE
+
+    def __post_init__(self):
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} name a layer twice")
 
 
 @dataclass
@@ -52,10 +61,16 @@ class MTPModuleWeight:
     down_proj: Optional[torch.Tensor] = None  # [hidden, intermediate], no attention
 
 
-def _load_modules(draft_dir: str, cfg: MTPDraftConfig, dtype, device, shard: TpShard) -> List[MTPModuleWeight]:
-    """Tensor parallel like the target (``shard``): the decoder layer / MLP split, eh_proj and norms whole."""
+FC_WEIGHT = "model.fc.weight"  # [hidden, len(target_layer_ids) * hidden], with target_layer_ids only
+
+
+def _load_modules(draft_dir: str, cfg: MTPDraftConfig, dtype, device,
+                  shard: TpShard) -> Tuple[List[MTPModuleWeight], Optional[torch.Tensor]]:
+    """(the modules, fc or None). Tensor parallel like the target (``shard``): the decoder layer / MLP
+    split, eh_proj, fc and norms whole."""
     split = shard.attn_size > 1 or shard.mlp_size > 1
     state = load_hf_state_dict(draft_dir, dtype, torch.device("cpu") if split else device)
+    fc = take_weight(state, FC_WEIGHT).to(device) if cfg.target_layer_ids else None
     modules = []
     for m in range(cfg.num_modules):
         p = f"model.layers.{m}."
@@ -70,7 +85,7 @@ def _load_modules(draft_dir: str, cfg: MTPDraftConfig, dtype, device, shard: TpS
             module = MTPModuleWeight(enorm, hnorm, eh, None, take_weight(state, p + "post_attention_layernorm.weight"),
                                      gate_up, down)
         modules.append(to_device(module, device))
-    return modules
+    return modules, fc
 
 
 class LlamaMTPDraftModel:
@@ -82,17 +97,26 @@ class LlamaMTPDraftModel:
         self.eagle = mtp_mode.startswith("eagle")
         self.with_att = mtp_mode.endswith("_with_att")
         dtype, device = target.dtype, target.device
-        modules, cfg = [], None
-        for d in draft_dirs:
+        modules, cfg, self.fc = [], None, None
+        for i, d in enumerate(draft_dirs):
             cfg = MTPDraftConfig.load(d)
             if cfg.with_attention != self.with_att:
                 raise ValueError(f"{d}: with_attention={cfg.with_attention} does not fit --mtp_mode {mtp_mode}")
             if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
                 raise ValueError(f"{d}: hidden/vocab size does not match the target model")
+            bad = [j for j in cfg.target_layer_ids if not 0 <= j < target.arch.num_layers]
+            if bad:
+                raise ValueError(f"{d}: target_layer_ids {bad} are not layers of the target")
+            if i > 0 and cfg.target_layer_ids:
+                raise ValueError(f"{d}: only the first draft dir (depth 0's) may read target_layer_ids")
             shard = target.layer_shard(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
             if self.with_att:
                 shard.check(d)
-            modules.extend(_load_modules(d, cfg, dtype, device, shard))
+            dir_modules, fc = _load_modules(d, cfg, dtype, device, shard)
+            modules.extend(dir_modules)
+            if i == 0 and fc is not None:
+                self.fc = fc
+                target.aux_layer_ids = tuple(cfg.target_layer_ids)
         need = 1 if self.eagle else mtp_step
         if len(modules) < need:
             raise ValueError(f"--mtp_mode {mtp_mode} with --mtp_step {mtp_step} needs {need} draft modules, got {len(modules)}")
@@ -109,6 +133,12 @@ class LlamaMTPDraftModel:
             shape = AttentionShape(arch.q_heads, arch.kv_heads, arch.head_dim, arch.rms_norm_eps)
             layer_cls = target.layer_infer_class
             self.layers_infer = [layer_cls(depth, shape, target.ops) for depth in range(mtp_step)]
+
+    def target_features(self, out: ModelOutput) -> torch.Tensor:
+        """Depth 0's hidden input [rows, hidden]: the target's last layer, or fc of its asked layers."""
+        if self.fc is None:
+            return out.hidden_states
+        return self.target.ops.linear(out.aux_hidden_states, self.fc, None)
 
     def module_for_depth(self, depth: int) -> MTPModuleWeight:
         return self.modules[0 if self.eagle else depth]

@@ -5,7 +5,7 @@ engine's inference path (``model.py``) is checked against an independent
 implementation. Saved dirs load with ``LlamaMTPDraftModel``.
 """
 import os
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from lightllm.models.draft_config import DRAFT_SAFETENSORS, layer_shape_of
-from lightllm.models.llama_mtp.model import MTPDraftConfig
-
+from lightllm.models.llama_mtp.model import FC_WEIGHT, MTPDraftConfig
 
 
 class RMSNorm(nn.Module):
@@ -87,9 +86,11 @@ def _rotary_class(config):
 
 
 class MTPDraftTrainModule(nn.Module):
-    """``num_modules`` MTP modules; depth d uses module d (vanilla) or module 0 (eagle)."""
+    """``num_modules`` MTP modules; depth d uses module d (vanilla) or module 0 (eagle). With
+    ``target_layer_ids``, depth 0's hidden input is ``fc`` of those target layers' outputs."""
 
-    def __init__(self, target_config, with_attention: bool, num_modules: int = 1):
+    def __init__(self, target_config, with_attention: bool, num_modules: int = 1,
+                 target_layer_ids: Sequence[int] = ()):
         super().__init__()
         cfg = target_config
         if getattr(cfg, "_attn_implementation", None) is None or cfg._attn_implementation not in ("eager", "sdpa"):
@@ -98,6 +99,14 @@ class MTPDraftTrainModule(nn.Module):
         self.mtp = nn.ModuleList([MTPModule(cfg, with_attention, i) for i in range(num_modules)])
         self.rotary = _rotary_class(cfg)(cfg)
         self.with_attention = with_attention
+        self.target_layer_ids = list(target_layer_ids)
+        hidden = cfg.hidden_size
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False) if self.target_layer_ids else None
+
+    def features(self, last_hidden: torch.Tensor, aux_hidden: Optional[torch.Tensor]) -> torch.Tensor:
+        """Depth 0's hidden input [..., hidden]: the target's last layer output, or ``fc(aux_hidden)``
+        (aux_hidden: [..., len(target_layer_ids) * hidden], the layers' outputs side by side)."""
+        return last_hidden if self.fc is None else self.fc(aux_hidden)
 
     def module_for_depth(self, depth: int) -> MTPModule:
         return self.mtp[min(depth, len(self.mtp) - 1)]
@@ -118,6 +127,7 @@ class MTPDraftTrainModule(nn.Module):
             with_attention=self.with_attention,
             num_modules=len(self.mtp),
             qk_norm=c.model_type == "qwen3",
+            target_layer_ids=list(self.target_layer_ids),
         )
 
     def save_draft(self, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -128,6 +138,8 @@ class MTPDraftTrainModule(nn.Module):
             for name, t in mod.state_dict().items():
                 key = name.replace("layer.", "", 1) if name.startswith("layer.") else name
                 tensors[f"model.layers.{m}.{key}"] = t.detach().to(dtype).contiguous().cpu()
+        if self.fc is not None:
+            tensors[FC_WEIGHT] = self.fc.weight.detach().to(dtype).contiguous().cpu()
         save_file(tensors, os.path.join(out_dir, DRAFT_SAFETENSORS))
 
     @classmethod
@@ -135,9 +147,11 @@ class MTPDraftTrainModule(nn.Module):
         from safetensors.torch import load_file
 
         cfg = MTPDraftConfig.load(draft_dir)
-        mod = cls(target_config, cfg.with_attention, cfg.num_modules)
+        mod = cls(target_config, cfg.with_attention, cfg.num_modules, cfg.target_layer_ids)
         state = load_file(os.path.join(draft_dir, DRAFT_SAFETENSORS))
         mapped = {}
+        if FC_WEIGHT in state:
+            mapped["fc.weight"] = state.pop(FC_WEIGHT).float()
         for k, v in state.items():
             _, _, m, rest = k.split(".", 3)
             own = rest if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj") else "layer." + rest
@@ -148,10 +162,10 @@ class MTPDraftTrainModule(nn.Module):
 
 
 def random_draft(target_config, out_dir: str, with_attention: bool, num_modules: int, seed: int,
-                 std: float = 0.15, dtype: torch.dtype = torch.float32) -> str:
+                 std: float = 0.15, dtype: torch.dtype = torch.float32, target_layer_ids: Sequence[int] = ()) -> str:
     """A random draft dir for tests (fp32 so the engine and the module agree tightly)."""
     torch.manual_seed(seed)
-    mod = MTPDraftTrainModule(target_config, with_attention, num_modules)
+    mod = MTPDraftTrainModule(target_config, with_attention, num_modules, target_layer_ids)
     with torch.no_grad():
         for name, p in mod.named_parameters():
             if "norm" in name:

@@ -152,8 +152,13 @@ def test_target_aux_hidden_are_the_layer_outputs(drafted):
     aux = target_aux_hidden(hf, tokens, [last - 1, 0])  # in the order asked (states[-1] is after the final norm)
     torch.testing.assert_close(aux[..., :hidden], states[last])
     torch.testing.assert_close(aux[..., hidden:], states[1])
-    # the last layer's output is before the final norm: the tool's h^{(0)}
-    torch.testing.assert_close(target_aux_hidden(hf, tokens, [last]), tool.target_hidden(hf, tokens))
+    # the last layer's output is the final norm's input
+    captured = {}
+    hook = hf.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("h", i[0]))
+    with torch.no_grad():
+        hf(input_ids=tokens)
+    hook.remove()
+    torch.testing.assert_close(target_aux_hidden(hf, tokens, [last]), captured["h"])
 
 
 def test_save_load_round_trip_with_the_contract_keys(drafted, tmp_path):

@@ -94,3 +94,24 @@ def test_prefill_rows_equal_the_prefill_forward_up_to_bf16_near_ties(outputs, mo
     gaps = _first_divergence_gaps(_prompts(), rows, forward)
     print(f"{mode}: prefill rows vs prefill forward (bf16): {len(gaps)} of {NUM_REQS} requests differ; gaps {gaps}")
     assert all(g < NEAR_TIE_LOGIT_GAP for g in gaps), gaps
+
+
+def test_a_fusion_draft_with_graphs_equals_eager_and_plain_up_to_near_ties(outputs, tmp_path):
+    """An eagle draft whose depth 0 reads fc of target layers 2 and the last (EAGLE-3's fusion; a random
+    one, so most proposals are rejected): graphs equal eager bit-exactly, and strict MTP with it equals
+    plain decoding up to bf16 near-ties."""
+    from transformers import AutoConfig
+
+    from lightllm.models.llama_mtp.train_module import random_draft
+    from lightllm.utils.embedded_model import get_default_model_dir
+
+    cfg = AutoConfig.from_pretrained(get_default_model_dir())
+    draft = random_draft(cfg, str(tmp_path / "fusion"), True, 1, seed=0, std=0.02,
+                         target_layer_ids=[2, cfg.num_hidden_layers - 1])
+    args = dict(MODES["mtp"], mtp_draft_model_dir=[draft])
+    (with_graphs, captured), (eager, _) = _run_args(args, True), _run_args(args, False)
+    assert captured and with_graphs == eager
+    plain = [t for t, _ in outputs[("plain", True)][0]]
+    gaps = _first_divergence_gaps(_prompts(), plain, [t for t, _ in with_graphs])
+    print(f"fusion draft, strict MTP vs plain (graphs, bf16): {len(gaps)} of {NUM_REQS} requests differ; gaps {gaps}")
+    assert all(g < NEAR_TIE_LOGIT_GAP for g in gaps), gaps

@@ -79,13 +79,15 @@ def _record_prefill_drafts(eng) -> list:
     return written
 
 
-@pytest.mark.parametrize("running, batch_max_tokens", [(1, None), (1, 12), (4, 12)])
-def test_rows_prefill_drafts_equal_the_prefill_drafts(tmp_path, running, batch_max_tokens):
+@pytest.mark.parametrize("running, batch_max_tokens, fusion", [(1, None, False), (1, 12, False), (4, 12, False),
+                                                              (4, 12, True)])
+def test_rows_prefill_drafts_equal_the_prefill_drafts(tmp_path, running, batch_max_tokens, fusion):
     """Eagle K = 2: the proposals after every prompt, drafted over rows, equal those drafted by
     ``propose_after_prefill`` over the prefill forward, and strict MTP still equals transformers.
-    With 4 running requests and 12-token steps, one step holds several items, some over a cached prefix."""
+    With 4 running requests and 12-token steps, one step holds several items, some over a cached prefix.
+    ``fusion``: depth 0 reads fc of both target layers."""
     tiny = tiny_model("llama", tmp_path)
-    draft = tiny.draft("draft")
+    draft = tiny.draft("draft", target_layer_ids=[1, 0] if fusion else ())
     prompts = random_prompts(tiny.vocab_size, 3, range(3, 11), seed=4) + random_prompts(tiny.vocab_size, 2, range(20, 30))
     written = {}
     for with_rows in (True, False):

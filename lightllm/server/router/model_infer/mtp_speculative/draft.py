@@ -68,12 +68,12 @@ class DraftProposer:
     ) -> Tuple[torch.Tensor, None]:
         """The K draft depths over every decode row (no host sync, CUDA-graph safe).
 
-        out.hidden_states: [rows, hidden] the target's last layer; first_tokens: [rows] int64, each
+        out: the target's rows (``LlamaMTPDraftModel.target_features`` reads them); first_tokens: [rows] int64, each
         row's verified token (padding rows: any valid id); accept_len: unused (every row drafts).
         Returns [rows, K+1]: the verified token, then the K greedy proposals after it; the caller
         keeps each request's last committed row."""
         k = self.mtp_step
-        hidden = out.hidden_states
+        hidden = self.model.target_features(out)
         all_next = torch.empty((hidden.shape[0], k + 1), dtype=torch.int64, device=hidden.device)
         all_next[:, 0] = first_tokens
         tok = first_tokens
@@ -90,7 +90,7 @@ class DraftProposer:
         (UNKNOWN_TOKEN: its guess at depth d - 1). Writes the draft KV of every row; returns the
         guesses [rows, K]. ``sel``: the only rows whose guesses can be needed (the others stay 0);
         None: every row, a fixed shape with no host sync (CUDA graphs)."""
-        hidden = out.hidden_states
+        hidden = self.model.target_features(out)
         guess = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
         guesses = []
         for d in range(self.mtp_step):

@@ -57,7 +57,8 @@ def models(tmp_path_factory):
             tiny=m,
             target=m.model_dir,
             vocab=m.vocab_size,
-            eagle=m.draft("eagle", True, 1, seed=4),
+            # the TP cases' eagle draft reads fc of two target layers (feature fusion)
+            eagle=m.draft("eagle", True, 1, seed=4, target_layer_ids=[0, 2] if kind == "qwen3_kv2" else ()),
             vanilla_no_att=m.draft("no_att", False, K, seed=5),
         )
     return out

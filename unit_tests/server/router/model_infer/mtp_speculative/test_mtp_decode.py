@@ -8,16 +8,25 @@ from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
 
 MODES = ["vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att"]
+FUSED = "fused"  # the drafts' key of an eagle draft whose depth 0 reads fc of two target layers
+
+
+def _fusion_layers(hf):
+    """Two target layers, the last first: fc's blocks follow this order, not the layers' own."""
+    return [hf.config.num_hidden_layers - 1, 0]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def tiny(request, tmp_path_factory):
     m = tiny_model(request.param, seed=2, root=tmp_path_factory.mktemp("mtp_" + request.param))
     drafts = {(att, n): m.draft(f"draft_{att}_{n}", att, n, seed=3) for att in (True, False) for n in (1, 3)}
+    drafts[FUSED] = m.draft("draft_fused", True, 1, seed=4, target_layer_ids=_fusion_layers(m.hf))
     return m.hf, m.model_dir, drafts
 
 
 def _draft_dirs(drafts, mode, k):
+    if mode == FUSED:
+        return [drafts[FUSED]]
     att = mode.endswith("_with_att")
     return [drafts[(att, 1)]] if mode.startswith("eagle") else [drafts[(att, 3)]]
 
@@ -28,14 +37,15 @@ def _workload(vocab, seed=0):
     return prompts, params
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES + [FUSED])
 def test_strict_mtp_is_token_identical_to_plain_decoding(tiny, mode):
     hf, d, drafts = tiny
     k = 3
     prompts, params = _workload(hf.config.vocab_size)
     common = dict(max_req_total_len=96, running_max_req_size=4, batch_max_tokens=48, max_total_token_num=600)
     plain = make_engine(d, **common).generate(prompts, params)
-    mtp_eng = make_engine(d, mtp_mode=mode, mtp_step=k, mtp_draft_model_dir=_draft_dirs(drafts, mode, k), **common)
+    mtp_mode = "eagle_with_att" if mode == FUSED else mode
+    mtp_eng = make_engine(d, mtp_mode=mtp_mode, mtp_step=k, mtp_draft_model_dir=_draft_dirs(drafts, mode, k), **common)
     mtp = mtp_eng.generate(prompts, params)
     for i in range(len(prompts)):
         assert mtp[i].token_ids == plain[i].token_ids, f"request {i}"
@@ -69,25 +79,41 @@ def test_eos_and_stop_inside_an_accepted_block(tiny):
     assert eng.backend.mem_manager.can_use_mem_size == eng.backend.mem_manager.size
 
 
-@pytest.mark.parametrize("att", [True, False])
-def test_draft_proposals_match_the_reference_module(tiny, att):
+def _reference_depth0_input(hf, prompt, fused_dir):
+    """Depth 0's hidden input by hand from transformers: the final norm's input, or fc times the asked
+    layers' outputs side by side (read from the draft's own safetensors)."""
+    with torch.no_grad():
+        states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states  # embeddings, then layers
+        captured = {}
+        hook = hf.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("h", i[0]))
+        hf(torch.tensor([prompt]))
+        hook.remove()
+    if fused_dir is None:
+        return captured["h"]
+    from safetensors.torch import load_file
+
+    last = hf.config.num_hidden_layers - 1
+    layer_out = {j: (captured["h"] if j == last else states[j + 1]) for j in _fusion_layers(hf)}
+    fc = load_file(f"{fused_dir}/model.safetensors")["model.fc.weight"].float()
+    return torch.cat([layer_out[j] for j in _fusion_layers(hf)], dim=-1) @ fc.T
+
+
+@pytest.mark.parametrize("draft", [True, False, FUSED])
+def test_draft_proposals_match_the_reference_module(tiny, draft):
     """After prefill, the engine's K proposals equal the PyTorch training module's greedy chain."""
     hf, d, drafts = tiny
     k = 3
+    att = draft is not False
+    draft_dir = drafts[FUSED] if draft == FUSED else drafts[(att, 1)]
     eng = make_engine(d, mtp_mode="eagle_with_att" if att else "eagle_no_att", mtp_step=k,
-                      mtp_draft_model_dir=[drafts[(att, 1)]], max_req_total_len=64, max_total_token_num=200)
+                      mtp_draft_model_dir=[draft_dir], max_req_total_len=64, max_total_token_num=200)
     prompt = [11, 12, 13, 14, 15, 16, 17]
     res = eng.generate([prompt], [{"max_new_tokens": 1, "ignore_eos": True}])[0]
     first = res.token_ids[0]
-    # reference: hidden states from transformers (input of the final norm), then the chain
-    captured = {}
-    hook = hf.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("h", i[0]))
-    with torch.no_grad():
-        hf(torch.tensor([prompt]))
-    hook.remove()
-    mod = MTPDraftTrainModule.load_draft(hf.config, drafts[(att, 1)]).eval()
+    # reference: depth 0's input from transformers' hidden states, then the module's chain
+    mod = MTPDraftTrainModule.load_draft(hf.config, draft_dir).eval()
     seq = prompt + [first]
-    hidden, guess = captured["h"], None
+    hidden, guess = _reference_depth0_input(hf, prompt, draft_dir if draft == FUSED else None), None
     proposals = []
     with torch.no_grad():
         for depth in range(k):
@@ -101,3 +127,13 @@ def test_draft_proposals_match_the_reference_module(tiny, att):
     table = eng.backend.req_to_next_token_ids
     rows = [r for r in range(table.shape[0]) if int(table[r, 0]) == first]
     assert any(table[r, 1:k + 1].tolist() == proposals for r in rows)
+
+
+def test_a_draft_naming_layers_the_target_lacks_fails_at_start_up(tiny, tmp_path):
+    hf, d, _ = tiny
+    from unit_tests.models.tiny_checkpoints import random_draft
+
+    bad = random_draft(hf.config, str(tmp_path / "bad"), True, 1, seed=0, target_layer_ids=[0, 7])
+    with pytest.raises(ValueError, match=r"target_layer_ids \[7\] are not layers of the target"):
+        make_engine(d, mtp_mode="eagle_with_att", mtp_step=2, mtp_draft_model_dir=[bad], max_req_total_len=64,
+                    max_total_token_num=200)
