@@ -8,9 +8,11 @@ per batch:
     depth d (0-based) at position s: in (h^{(d)}_s, x_{s+d+1}) -> h^{(d+1)}_s,
     logits = target final norm + lm_head, label x_{s+d+2}
 
-h^{(0)} is the target's last-layer output before its final norm; deeper depths
-take the module's own output (gradients flow through the chain) and the
-ground-truth token. Loss = sum_d DEPTH_LOSS_DECAY**d * CE_d over answer labels, with
+h^{(0)} is the target's last-layer output before its final norm, or, with
+``--target_layer_ids``, fc of those target layers' outputs side by side (EAGLE-3's
+feature fusion; fc starts as the identity on the last layer when the module starts
+from it); deeper depths take the module's own output (gradients flow through the
+chain) and the ground-truth token. Loss = sum_d DEPTH_LOSS_DECAY**d * CE_d over answer labels, with
 CE_d = (1 - w) * CE(label) + w * CE(the target's own distribution there), w = ``--soft_label_weight``.
 
 Initialisation (``--init``, ``INIT_SCHEMES``): ``last_layer`` (default; at step 0 the module
