@@ -3,7 +3,7 @@ the weights file."""
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Dict
+from typing import Dict, Sequence
 
 from lightllm.common.basemodel.basemodel import TransformerArch
 
@@ -47,3 +47,10 @@ def layer_shape_of(target_config) -> Dict[str, object]:
     return dict(hidden_size=arch.hidden_size, intermediate_size=target_config.intermediate_size,
                 num_attention_heads=arch.q_heads, num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim,
                 rms_norm_eps=arch.rms_norm_eps, vocab_size=arch.vocab_size)
+
+
+def check_target_layers(draft_dir: str, target_layer_ids: Sequence[int], num_target_layers: int) -> None:
+    """A draft's ``target_layer_ids`` must all be layers of the target (ValueError naming the others)."""
+    bad = [i for i in target_layer_ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(f"{draft_dir}: target_layer_ids {bad} are not layers of the target")

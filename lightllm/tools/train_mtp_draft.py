@@ -334,9 +334,8 @@ def new_draft_module(target: nn.Module, cfg: TrainConfig, first_batch: Batch, de
         if module.with_attention != cfg.with_attention or len(module.mtp) != cfg.num_modules:
             raise ValueError(f"--init_from {cfg.init_from}: its draft does not fit --mtp_mode {cfg.mtp_mode}")
         if cfg.target_layer_ids and not module.target_layer_ids:
-            hidden = target.config.hidden_size
-            module.target_layer_ids = list(cfg.target_layer_ids)
-            module.fc = nn.Linear(len(cfg.target_layer_ids) * hidden, hidden, bias=False).to(device)
+            module.set_target_layers(cfg.target_layer_ids)
+            module.fc.to(device)
             fc_reads_last_layer(module, num_layers)
         elif module.target_layer_ids != list(cfg.target_layer_ids):
             raise ValueError(f"--init_from {cfg.init_from} reads target layers {module.target_layer_ids}, "
@@ -635,13 +634,13 @@ def check_target_layer_ids(a: argparse.Namespace, num_layers: int) -> None:
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
         raise ValueError(f"--target_layer_ids {bad} are not layers of the target (0..{num_layers - 1})")
-    if not ids or a.mtp_mode == dspark_train.DSPARK:
+    if a.mtp_mode == dspark_train.DSPARK:
         return
     init_ids = MTPDraftConfig.load(a.init_from).target_layer_ids if a.init_from else []
-    if a.init_from and init_ids and init_ids != ids:
+    if init_ids and init_ids != ids:  # new_draft_module's check, before the generation rather than after
         raise ValueError(f"--init_from {a.init_from} reads target layers {init_ids}, not --target_layer_ids {ids}")
     starts_from_last = not init_ids and (a.init_from or a.init == "last_layer")
-    if starts_from_last and num_layers - 1 not in ids:
+    if ids and starts_from_last and num_layers - 1 not in ids:
         raise ValueError(f"--target_layer_ids {ids} must include the target's last layer {num_layers - 1}: fc "
                          "starts as the identity on it (or use --init random)")
 

@@ -642,13 +642,25 @@ def test_portable_path(monkeypatch, tmp_path):
     assert tool.portable_path(str(tmp_path / "elsewhere")) == os.path.join(tool.OUTSIDE_REPO, "elsewhere")
 
 
+def _fusion_draft(tiny_run) -> str:
+    """An eagle draft of the tiny_run target whose depth 0 reads fc of target layers 1 and 0."""
+    from transformers import AutoConfig
+
+    from lightllm.models.llama_mtp.train_module import random_draft
+
+    config = AutoConfig.from_pretrained(tiny_run[1])
+    return random_draft(config, str(tiny_run[0] / "fusion_draft"), True, 1, seed=0, target_layer_ids=[1, 0])
+
+
 def test_a_bad_training_flag_is_a_usage_error_at_start_up(tiny_run, capsys):
     """TrainConfig's checks reach the command line as argparse errors (exit 2, the message), not tracebacks."""
     for flags, message in ((["--soft_label_weight", "2"], "soft_label_weight must be in [0, 1], got 2.0"),
                            (["--epochs", "0"], "epochs must be >= 1, got 0"),
                            (["--target_layer_ids", "0", "5"], "--target_layer_ids [5] are not layers of the target"),
                            (["--target_layer_ids", "0", "0", "1"], "target_layer_ids must be distinct"),
-                           (["--target_layer_ids", "0"], "must include the target's last layer 1")):
+                           (["--target_layer_ids", "0"], "must include the target's last layer 1"),
+                           (["--init_from", _fusion_draft(tiny_run)], "reads target layers [1, 0], not "
+                                                                      "--target_layer_ids []")):
         with pytest.raises(SystemExit) as exit_info:
             tool.main(_argv(tiny_run, tiny_run[0] / "bad", *flags))
         assert exit_info.value.code == 2

@@ -24,6 +24,7 @@ from lightllm.common.basemodel.layer_infer.basic_ops import apply_rotary, rms_no
 from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict, take_weight
 from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
 from lightllm.common.kv_cache_mem_manager import NUM_HOLD_SLOTS, MemoryManager
+from lightllm.models.draft_config import check_target_layers
 from lightllm.models.dspark.config import DSparkConfig
 from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape
 
@@ -64,9 +65,7 @@ class DSparkDraftModel:
             raise ValueError(f"{draft_dir}: hidden/vocab size does not match the target model")
         if not 1 <= mtp_step <= cfg.max_mtp_step:
             raise ValueError(f"--mtp_step {mtp_step} must be in 1..{cfg.max_mtp_step} (block_size - 1) for {draft_dir}")
-        bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.arch.num_layers]
-        if bad:
-            raise ValueError(f"{draft_dir}: target_layer_ids {bad} are not layers of the target")
+        check_target_layers(draft_dir, cfg.target_layer_ids, target.arch.num_layers)
         if target.parallel.world_size != 1:
             raise ValueError("--mtp_mode dspark runs on one rank (--tp 1, --dp 1)")
         self.cfg = cfg

@@ -28,7 +28,7 @@ from lightllm.common.basemodel.layer_weights.transformer_layer_weight import (
     shard_mlp,
 )
 from lightllm.common.kv_cache_mem_manager import MemoryManager
-from lightllm.models.draft_config import DraftLayerShape
+from lightllm.models.draft_config import DraftLayerShape, check_target_layers
 from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape, ffn_forward
 
 DRAFT_MODEL_TYPE = "llama_mtp"
@@ -104,9 +104,7 @@ class LlamaMTPDraftModel:
                 raise ValueError(f"{d}: with_attention={cfg.with_attention} does not fit --mtp_mode {mtp_mode}")
             if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
                 raise ValueError(f"{d}: hidden/vocab size does not match the target model")
-            bad = [j for j in cfg.target_layer_ids if not 0 <= j < target.arch.num_layers]
-            if bad:
-                raise ValueError(f"{d}: target_layer_ids {bad} are not layers of the target")
+            check_target_layers(d, cfg.target_layer_ids, target.arch.num_layers)
             if i > 0 and cfg.target_layer_ids:
                 raise ValueError(f"{d}: only the first draft dir (depth 0's) may read target_layer_ids")
             shard = target.layer_shard(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)

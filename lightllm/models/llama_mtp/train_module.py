@@ -99,8 +99,12 @@ class MTPDraftTrainModule(nn.Module):
         self.mtp = nn.ModuleList([MTPModule(cfg, with_attention, i) for i in range(num_modules)])
         self.rotary = _rotary_class(cfg)(cfg)
         self.with_attention = with_attention
+        self.set_target_layers(target_layer_ids)
+
+    def set_target_layers(self, target_layer_ids: Sequence[int]) -> None:
+        """Depth 0 reads fc of these target layers (a new, untrained fc); empty: the last layer, no fc."""
         self.target_layer_ids = list(target_layer_ids)
-        hidden = cfg.hidden_size
+        hidden = self.target_config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False) if self.target_layer_ids else None
 
     def features(self, last_hidden: torch.Tensor, aux_hidden: Optional[torch.Tensor]) -> torch.Tensor:
