@@ -16,6 +16,16 @@ equals the first config's (strict MTP must reproduce plain decoding) and transfo
 
 ``--matrix``: the in-process engine against transformers over models x modes x batches.
 
+``--long_context``: long prompts on the in-process engine (``run_long_context``): time to first
+token (one ``generate`` of 1 new token: admission, prefill, sampling) at ``--long_lens`` prompt
+tokens on the embedded model and 2048 on the 8B-shaped dummy, against one transformers forward
+of the same ids (bf16, SDPA, warmed up); then a wave of 16 concurrent ``--wave_lens`` LONG-token
+prompts with ``--max_new_tokens`` each (tok/s) beside the same wave of SHORT-token prompts.
+Prompts are GSM8K questions, repeated, in the chat template, cut to the exact token count.
+Writes ``docs/data/perf/long_context.json`` by default.
+
+    python benchmarks/bench_e2e_throughput.py --long_context
+
     python benchmarks/bench_e2e_throughput.py --ignore_eos --out e2e.json \\
         --configs "plain=;mtp_k3=--mtp_mode eagle_with_att --mtp_step 3"
 """
@@ -39,11 +49,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
-from lightllm.tools.client import USAGE, free_device_memory, generate_body, model_dir_or_embedded, send_timed, serve  # noqa: E402 (after the path set-up)
+from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
+    USAGE, auto_max_req_total_len, free_device_memory, generate_body, model_dir_or_embedded, send_timed, serve)
 from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, gsm8k_path, load_gsm8k,  # noqa: E402
                                     load_prompt_file, take_cyclic)
 from lightllm.tools.report import Column, ratio, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
 
+DEFAULT_OUT = "bench_e2e_throughput.json"
 DEFAULT_CONFIG_NAME = "engine"
 HF_NAME = "transformers"
 PERCENTILES = (50, 90, 99)
@@ -357,19 +369,42 @@ def _hf_wave(model, prompts, max_new_tokens: int, pad_id: int) -> Wave:
     return Wave(new.numel(), seconds)
 
 
-def run_matrix(args) -> List[dict]:
-    """Per model: transformers and the engine's modes, waves alternating within each batch."""
+def _matrix_model_dir(model: str, embedded: str) -> Tuple[str, str]:
+    """The model dir and --load_format of a MATRIX_MODELS name."""
+    if model == "llama3_8b_dummy":
+        return write_dummy_model_dir(os.path.join(tempfile.mkdtemp(), model), LLAMA3_8B_SHAPE, embedded), "dummy"
+    return embedded, "auto"
+
+
+def _load_hf(model_dir: str, load_format: str, device: str, dtype):
+    """transformers' model of the engine's: the same weights, or random ones (initialised on the device) for dummy."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "dummy":
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype,
+                                                    attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+
+
+def _git_commit() -> str:
     import subprocess
 
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=REPO_ROOT).stdout.strip()
+
+
+def run_matrix(args) -> List[dict]:
+    """Per model: transformers and the engine's modes, waves alternating within each batch."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from lightllm.server.core.objs.start_args_type import StartArgs
     from lightllm.server.offline_engine import OfflineEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO_ROOT).stdout.strip()
+    commit = _git_commit()
     embedded = model_dir_or_embedded(None)
     tok = AutoTokenizer.from_pretrained(embedded)
     largest = max(max(b) for m in MATRIX_BATCHES.values() for b in m.values())
@@ -378,19 +413,10 @@ def run_matrix(args) -> List[dict]:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     rows = []
     for model in args.matrix_models:
-        model_dir, load_format = embedded, "auto"
-        if model == "llama3_8b_dummy":
-            model_dir = write_dummy_model_dir(os.path.join(tempfile.mkdtemp(), model), LLAMA3_8B_SHAPE, embedded)
-            load_format = "dummy"
+        model_dir, load_format = _matrix_model_dir(model, embedded)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the engine's default
-        if args.skip_hf:
-            hf = None
-        elif load_format == "dummy":  # random weights too, initialised on the device
-            with torch.device(device):
-                hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
-        else:
-            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        hf = None if args.skip_hf else _load_hf(model_dir, load_format, device, dtype)
         for mode, batches in MATRIX_BATCHES[model].items():
             if mode not in args.matrix_modes:
                 continue
@@ -447,6 +473,204 @@ MATRIX_TABLE = (
 )
 
 
+# --long_context: time to first token on long prompts, and waves of 16 long vs short prompts
+LONG_CONTEXT_OUT = os.path.join("docs", "data", "perf", "long_context.json")
+LONG_PROMPT_LENS = (512, 2048, 6000)  # the embedded model's TTFT prompts
+DUMMY_8B_PROMPT_LENS = (2048,)
+LONG_WAVE_REQUESTS = 16
+LONG_WAVE_LENS = (6000, 150)  # the long wave's and the short wave's prompt tokens
+TTFT_REPEATS = 5  # timed prompts per length (median), after one untimed
+HF_REPEATS = 5  # timed transformers forwards per length (median), after one untimed
+USER_TEXT_MARK = "@@USER_TEXT@@"  # where the user turn goes in the chat template's text
+
+
+def chat_template_ends(tokenizer) -> Tuple[List[int], List[int]]:
+    """The chat template's token ids before and after one user turn's text (generation prompt included)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": USER_TEXT_MARK}], add_generation_prompt=True,
+                                         tokenize=False)
+    head, mark, tail = text.partition(USER_TEXT_MARK)
+    if not mark:
+        raise ValueError("the chat template dropped the user turn's text")
+    return tokenizer.encode(head, add_special_tokens=False), tokenizer.encode(tail, add_special_tokens=False)
+
+
+def exact_length_prompt(tokenizer, n_tokens: int, texts: Sequence[str], start: int = 0,
+                        ends: Optional[Tuple[List[int], List[int]]] = None) -> List[int]:
+    """Prompt ids of exactly ``n_tokens``: the chat template around a user turn made of ``texts``
+    (from ``start``, cycling, one blank line apart), its tokens cut to fit."""
+    head, tail = ends or chat_template_ends(tokenizer)
+    need = n_tokens - len(head) - len(tail)
+    if need < 1:
+        raise ValueError(f"{n_tokens} tokens cannot hold the chat template ({len(head) + len(tail)} tokens)")
+    if not texts:
+        raise ValueError("no texts to build a prompt from")
+    body: List[int] = []
+    i = start
+    while len(body) < need:  # each text adds at least its blank line's token
+        body += tokenizer.encode(texts[i % len(texts)] + "\n\n", add_special_tokens=False)
+        i += 1
+    return head + body[:need] + tail
+
+
+def usable_prompt_len(n_tokens: int, max_positions: Optional[int], new_tokens: int) -> int:
+    """``n_tokens``, or the longest prompt that leaves room for ``new_tokens`` within the model's positions."""
+    return n_tokens if max_positions is None else min(n_tokens, max_positions - new_tokens)
+
+
+def long_context_result(ttft_ms: Dict[str, Dict[int, float]], hf_prefill_ms: Dict[str, Dict[int, float]],
+                        c16_long_tok_s: Optional[float], c16_short_tok_s: Optional[float], commit: str,
+                        meta: Dict[str, object]) -> Dict[str, object]:
+    """docs/data/perf/long_context.json: milliseconds by model and prompt length (JSON keys are strings)."""
+    def by_len(table):
+        return {model: {str(n): ms for n, ms in sorted(per_len.items())} for model, per_len in table.items()}
+
+    return {"ttft_ms": by_len(ttft_ms), "hf_prefill_ms": by_len(hf_prefill_ms), "c16_long_tok_s": c16_long_tok_s,
+            "c16_short_tok_s": c16_short_tok_s, "commit": commit, "meta": meta}
+
+
+def ttft_rows(result: Dict[str, object]) -> List[dict]:
+    """The printed table's rows: one per model and prompt length."""
+    rows = []
+    for model, per_len in result["ttft_ms"].items():
+        for n, ms in per_len.items():
+            hf = result["hf_prefill_ms"].get(model, {}).get(n)
+            rows.append({"model": model, "prompt_tokens": int(n), "ttft_ms": ms, "hf_prefill_ms": hf,
+                         "hf_over_engine": ratio(hf, ms)})
+    return rows
+
+
+LONG_TABLE = (
+    Column("model", "model"), Column("prompt_tokens", "prompt tokens", "d"), Column("ttft_ms", "engine TTFT ms", ".1f"),
+    Column("hf_prefill_ms", "hf forward ms", ".1f"), Column("hf_over_engine", "hf / engine", ".2f"),
+)
+
+
+def wave_rows(result: Dict[str, object], args) -> List[dict]:
+    """The printed table of the two waves (embedded model)."""
+    return [{"wave": f"{LONG_WAVE_REQUESTS} x {n} tokens", "max_new_tokens": args.max_new_tokens,
+             "tok_s": result[key]} for n, key in zip(args.wave_lens, ("c16_long_tok_s", "c16_short_tok_s"))]
+
+
+WAVE_TABLE = (Column("wave", "wave (embedded)"), Column("max_new_tokens", "new tokens each", "d"),
+              Column("tok_s", "out tok/s", ".1f"))
+
+
+def _median_ms(fn, inputs: Sequence) -> float:
+    """Median wall ms of ``fn(x)`` over ``inputs`` (the device synchronized around each)."""
+    times = []
+    for x in inputs:
+        _sync()
+        t0 = time.perf_counter()
+        fn(x)
+        _sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _hf_forward(model):
+    """One forward of a prompt's ids, no KV cache kept, logits of the last position only where supported."""
+    import inspect
+
+    import torch
+
+    kwargs = {"use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+
+    def forward(ids: List[int]):
+        with torch.inference_mode():
+            return model(torch.tensor([ids], device=model.device), **kwargs)
+
+    return forward
+
+
+def _engine_first_token(eng):
+    def first_token(ids: List[int]):
+        return eng.generate([ids], [{"max_new_tokens": 1, "ignore_eos": True}])
+
+    return first_token
+
+
+def run_long_context(args) -> Dict[str, object]:
+    """Per model: transformers' forwards first (then freed), then one engine for the TTFTs and,
+    on the embedded model, the two waves."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lightllm.server.core.objs.start_args_type import StartArgs
+    from lightllm.server.offline_engine import OfflineEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the engine's default
+    embedded = model_dir_or_embedded(None)
+    tok = AutoTokenizer.from_pretrained(embedded)  # the dummy model's tokenizer too
+    ends = chat_template_ends(tok)
+    texts = [q.question for q in load_gsm8k(gsm8k_path("test", args.gsm8k))]
+    ttft: Dict[str, Dict[int, float]] = {}
+    hf_ms: Dict[str, Dict[int, float]] = {}
+    waves: Dict[str, float] = {}  # "long" / "short" -> tok/s
+    clipped: Dict[str, Dict[int, int]] = {}  # model -> asked prompt length -> the one run
+    engine_args: Dict[str, Dict[str, int]] = {}
+    for model in args.long_models:
+        model_dir, load_format = _matrix_model_dir(model, embedded)
+        max_positions = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+
+        def fit(n: int, new_tokens: int) -> int:  # the longest prompt the model's positions allow, said when shorter
+            usable = usable_prompt_len(n, max_positions, new_tokens)
+            if usable != n:
+                clipped.setdefault(model, {})[n] = usable
+                print(f"[{model}] {n} prompt + {new_tokens} new tokens exceed max_position_embeddings "
+                      f"{max_positions}: {usable}-token prompts instead", flush=True)
+            return usable
+
+        with_waves = model == "embedded"
+        lens = [fit(n, 1) for n in (args.long_lens if model == "embedded" else DUMMY_8B_PROMPT_LENS)]
+        wave_lens = [fit(n, args.max_new_tokens) for n in args.wave_lens] if with_waves else []
+        # TTFT prompt j of a length starts at question j: no two timed prompts are the same
+        prompts = {n: [exact_length_prompt(tok, n, texts, j, ends) for j in range(1 + TTFT_REPEATS)] for n in lens}
+        if not args.skip_hf:
+            hf = _load_hf(model_dir, load_format, device, dtype)
+            forward = _hf_forward(hf)
+            for n in lens:
+                forward(prompts[n][0])  # warm-up
+                hf_ms.setdefault(model, {})[n] = _median_ms(forward, prompts[n][1:1 + HF_REPEATS])
+                print(f"[{model}] transformers forward, {n} tokens: {hf_ms[model][n]:.1f} ms", flush=True)
+            hf = forward = None
+            free_device_memory()
+        eng = OfflineEngine(StartArgs(model_dir=model_dir, load_format=load_format,
+                                      running_max_req_size=LONG_WAVE_REQUESTS if with_waves else 1,
+                                      max_req_total_len=auto_max_req_total_len(lens + wave_lens, args.max_new_tokens),
+                                      disable_cudagraph=args.disable_cudagraph))
+        engine_args[model] = {"max_req_total_len": eng.args.max_req_total_len,
+                              "batch_max_tokens": eng.args.batch_max_tokens}
+        first_token = _engine_first_token(eng)
+        for n in lens:
+            first_token(prompts[n][0])  # warm-up: kernel compilation at this length
+            ttft.setdefault(model, {})[n] = _median_ms(first_token, prompts[n][1:])
+            print(f"[{model}] engine TTFT, {n} tokens: {ttft[model][n]:.1f} ms", flush=True)
+        if with_waves:
+            wave = {n: [exact_length_prompt(tok, n, texts, j, ends) for j in range(LONG_WAVE_REQUESTS)]
+                    for n in wave_lens}
+            _engine_wave(eng, wave[wave_lens[1]], args.warmup_tokens)
+            for kind, n in zip(("long", "short"), wave_lens):
+                timed = [_engine_wave(eng, wave[n], args.max_new_tokens) for _ in range(args.waves)]
+                waves[kind] = sum(w.tokens for w in timed) / sum(w.wall_s for w in timed)
+                print(f"[{model}] {LONG_WAVE_REQUESTS} x {n}-token prompts, {args.max_new_tokens} new tokens each: "
+                      f"{waves[kind]:.1f} tok/s", flush=True)
+        eng = first_token = None
+        free_device_memory()
+    meta = {
+        "device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "dtype": str(dtype).replace("torch.", ""), "ttft": "wall ms of one generate() of 1 new token, median of "
+        f"{TTFT_REPEATS}", "hf": f"one forward (SDPA, no cache), median of {HF_REPEATS}",
+        "wave_requests": LONG_WAVE_REQUESTS, "wave_lens": list(args.wave_lens), "max_new_tokens": args.max_new_tokens,
+        "waves": args.waves, "disable_cudagraph": args.disable_cudagraph, "clipped": clipped,
+        "engine_args": engine_args,
+    }
+    return long_context_result(ttft, hf_ms, waves.get("long"), waves.get("short"), _git_commit(), meta)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -466,21 +690,38 @@ def parse_args(argv=None):
     p.add_argument("--gsm8k", default=None, help="GSM8K jsonl ({question, answer} per line; default: test.jsonl in "
                                                  "$LIGHTLLM_GSM8K_DIR or ../shared/data/gsm8k beside the checkout)")
     p.add_argument("--prompt_file", default=None, help="prompts, one per line, used as is (instead of GSM8K)")
-    p.add_argument("--out", default="bench_e2e_throughput.json", help="JSON results path")
+    p.add_argument("--out", default=None,
+                   help=f"JSON results path (default: {DEFAULT_OUT}; --long_context: {LONG_CONTEXT_OUT})")
     p.add_argument("--matrix", action="store_true",
                    help="in-process engine vs transformers over models x modes x batches (CUDA; "
                         "writes the rows of docs/data/perf/bench_vs_hf.json to --out)")
     p.add_argument("--matrix_models", nargs="+", default=list(MATRIX_MODELS), choices=MATRIX_MODELS)
     p.add_argument("--matrix_modes", nargs="+", default=list(MATRIX_MODES), choices=list(MATRIX_MODES),
                    help="--matrix: the engine modes to run (ratios to plain need plain)")
-    p.add_argument("--waves", type=int, default=2, help="--matrix: timed waves per cell (pooled)")
-    p.add_argument("--disable_cudagraph", action="store_true", help="--matrix: eager engine decode")
+    p.add_argument("--waves", type=int, default=2,
+                   help="--matrix: timed waves per cell; --long_context: per wave length (pooled)")
+    p.add_argument("--disable_cudagraph", action="store_true", help="--matrix, --long_context: eager engine decode")
+    p.add_argument("--long_context", action="store_true",
+                   help="in-process engine: time to first token on long prompts vs a transformers forward, and "
+                        f"{LONG_WAVE_REQUESTS} concurrent long vs short prompts (CUDA; writes {LONG_CONTEXT_OUT})")
+    p.add_argument("--long_models", nargs="+", default=list(MATRIX_MODELS), choices=MATRIX_MODELS,
+                   help=f"--long_context: the models (the 8B-shaped dummy: TTFT at {DUMMY_8B_PROMPT_LENS} tokens)")
+    p.add_argument("--long_lens", type=int, nargs="+", default=list(LONG_PROMPT_LENS),
+                   help="--long_context: the embedded model's TTFT prompt lengths (tokens)")
+    p.add_argument("--wave_lens", type=int, nargs=2, default=list(LONG_WAVE_LENS), metavar=("LONG", "SHORT"),
+                   help=f"--long_context: prompt tokens of the long and the short {LONG_WAVE_REQUESTS}-request waves")
     args = p.parse_args(argv)
     for name in ("num_prompts", "max_new_tokens", "concurrency", "hf_batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if args.long_context and args.matrix:
+        p.error("--long_context and --matrix are separate runs")
+    if min(args.long_lens + args.wave_lens) < 1:
+        p.error("--long_lens and --wave_lens must be >= 1")
     if args.warmup_requests is None:
         args.warmup_requests = args.concurrency
+    if args.out is None:
+        args.out = LONG_CONTEXT_OUT if args.long_context else DEFAULT_OUT
     return args
 
 
@@ -495,6 +736,13 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
+    if args.long_context:
+        result = run_long_context(args)
+        print(render_table(ttft_rows(result), LONG_TABLE))
+        print(render_table(wave_rows(result, args), WAVE_TABLE), flush=True)
+        write_json(args.out, result)
+        print(f"wrote {args.out}")
+        return 0
     if args.matrix:
         rows = add_matrix_ratios(run_matrix(args))
         print(render_table(rows, MATRIX_TABLE), flush=True)

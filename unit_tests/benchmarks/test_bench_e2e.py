@@ -117,3 +117,80 @@ def test_matrix_rows_pool_waves_and_ratios_by_hand():
     add_matrix_ratios([plain, mtp])
     assert (plain["vs_hf"], plain["vs_plain"]) == (2.0, 1.0)
     assert (mtp["vs_hf"], mtp["vs_plain"]) == (4.0, 2.0)
+
+
+def test_long_context_flags_and_default_out():
+    args = bench.parse_args(["--long_context"])
+    assert args.long_context and args.out == os.path.join("docs", "data", "perf", "long_context.json")
+    assert args.long_lens == [512, 2048, 6000] and args.wave_lens == [6000, 150]
+    assert args.long_models == ["embedded", "llama3_8b_dummy"] and args.max_new_tokens == 128
+    assert bench.parse_args([]).out == "bench_e2e_throughput.json"
+    short = bench.parse_args(["--long_context", "--long_models", "embedded", "--long_lens", "64", "128",
+                              "--wave_lens", "256", "32", "--out", "lc.json"])
+    assert (short.long_models, short.long_lens, short.wave_lens, short.out) == (["embedded"], [64, 128], [256, 32],
+                                                                                "lc.json")
+
+
+@pytest.mark.parametrize("argv", [["--long_context", "--matrix"], ["--long_context", "--long_lens", "0"],
+                                  ["--long_context", "--wave_lens", "6000"]])
+def test_long_context_bad_flags(argv):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(bench.model_dir_or_embedded(None))
+
+
+QUESTIONS = ["Natalia sold clips to 48 of her friends in April.", "Weng earns $12 an hour for babysitting.",
+             "Betty is saving money for a new wallet which costs $100."]
+
+
+def test_chat_template_ends_are_the_chat_prompt_around_the_user_text(tokenizer):
+    from lightllm.tools.prompts import chat_prompt_ids
+
+    head, tail = bench.chat_template_ends(tokenizer)
+    assert head + tail == chat_prompt_ids(tokenizer, [""])[0]
+    assert tokenizer.decode(head).endswith("user\n") and tokenizer.decode(tail).startswith("<|im_end|>")
+
+
+@pytest.mark.parametrize("n", [150, 512, 2048, 6000])
+def test_exact_length_prompts(tokenizer, n):
+    head, tail = bench.chat_template_ends(tokenizer)
+    ids = bench.exact_length_prompt(tokenizer, n, QUESTIONS)
+    assert len(ids) == n and ids[:len(head)] == head and ids[-len(tail):] == tail
+    body = tokenizer.decode(ids[len(head):-len(tail)])
+    assert body.startswith(QUESTIONS[0]) and QUESTIONS[2] in body  # the texts, cycled
+    other = bench.exact_length_prompt(tokenizer, n, QUESTIONS, start=1, ends=(head, tail))
+    assert len(other) == n and other != ids  # a prompt per start: no two timed prompts alike
+
+
+def test_exact_length_prompt_too_short_for_the_template(tokenizer):
+    head, tail = bench.chat_template_ends(tokenizer)
+    with pytest.raises(ValueError, match="cannot hold the chat template"):
+        bench.exact_length_prompt(tokenizer, len(head) + len(tail), QUESTIONS)
+    assert len(bench.exact_length_prompt(tokenizer, len(head) + len(tail) + 1, QUESTIONS)) == len(head) + len(tail) + 1
+
+
+def test_usable_prompt_len_leaves_room_for_new_tokens():
+    assert bench.usable_prompt_len(6000, 8192, 128) == 6000
+    assert bench.usable_prompt_len(6000, 2048, 128) == 1920
+    assert bench.usable_prompt_len(6000, None, 128) == 6000
+
+
+def test_long_context_json_and_tables():
+    args = bench.parse_args(["--long_context"])
+    result = bench.long_context_result({"embedded": {6000: 30.0, 512: 10.0}, "llama3_8b_dummy": {2048: 60.0}},
+                                       {"embedded": {6000: 45.0, 512: 36.0}}, 3000.0, 8000.0, "abc1234", {"k": 1})
+    assert set(result) == {"ttft_ms", "hf_prefill_ms", "c16_long_tok_s", "c16_short_tok_s", "commit", "meta"}
+    assert result["ttft_ms"] == {"embedded": {"512": 10.0, "6000": 30.0}, "llama3_8b_dummy": {"2048": 60.0}}
+    assert result["hf_prefill_ms"] == {"embedded": {"512": 36.0, "6000": 45.0}}
+    assert json.loads(json.dumps(result)) == result
+    rows = bench.ttft_rows(result)
+    assert [(r["model"], r["prompt_tokens"], r["hf_over_engine"]) for r in rows] == [
+        ("embedded", 512, 3.6), ("embedded", 6000, 1.5), ("llama3_8b_dummy", 2048, None)]
+    assert len(render_table(rows, bench.LONG_TABLE).splitlines()) == 5
+    waves = bench.wave_rows(result, args)
+    assert [(w["wave"], w["tok_s"]) for w in waves] == [("16 x 6000 tokens", 3000.0), ("16 x 150 tokens", 8000.0)]
+    assert "8000.0" in render_table(waves, bench.WAVE_TABLE)
