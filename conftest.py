@@ -15,6 +15,26 @@ except ImportError:  # pragma: no cover
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_takes_loaded_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a loaded scalar (a 1-element array) into a ``range`` bound with
+    ``int(array)``, which numpy >= 2.4 refuses; the compiler takes such bounds. Read the element."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_takes_loaded_loop_bounds()
+
 # In-process CPU engines (also on GPU machines: the gloo tests) share the cores with the
 # server processes and ranks the tests start, and with other pytest workers.
 from lightllm.utils.cpu_threads import configure_cpu_threads  # noqa: E402

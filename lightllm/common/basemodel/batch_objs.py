@@ -26,6 +26,11 @@ class ModelInput:
     is_prefill: bool
     b_ready_cache_len: Optional[torch.Tensor] = None  # [batch] int32, prefill only
     b_mtp_index: Optional[torch.Tensor] = None  # [batch] int32, decode with MTP only
+    # Decode rows: most consecutive rows of one request (MTP: K + 1; prefill rows: the padded size)
+    # and a bound on the runs of consecutive rows of one request (None: one per row). Attention
+    # reads a run's KV once; prefill derives both from its items.
+    max_q_len: int = 1
+    max_q_runs: Optional[int] = None
     # Host copies for the python-side loops of the torch attention path.
     b_seq_len_cpu: Optional[torch.Tensor] = None  # [batch] int32
     b_ready_cache_len_cpu: Optional[torch.Tensor] = None  # [batch] int32

@@ -8,7 +8,7 @@ Vocabulary:
   ``req_to_token_indexs``).
 """
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -37,6 +37,10 @@ class InferStateInfo:
     mem_manager: MemoryManager
     req_manager: ReqManager
     comm: TpComm = SINGLE_RANK_COMM  # collectives of this forward (tensor / data parallel ranks)
+    max_q_len: int = 1  # host int: most consecutive rows (new tokens) of one request
+    max_q_runs: int = 1  # host int: at most this many runs of consecutive rows of one request
+    # The triton attention's plan (unified_attention.AttentionPlan), built by the first layer.
+    attention_plan: Optional[Any] = None
     # Filled by the model after construction (rope tables of the new tokens' positions).
     position_cos: Optional[torch.Tensor] = None  # [num_new_tokens, head_dim]
     position_sin: Optional[torch.Tensor] = None  # [num_new_tokens, head_dim]
@@ -64,6 +68,7 @@ class InferStateInfo:
             b_q_start_pos = b_ready
             last_token_index = new_end - 1
             max_new_len = _max_new_len_on_host(model_input)
+            max_q_len, max_q_runs = max_new_len, batch_size
         else:
             if num_new_tokens != batch_size:
                 raise ValueError(f"decode needs one new token per row: {num_new_tokens} tokens, {batch_size} rows")
@@ -72,6 +77,8 @@ class InferStateInfo:
             b_q_start_pos = b_seq_len_long - 1
             last_token_index = item_ids
             max_new_len = 1
+            max_q_len = model_input.max_q_len
+            max_q_runs = batch_size if model_input.max_q_runs is None else model_input.max_q_runs
         return cls(
             is_prefill=model_input.is_prefill,
             batch_size=batch_size,
@@ -90,6 +97,8 @@ class InferStateInfo:
             mem_manager=mem_manager,
             req_manager=req_manager,
             comm=comm,
+            max_q_len=max_q_len,
+            max_q_runs=max_q_runs,
         )
 
 

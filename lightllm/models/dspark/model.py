@@ -130,7 +130,8 @@ class DSparkDraftModel:
         tokens = torch.cat([anchors.long()[:, None], self._mask_ids[:m]], dim=1).reshape(-1)  # [rows]
         seq_len = (anchor_pos.long() + bs).to(torch.int32).repeat_interleave(bs)  # every row sees the whole block
         mi = ModelInput(batch_size=rows, total_token_num=0, max_len_in_batch=max_len, input_ids=tokens,
-                        mem_indexes=slots, b_req_idx=req_rows, b_seq_len=seq_len, is_prefill=False)
+                        mem_indexes=slots, b_req_idx=req_rows, b_seq_len=seq_len, is_prefill=False,
+                        max_q_len=bs, max_q_runs=m + 1)
         state = InferStateInfo.from_model_input(mi, self.mem_manager, t.req_manager, t.device)
         state.positions = pos.reshape(-1)  # each block row at its own position, all seeing the whole block
         t._fill_position_embeddings(state)

@@ -1,6 +1,6 @@
-"""attention_backends: one backend name picks prefill and decode attention together, and the
-triton backend's prefill (the decode kernel once per new token; Triton's interpreter on CPU)
-matches the torch prefill on a chunked prefill with a ready cache, GQA."""
+"""attention_backends: one backend name picks the attention of every row, and the triton backend
+(the unified kernel; Triton's interpreter on CPU) matches the torch attention on a chunked prefill
+with a ready cache, GQA, and on MTP decode rows; the plan is built once per forward."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +11,7 @@ from lightllm.common.basemodel.layer_infer.torch_attention import paged_attentio
 from lightllm.common.kv_cache_mem_manager import MemoryManager
 from lightllm.common.req_manager import ReqManager
 from lightllm.models.llama.layer_infer import attention_backends as ab
-from lightllm.models.llama.triton_kernel.token_attention import TOKEN_BLOCK
+from lightllm.models.llama.triton_kernel.unified_attention import BLOCK_N as TOKEN_BLOCK
 from unit_tests.devices import KERNEL_DEVICES
 
 NUM_SLOTS = 400
@@ -58,33 +58,59 @@ def _chunked_prefill_case(device="cpu", seed=0):
     return q, mem.k_buffer[0], mem.v_buffer[0], state
 
 
+def _mtp_decode_case(device="cpu", seed=1, k1=4):
+    """Decode rows: K + 1 rows per request (lengths L .. L + K), then two HOLD padding rows."""
+    gen = torch.Generator().manual_seed(seed)
+    mem = MemoryManager(NUM_SLOTS, torch.float32, KV_HEADS, HEAD_DIM, 1, device)
+    mem.k_buffer.copy_(torch.randn(mem.k_buffer.shape, generator=gen))
+    mem.v_buffer.copy_(torch.randn(mem.v_buffer.shape, generator=gen))
+    reqs = ReqManager(3, MAX_SEQ_LEN, mem, device)
+    req_idx, seq_len = [], []
+    for length in (5, TOKEN_BLOCK + 7, 2 * TOKEN_BLOCK - 1):
+        r = reqs.alloc()
+        n = length + k1 - 1
+        reqs.req_to_token_indexs[r, :n] = mem.alloc(n)[torch.randperm(n, generator=gen)].to(device)
+        req_idx += [r] * k1
+        seq_len += list(range(length, length + k1))
+    req_idx += [reqs.HOLD_REQUEST_ID] * 2
+    seq_len += [1, 1]
+    rows = len(req_idx)
+    seq_cpu = torch.tensor(seq_len, dtype=torch.int32)
+    model_input = ModelInput(
+        batch_size=rows, total_token_num=0, max_len_in_batch=int(seq_cpu.max()),
+        input_ids=torch.zeros(rows, dtype=torch.int64), mem_indexes=torch.zeros(rows, dtype=torch.int64),
+        b_req_idx=torch.tensor(req_idx, dtype=torch.int32), b_seq_len=seq_cpu, is_prefill=False,
+        b_seq_len_cpu=seq_cpu, max_q_len=k1, max_q_runs=rows // k1 + 1,
+    )
+    state = InferStateInfo.from_model_input(model_input, mem, reqs, torch.device(device))
+    q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=gen).to(device)
+    return q, mem.k_buffer[0], mem.v_buffer[0], state
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_triton_prefill_matches_torch_prefill_on_chunks_with_a_ready_cache(device):
-    q, k_cache, v_cache, state = _chunked_prefill_case(device)
+@pytest.mark.parametrize("case", [_chunked_prefill_case, _mtp_decode_case])
+def test_triton_attention_matches_torch(device, case):
+    q, k_cache, v_cache, state = case(device)
     scale = HEAD_DIM**-0.5
-    triton_prefill = ab.ATTENTION_BACKENDS["triton"].prefill
-    assert triton_prefill is ab._triton_per_token_attention
-    got = triton_prefill(q, k_cache, v_cache, state, scale)
+    got = ab.triton_attention(q, k_cache, v_cache, state, scale)
+    plan = state.attention_plan
+    assert ab.triton_attention(q, k_cache, v_cache, state, scale) is not None and state.attention_plan is plan
     want = paged_attention_torch(q, k_cache, v_cache, state, scale)
     torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=FP32_ATOL)
+    if not state.is_prefill:
+        assert plan.block_q == 4  # one block per request's K + 1 rows
 
 
-def test_one_name_picks_prefill_and_decode_attention():
+def test_one_name_picks_the_attention():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object, no GPU needed
-    torch_pair = (paged_attention_torch, paged_attention_torch)
-    triton_pair = (ab._triton_per_token_attention, ab._triton_decode_attention)
-
-    def attention(ops):
-        return ops.prefill_attention, ops.decode_attention
-
-    assert attention(ab.get_layer_ops("auto", cpu)) == torch_pair
-    assert attention(ab.get_layer_ops("auto", cuda)) == triton_pair  # the CUDA default
-    assert attention(ab.get_layer_ops("torch", cuda)) == torch_pair
-    assert attention(ab.get_layer_ops("triton", cpu)) == triton_pair
+    assert ab.get_layer_ops("auto", cpu).attention is paged_attention_torch
+    assert ab.get_layer_ops("auto", cuda).attention is ab.triton_attention  # the CUDA default
+    assert ab.get_layer_ops("torch", cuda).attention is paged_attention_torch
+    assert ab.get_layer_ops("triton", cpu).attention is ab.triton_attention
     for name, device in (("auto", cpu), ("auto", cuda), ("torch", cuda)):
         assert ab.get_layer_ops(name, device).linear is F.linear
-    # deterministic inference: the triton pair whatever the name, batch-invariant linear layers
+    # deterministic inference: the deterministic triton plan whatever the name, batch-invariant linear layers
     det = ab.get_layer_ops("torch", cuda, deterministic=True)
-    assert attention(det) == triton_pair and det.linear is ab.batch_invariant_linear
+    assert det.attention is ab.deterministic_triton_attention and det.linear is ab.batch_invariant_linear
     with pytest.raises(ValueError, match="valid names: auto, torch, triton"):
         ab.get_layer_ops("flash", cuda)

@@ -23,8 +23,7 @@ NEW_TOKENS = 4
 
 def _deterministic(model):
     """The CUDA kernels' choice, on CPU (the interpreter runs them)."""
-    triton = ab.ATTENTION_BACKENDS["triton"]
-    ops = ab.LayerOps(ab.batch_invariant_linear, triton.prefill, triton.decode)
+    ops = ab.LayerOps(ab.batch_invariant_linear, ab.deterministic_triton_attention)
     model.ops = ops
     for layer in model.layers_infer:
         layer.ops = ops

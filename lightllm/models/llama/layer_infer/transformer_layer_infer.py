@@ -73,8 +73,7 @@ class LlamaTransformerLayerInfer:
         # New tokens' K/V go in first, so each token (and each later MTP row) sees them.
         q = rotary_and_cache_kv(q, k, v, infer_state.position_cos, infer_state.position_sin, k_cache, v_cache,
                                 infer_state.mem_indexes)
-        attention = self.ops.prefill_attention if infer_state.is_prefill else self.ops.decode_attention
-        o = attention(q, k_cache, v_cache, infer_state, self.sm_scale)  # [tokens, q_heads, head_dim]
+        o = self.ops.attention(q, k_cache, v_cache, infer_state, self.sm_scale)  # [tokens, q_heads, head_dim]
         if infer_state.comm.attn_size == 1:
             return linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj, weight.o_bias)
         out = infer_state.comm.attn_all_reduce(linear(o.reshape(num_tokens, s.q_heads * s.head_dim), weight.o_proj, None))

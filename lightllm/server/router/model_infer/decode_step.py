@@ -384,6 +384,9 @@ class DecodeStep:
             b_seq_len=b_seq_len,
             is_prefill=False,
             b_mtp_index=b_mtp_index,
+            max_q_len=self.mtp_step + 1,
+            # K + 1 rows per request, then one run of padding rows
+            max_q_runs=num_rows // (self.mtp_step + 1) + 1,
         )
 
     # ---- forward ----

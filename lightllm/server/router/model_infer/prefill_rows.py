@@ -89,7 +89,7 @@ class PrefillRows:
         return ModelInput(
             batch_size=size, total_token_num=0, max_len_in_batch=int(seq_len_cpu.max()),
             input_ids=self.input_ids[:size], mem_indexes=self.mem_indexes[:size], b_req_idx=self.b_req_idx[:size],
-            b_seq_len=self.b_seq_len[:size], is_prefill=False, b_seq_len_cpu=seq_len_cpu,
+            b_seq_len=self.b_seq_len[:size], is_prefill=False, b_seq_len_cpu=seq_len_cpu, max_q_len=size,
         )
 
     def _capture_one(self, size: int) -> None:

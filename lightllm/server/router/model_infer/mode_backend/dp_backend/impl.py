@@ -148,6 +148,7 @@ def select_decode_rows(model_input: ModelInput, idx: torch.Tensor) -> ModelInput
         is_prefill=False,
         b_mtp_index=model_input.b_mtp_index[idx_dev],
         b_seq_len_cpu=seq_cpu,
+        max_q_len=model_input.max_q_len,
     )
 
 

@@ -1,0 +1,362 @@
+"""One paged, variable-length attention kernel for every kind of row, in Triton.
+
+A row is one query token: row r belongs to request ``row_req_idx[r]`` and attends to that
+request's positions 0..``row_seq_len[r]`` - 1, read through the slot table
+``req_to_token_indexs[req, pos]`` (page size 1). Consecutive rows of one request form a
+sequence (a prefill chunk, MTP's K + 1 verify rows, a short prefill run as decode rows,
+dspark's block rows); ``plan_attention`` cuts each sequence into query blocks of
+``block_q`` rows, and one program reads a block's KV once for all its rows and for every
+query head of one KV head (GQA packing: tile row m is query row m // group, head m % group).
+Scores and the weighted sum are ``tl.dot`` tiles of [BLOCK_M rows, BLOCK_N positions]; the
+softmax is online in fp32 (base 2).
+
+Decode-shaped plans (small blocks, few programs) also split each block's KV range over
+``num_kv_splits`` programs and combine them in a second kernel (flash-decoding). The split
+count depends only on the plan's static shape, so a CUDA graph and the eager path at the
+same padded shape run the same programs.
+
+Deterministic plans (``--enable_deterministic_inference``): every row is its own block and
+the KV is never split, so a row's result depends only on its own position and the cache,
+not on its batch, its chunk or whether it is a decode or an MTP verify row.
+"""
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+# KV positions per tile.
+BLOCK_N = 64
+# Smallest tile height tl.dot takes.
+MIN_BLOCK_M = 16
+# Largest tile height: query rows x heads of one KV head per program.
+MAX_BLOCK_M = 128
+# Plans whose tile height is at most this are decode-shaped and may split the KV.
+SPLIT_MAX_BLOCK_M = 32
+# Programs a split plan aims for (about two per SM of an H100 / H200).
+TARGET_PROGRAMS = 264
+MAX_KV_SPLITS = 32
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_tile(ptrs, n_in, d_mask, MASK_N: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [BLOCK_N, BLOCK_DMODEL] tile; masks only what may be out of range."""
+    if MASK_N:
+        return tl.load(ptrs, mask=n_in[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr,  # [rows, q_heads, head_dim]
+    k_ptr,  # [num_slots, kv_heads, head_dim]
+    v_ptr,  # [num_slots, kv_heads, head_dim]
+    req_to_token_ptr,  # [max_req + 1, max_seq_len] int64
+    row_req_idx_ptr,  # [rows] int64
+    row_seq_len_ptr,  # [rows] int32
+    row_seq_start_ptr,  # [rows] int32, first row of each row's sequence
+    block_first_row_ptr,  # [max_blocks] int32, -1: no block
+    out_ptr,  # [rows, q_heads, head_dim]: the output (one split) ...
+    part_acc_ptr,  # [rows, q_heads, splits, head_dim] fp32: ... or the splits' partial sums
+    part_ml_ptr,  # [rows, q_heads, splits, 2] fp32: their running max and sum
+    num_rows,
+    qk_scale,  # sm_scale * log2(e)
+    stride_q_row,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_req_row,
+    stride_out_row,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_Q: tl.constexpr,  # query rows per block
+    BLOCK_M: tl.constexpr,  # >= BLOCK_Q * GROUP, a power of two
+    BLOCK_DMODEL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE_DOT: tl.constexpr,  # fp32 inputs: exact products, not tf32
+    EVEN_D: tl.constexpr,  # HEAD_DIM == BLOCK_DMODEL
+):
+    block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    first_row = tl.load(block_first_row_ptr + block)
+    if first_row >= 0:
+        req_idx = tl.load(row_req_idx_ptr + first_row)
+        seq = tl.load(row_seq_start_ptr + first_row)
+        first_len = tl.load(row_seq_len_ptr + first_row)
+
+        offs_m = tl.arange(0, BLOCK_M)
+        q_off = offs_m // GROUP  # the tile row's query row inside the block
+        head = kv_head * GROUP + offs_m % GROUP
+        row = first_row + q_off
+        in_rows = (q_off < BLOCK_Q) & (row < num_rows)
+        row_c = tl.where(in_rows, row, first_row)
+        valid = in_rows & (tl.load(row_seq_start_ptr + row_c) == seq)
+        row_len = tl.where(valid, tl.load(row_seq_len_ptr + row_c), first_len)  # other tile rows copy the first row
+        lo = tl.min(row_len, 0)  # keys every row of the block sees
+        hi = tl.max(row_len, 0)  # keys some row of the block sees
+
+        offs_d = tl.arange(0, BLOCK_DMODEL)
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(
+            q_ptr + row_c[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
+            mask=valid[:, None] & d_mask[None, :], other=0.0,
+        )
+
+        # This program's share of the keys: whole tiles, split NUM_SPLITS ways.
+        split_len = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = tl.minimum(start + split_len, hi)
+        # Tiles below ``lo`` need no mask.
+        unmasked_end = tl.maximum(tl.minimum(end, (lo // BLOCK_N) * BLOCK_N), start)
+
+        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
+        table = req_to_token_ptr + req_idx * stride_req_row
+        kv_d = kv_head * stride_k_head + offs_d[None, :]
+        kv_dv = kv_head * stride_v_head + offs_d[None, :]
+        for n0 in range(start, unmasked_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_in = offs_n < end
+            slots = tl.load(table + offs_n)
+            k = _load_tile(k_ptr + slots[:, None] * stride_k_slot + kv_d, n_in, d_mask, False, EVEN_D)
+            if IEEE_DOT:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.math.exp2(m_i - m_new)
+            p = tl.math.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_tile(v_ptr + slots[:, None] * stride_v_slot + kv_dv, n_in, d_mask, False, EVEN_D)
+            if IEEE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        for n0 in range(unmasked_end, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_in = offs_n < end
+            slots = tl.load(table + offs_n, mask=n_in, other=0)
+            k = _load_tile(k_ptr + slots[:, None] * stride_k_slot + kv_d, n_in, d_mask, True, EVEN_D)
+            if IEEE_DOT:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            seen = offs_n[None, :] < row_len[:, None]
+            qk = tl.where(seen, qk * qk_scale, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no key yet
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_tile(v_ptr + slots[:, None] * stride_v_slot + kv_dv, n_in, d_mask, True, EVEN_D)
+            if IEEE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        store_mask = valid[:, None] & d_mask[None, :]
+        if NUM_SPLITS == 1:
+            # An empty row (length 0) writes zeros instead of NaN.
+            out = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+            tl.store(out_ptr + row_c[:, None] * stride_out_row + head[:, None] * stride_out_head + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            part = (row_c * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
+            tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr,  # [rows, q_heads, splits, head_dim] fp32
+    part_ml_ptr,  # [rows, q_heads, splits, 2] fp32
+    out_ptr,  # [rows, q_heads, head_dim]
+    stride_out_row,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_DMODEL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+    d_mask = offs_d < HEAD_DIM
+    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
+    m = -float("inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_DMODEL], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(part_ml_ptr + (base + s) * 2)
+        l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1)
+        a_s = tl.load(part_acc_ptr + (base + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        beta = tl.math.exp2(m_s - m_safe)
+        acc = acc * alpha + a_s * beta
+        l = l * alpha + l_s * beta
+        m = m_new
+    out = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
+    tl.store(out_ptr + row * stride_out_row + head * stride_out_head + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one forward's rows are cut into blocks; built once, read by every layer."""
+
+    row_req_idx: torch.Tensor  # [rows] int64
+    row_seq_len: torch.Tensor  # [rows] int32, keys each row sees (its position + 1)
+    row_seq_start: torch.Tensor  # [rows] int32, first row of each row's sequence
+    block_first_row: torch.Tensor  # [max_blocks] int32, first row of each block (-1: unused)
+    group: int  # query heads per KV head
+    block_q: int  # query rows per block
+    block_m: int  # tile height (block_q * group, padded to a power of two)
+    num_kv_splits: int
+
+
+def block_shape(group: int, max_q_len: int, deterministic: bool) -> Tuple[int, int]:
+    """(block_q, block_m): one row per block when deterministic, else enough rows for the longest run
+    of one request, up to MAX_BLOCK_M tile rows."""
+    if group > MAX_BLOCK_M:
+        raise ValueError(f"{group} query heads per KV head exceed the tile height {MAX_BLOCK_M}")
+    rows = 1 if deterministic else max(1, max_q_len)
+    block_m = min(max(MIN_BLOCK_M, triton.next_power_of_2(rows * group)), MAX_BLOCK_M)
+    return min(rows, block_m // group), block_m
+
+
+def num_kv_splits_for(max_blocks: int, kv_heads: int, block_m: int, deterministic: bool) -> int:
+    """KV splits of a decode-shaped plan: enough programs to fill the GPU (one for prefill-shaped
+    plans and for deterministic ones)."""
+    if deterministic or block_m > SPLIT_MAX_BLOCK_M:
+        return 1
+    programs = max(1, max_blocks * kv_heads)
+    return max(1, min(MAX_KV_SPLITS, TARGET_PROGRAMS // programs))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_n: int  # KV positions per tile
+    num_warps: int
+    num_stages: int
+
+
+# Launch configurations measured on an H200 (docs/attention.md): prefill-shaped tiles by head_dim,
+# decode-shaped tiles (split KV) one.
+PREFILL_CONFIGS = {64: LaunchConfig(64, 4, 3), 128: LaunchConfig(128, 8, 3)}
+PREFILL_DEFAULT = LaunchConfig(64, 4, 2)
+DECODE_CONFIG = LaunchConfig(64, 4, 2)
+
+
+def launch_config(block_m: int, block_dmodel: int) -> LaunchConfig:
+    if block_m <= SPLIT_MAX_BLOCK_M:
+        return DECODE_CONFIG
+    return PREFILL_CONFIGS.get(block_dmodel, PREFILL_DEFAULT)
+
+
+def plan_attention(
+    row_req_idx: torch.Tensor,  # [rows] int
+    row_seq_len: torch.Tensor,  # [rows] int
+    q_heads: int,
+    kv_heads: int,
+    max_q_len: int,  # host: most consecutive rows of one request (prefill: the longest chunk)
+    max_seqs: int,  # host: at most this many runs of consecutive rows of one request
+    deterministic: bool = False,
+) -> AttentionPlan:
+    """Group consecutive rows of one request into sequences and cut them into blocks, on the
+    device (no host sync; a fixed shape for a fixed number of rows: CUDA-graph safe)."""
+    if q_heads % kv_heads != 0:
+        raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
+    rows = int(row_req_idx.shape[0])
+    if row_seq_len.shape != (rows,):
+        raise ValueError("row_req_idx and row_seq_len must both be [rows]")
+    group = q_heads // kv_heads
+    block_q, block_m = block_shape(group, max_q_len, deterministic)
+    row_req_idx = row_req_idx.to(torch.int64).contiguous()
+    row_seq_len = row_seq_len.to(torch.int32).contiguous()
+    idx = torch.arange(rows, device=row_req_idx.device)
+    if block_q == 1:
+        max_blocks = max(rows, 1)
+        seq_start = idx
+        first = idx.to(torch.int32)
+    else:
+        max_blocks = max(1, min(rows, triton.cdiv(rows, block_q) + max(max_seqs, 1)))
+        cont = torch.zeros(rows, dtype=torch.bool, device=idx.device)
+        cont[1:] = row_req_idx[1:] == row_req_idx[:-1]
+        seq_start = torch.cummax(torch.where(cont, torch.zeros_like(idx), idx), 0).values
+        leader = (idx - seq_start) % block_q == 0
+        slot = torch.where(leader, torch.cumsum(leader, 0) - 1, max_blocks).clamp_(max=max_blocks)
+        first = torch.full((max_blocks + 1,), -1, dtype=torch.int32, device=idx.device)  # the last takes the rest
+        first = first.scatter_(0, slot, idx.to(torch.int32))[:max_blocks]
+    splits = num_kv_splits_for(max_blocks, kv_heads, block_m, deterministic)
+    return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m, splits)
+
+
+def unified_attention(
+    q: torch.Tensor,  # [rows, q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim]
+    req_to_token_indexs: torch.Tensor,  # [max_req + 1, max_seq_len] int64
+    plan: AttentionPlan,
+    sm_scale: float,
+) -> torch.Tensor:  # [rows, q_heads, head_dim]
+    if q.ndim != 3 or k_cache.ndim != 3 or v_cache.ndim != 3:
+        raise ValueError("q, k_cache, v_cache must be [rows|slots, heads, head_dim]")
+    rows, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if k_cache.shape != v_cache.shape or k_cache.shape[2] != head_dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+    if q_heads != plan.group * kv_heads:
+        raise ValueError(f"q has {q_heads} heads; the plan is for {plan.group} per each of {kv_heads} KV heads")
+    if rows != plan.row_req_idx.shape[0]:
+        raise ValueError(f"q has {rows} rows; the plan has {plan.row_req_idx.shape[0]}")
+    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError("q, k_cache and v_cache must share a dtype")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("req_to_token_indexs", req_to_token_indexs)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    if req_to_token_indexs.dtype != torch.int64:
+        raise ValueError("req_to_token_indexs must be int64")
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    splits = plan.num_kv_splits
+    if splits > 1:
+        part_acc = torch.empty((rows, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((rows, q_heads, splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # not read
+    block_dmodel = triton.next_power_of_2(head_dim)
+    cfg = launch_config(plan.block_m, block_dmodel)
+    grid = (plan.block_first_row.shape[0], kv_heads, splits)
+    _unified_attention_kernel[grid](
+        q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,
+        plan.block_first_row,
+        out, part_acc, part_ml, rows, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token_indexs.stride(0), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, GROUP=plan.group, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_DMODEL=block_dmodel,
+        BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IEEE_DOT=q.dtype == torch.float32, EVEN_D=head_dim == block_dmodel,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(rows, q_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits, num_warps=1,
+        )
+    return out

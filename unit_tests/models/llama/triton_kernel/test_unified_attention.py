@@ -1,0 +1,179 @@
+"""The unified attention kernel against the readable reference (attention_reference.py).
+
+CPU cases run Triton's interpreter on small shapes; the CUDA cases add long KV (up to 8k),
+head_dim 128, bf16 / fp16 and a CUDA graph replay. Every batch mixes runs of one request:
+prefill chunks (including ones after a cached prefix), single decode rows, MTP's K + 1 rows,
+dspark-style block rows that all see the same keys, and slot tables that are not contiguous.
+"""
+import pytest
+import torch
+
+from lightllm.models.llama.triton_kernel.unified_attention import (
+    BLOCK_N,
+    MAX_BLOCK_M,
+    block_shape,
+    plan_attention,
+    unified_attention,
+)
+from unit_tests.devices import KERNEL_DEVICES, needs_cuda, needs_triton_cpu
+from unit_tests.models.llama.triton_kernel.attention_reference import make_batch, reference_attention
+
+FP32_ATOL = 2e-5
+HALF_ATOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
+MTP_ROWS = 4  # K + 1 with K = 3
+# (request, keys seen by the first row, rows): a first chunk crossing tile borders, a decode row,
+# MTP rows, a later chunk over a cached prefix, a one-key row.
+SMALL_RUNS = ((0, 1, BLOCK_N + 3), (1, 130, 1), (2, BLOCK_N - 2, MTP_ROWS), (3, 100, 20), (4, 1, 1))
+# The same on long KV (CUDA): 8k decode rows, MTP rows at 1k and 8k, a 2k chunk after a 6k prefix.
+LONG_RUNS = ((0, 1, 700), (1, 8192, 1), (2, 1021, MTP_ROWS), (3, 6000, 2048), (4, 8189, MTP_ROWS), (5, 1, 1))
+
+
+def _run(batch, max_q_len, deterministic=False, max_runs=None):
+    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, batch.q.shape[1], batch.k_cache.shape[1], max_q_len,
+                          batch.num_runs if max_runs is None else max_runs, deterministic)
+    scale = batch.q.shape[2] ** -0.5
+    return unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale), plan, scale
+
+
+# (q_heads, kv_heads, head_dim): MHA, GQA 3 with head_dim not a power of two, GQA 4, GQA 8
+CPU_SHAPES = [(2, 2, 16), (6, 2, 20), (8, 1, 32)]
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", CPU_SHAPES)
+@pytest.mark.parametrize("hint", ["runs", "one_row", "deterministic"])
+def test_matches_reference_fp32_cpu(q_heads, kv_heads, head_dim, hint):
+    """Blocks sized for the longest run, one-row blocks over decode-sized runs (few programs: the KV
+    is split), and the deterministic plan."""
+    runs = SMALL_RUNS[1:] if hint == "one_row" else SMALL_RUNS
+    batch = make_batch(runs, q_heads, kv_heads, head_dim, torch.float32, "cpu")
+    max_q_len = {"runs": batch.max_q_len, "one_row": 1, "deterministic": batch.max_q_len}[hint]
+    out, plan, scale = _run(batch, max_q_len, deterministic=hint == "deterministic")
+    assert (plan.num_kv_splits > 1) == (hint == "one_row")
+    torch.testing.assert_close(out.float(), batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
+
+
+@needs_triton_cpu
+def test_block_rows_that_see_the_same_keys_cpu():
+    """dspark's block pass: every row of a run sees the whole block (equal lengths)."""
+    batch = make_batch(((0, 70, 4), (1, 3, 4), (2, 130, 4)), 6, 2, 16, torch.float32, "cpu", same_len=True)
+    out, _, scale = _run(batch, 4)
+    torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
+
+
+@needs_triton_cpu
+def test_fp16_cpu():
+    batch = make_batch(SMALL_RUNS[:3], 4, 2, 16, torch.float16, "cpu")
+    out, _, scale = _run(batch, batch.max_q_len)
+    torch.testing.assert_close(out.float(), batch.reference(scale), atol=HALF_ATOL[torch.float16], rtol=0)
+
+
+@needs_triton_cpu
+def test_empty_rows_give_zeros_and_stride0_rows_read_as_values_cpu():
+    """Rows that see no key (length 0) write zeros; one request's rows given as stride-0 views."""
+    batch = make_batch(((0, 5, 3),), 4, 2, 16, torch.float32, "cpu")
+    batch.row_seq_len = torch.tensor([0], dtype=torch.int32).expand(3)
+    out, _, _ = _run(batch, 3)
+    assert torch.equal(out, torch.zeros_like(out))
+    batch.row_req_idx = torch.tensor([0]).expand(3)
+    batch.row_seq_len = torch.tensor([7], dtype=torch.int32).expand(3)
+    out, _, scale = _run(batch, 3)
+    torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_plan_cuts_runs_into_blocks(device):
+    """Hand-computed: runs of requests 7, 7, 7 | 2, 2 | 7 (a new run: not adjacent to the first) | 5
+    with 2 rows per block; every row is in exactly one block, and an unused entry is -1."""
+    req = torch.tensor([7, 7, 7, 2, 2, 7, 5], device=device)
+    lens = torch.tensor([3, 4, 5, 9, 9, 1, 2], dtype=torch.int32, device=device)
+    plan = plan_attention(req, lens, q_heads=8, kv_heads=1, max_q_len=2, max_seqs=4)
+    assert (plan.block_q, plan.block_m) == (2, 16)
+    assert plan.row_seq_start.tolist() == [0, 0, 0, 3, 3, 5, 6]
+    first = plan.block_first_row.tolist()
+    assert first[:5] == [0, 2, 3, 5, 6] and set(first[5:]) <= {-1}
+    det = plan_attention(req, lens, q_heads=8, kv_heads=1, max_q_len=2, max_seqs=4, deterministic=True)
+    assert det.block_q == 1 and det.block_first_row.tolist() == list(range(7)) and det.num_kv_splits == 1
+
+
+def test_block_shape():
+    assert block_shape(group=3, max_q_len=1, deterministic=False) == (1, 16)
+    assert block_shape(group=3, max_q_len=MTP_ROWS, deterministic=False) == (4, 16)
+    assert block_shape(group=4, max_q_len=8192, deterministic=False) == (32, MAX_BLOCK_M)
+    assert block_shape(group=3, max_q_len=8192, deterministic=False) == (42, MAX_BLOCK_M)  # 126 of 128 tile rows
+    assert block_shape(group=4, max_q_len=8192, deterministic=True) == (1, 16)
+
+
+def test_rejects_bad_inputs():
+    batch = make_batch(((0, 5, 3),), 4, 2, 16, torch.float32, "cpu")
+    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, 4, 2, 3, 1)
+    args = (batch.k_cache, batch.v_cache, batch.req_to_token, plan, 0.25)
+    with pytest.raises(ValueError, match="heads"):
+        unified_attention(batch.q[:, :2], *args)
+    with pytest.raises(ValueError, match="dtype"):
+        unified_attention(batch.q.double(), *args)
+    with pytest.raises(ValueError, match="rows"):
+        unified_attention(batch.q[:2], *args)
+    with pytest.raises(ValueError, match="int64"):
+        unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token.int(), plan, 0.25)
+    with pytest.raises(ValueError, match="contiguous"):
+        unified_attention(batch.q.transpose(1, 2).contiguous().transpose(1, 2), *args)
+    with pytest.raises(ValueError, match="multiple"):
+        plan_attention(batch.row_req_idx, batch.row_seq_len, 5, 2, 3, 1)
+
+
+# (q_heads, kv_heads, head_dim): SmolLM2-135M, Qwen3-0.6B, Llama-3-8B, MHA, GQA 8
+CUDA_SHAPES = [(9, 3, 64), (16, 8, 128), (32, 8, 128), (4, 4, 64), (16, 2, 128)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", CUDA_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hint", ["runs", "one_row", "mtp", "deterministic"])
+def test_matches_reference_long_kv_cuda(q_heads, kv_heads, head_dim, dtype, hint):
+    batch = make_batch(LONG_RUNS, q_heads, kv_heads, head_dim, dtype, "cuda", seed=q_heads)
+    max_q_len = {"runs": batch.max_q_len, "one_row": 1, "mtp": MTP_ROWS, "deterministic": 1}[hint]
+    out, _, scale = _run(batch, max_q_len, deterministic=hint == "deterministic")
+    atol = FP32_ATOL * 10 if dtype == torch.float32 else HALF_ATOL[dtype]
+    torch.testing.assert_close(out.float(), batch.reference(scale), atol=atol, rtol=0)
+
+
+@needs_cuda
+def test_deterministic_rows_do_not_depend_on_their_batch_cuda():
+    """A row's output is bitwise the same alone, in a big batch, or as one of MTP's rows."""
+    batch = make_batch(LONG_RUNS, 32, 8, 128, torch.bfloat16, "cuda")
+    out, _, _ = _run(batch, 1, deterministic=True)
+    for row in (0, 700, 701, 703, 2000):
+        alone = make_batch(LONG_RUNS, 32, 8, 128, torch.bfloat16, "cuda")
+        alone.q, alone.row_req_idx, alone.row_seq_len = (t[row:row + 1] for t in (batch.q, batch.row_req_idx,
+                                                                                  batch.row_seq_len))
+        alone.num_runs = 1
+        got, _, _ = _run(alone, 1, deterministic=True)
+        assert torch.equal(got[0], out[row])
+
+
+@needs_cuda
+def test_cuda_graph_replay_equals_eager_cuda():
+    """The plan and the kernel captured in a graph, replayed on new lengths: bit-exact with eager."""
+    batch = make_batch(((0, 3000, MTP_ROWS), (1, 50, MTP_ROWS), (2, 8000, MTP_ROWS)), 32, 8, 128, torch.bfloat16,
+                       "cuda")
+    lens = batch.row_seq_len.clone()
+    scale = 128 ** -0.5
+
+    def step():
+        plan = plan_attention(batch.row_req_idx, lens, 32, 8, MTP_ROWS, batch.num_runs)
+        return unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for shift in (0, -1000, -7990):  # within the slot table
+        lens.copy_((batch.row_seq_len + shift).clamp(min=1))
+        graph.replay()
+        assert torch.equal(out, step())
+        torch.testing.assert_close(
+            out.float(),
+            reference_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.row_req_idx, lens,
+                                scale),
+            atol=HALF_ATOL[torch.bfloat16], rtol=0)
