@@ -22,9 +22,10 @@ the longest request, like a real cache); SDPA reads the same values gathered int
 head before timing, where this torch's flash backend refuses GQA: ``sdpa_gqa`` says which).
 
 Timing: ``triton.testing.do_bench`` (median; the L2 cache is flushed before every call). Decode
-and MTP cases are captured once as CUDA graphs and do_bench times the graph's replay, so launch
-overhead is not counted and the L2 is still flushed (``do_bench_cudagraph`` does not flush it,
-and a batch-1 8B KV of 8192 positions, 32 MiB, fits in an H200's L2). The plan is built once,
+and MTP cases run as a decode step does: GRAPH_LAYERS layers back to back, each over its own KV
+cache (so the L2, which holds a batch-1 8B KV of 8192 positions, 32 MiB, never serves the next
+layer), captured as one CUDA graph; the time is the replay's over GRAPH_LAYERS, so one graph
+launch is shared by the layers as in the engine. The plan is built once,
 outside the timed region; ``plan_ms`` is its own host time (synchronized, median of PLAN_REPEATS).
 ``max_abs_diff`` = max |engine - SDPA| per case, printed and written, not asserted: a wrong
 kernel cannot look fast unnoticed. ``target``/``met``: issue 25's goals (8B shape only).
@@ -64,7 +65,8 @@ MTP_ROWS = 4  # K + 1 verify rows at K = 3
 SLOT_TABLE_PAD = 64  # extra columns of the slot table past the longest request (its stride is not kv_len)
 COPY_BYTES = 1 << 30  # the copy bandwidth's buffer: far larger than the L2
 BENCH_WARMUP_MS, BENCH_REP_MS = 25, 200
-GRAPH_WARMUP_CALLS = 3  # eager calls on a side stream before a graph capture (compilation, allocator)
+GRAPH_WARMUP_CALLS = 3
+GRAPH_LAYERS = 16  # decode / MTP cases: layers per graph, each with its own KV cache  # eager calls on a side stream before a graph capture (compilation, allocator)
 PLAN_REPEATS = 20
 # --quick: fewer and smaller cases, shorter timing
 QUICK_PREFILL_LENS = (512,)
@@ -358,7 +360,9 @@ def bench_case(case: Case, args, gen: torch.Generator, copy_bw: float, commit: s
     from lightllm.models.llama.triton_kernel.unified_attention import plan_attention, unified_attention
 
     h = case.heads
-    x = make_inputs(case, gen)
+    use_graph = case.kind != "prefill" and not args.no_graphs
+    layers = [make_inputs(case, gen) for _ in range(GRAPH_LAYERS if use_graph else 1)]
+    x = layers[0]
     sm_scale = 1.0 / math.sqrt(h.head_dim)
 
     def plan():
@@ -368,15 +372,25 @@ def bench_case(case: Case, args, gen: torch.Generator, copy_bw: float, commit: s
     built = plan()
     plan_ms = host_ms(plan)
 
-    def engine():
-        return unified_attention(x.q, x.k_cache, x.v_cache, x.req_to_token, built, sm_scale)
+    def engine_layer(y: Inputs):
+        return unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, built, sm_scale)
 
-    sdpa, gqa = sdpa_fn(case, x)
-    reference = sdpa().transpose(1, 2).reshape(case.rows, h.q_heads, h.head_dim)  # request-major rows
-    diff = (engine().float() - reference.float()).abs().max().item()
-    use_graph = case.kind != "prefill" and not args.no_graphs
+    sdpa_layers = [sdpa_fn(case, y) for y in layers]
+    gqa = sdpa_layers[0][1]
+    reference = sdpa_layers[0][0]().transpose(1, 2).reshape(case.rows, h.q_heads, h.head_dim)  # request-major
+    diff = (engine_layer(x).float() - reference.float()).abs().max().item()
+
+    def engine():
+        return [engine_layer(y) for y in layers]
+
+    def sdpa():
+        return [fn() for fn, _ in sdpa_layers]
+
     engine_ms, timing = time_ms(engine, use_graph, args.warmup_ms, args.rep_ms)
     sdpa_ms, _ = time_ms(sdpa, use_graph, args.warmup_ms, args.rep_ms)
+    engine_ms, sdpa_ms = engine_ms / len(layers), sdpa_ms / len(layers)
+    if len(layers) > 1:
+        timing += f" of {len(layers)} layers, per layer"
     return result_row(case, engine_ms, sdpa_ms, plan_ms=plan_ms, max_abs_diff=diff, copy_bw=copy_bw,
                       commit=commit, timing=timing, sdpa_gqa=gqa)
 

@@ -42,6 +42,11 @@
 #                                       with and without it, the matrix with both arms
 #   gpu_session.sh perf OUT [MODELS] [MODES]  one decode step profiled (batch 1), then benchmarks/bench_e2e_throughput.py
 #                                       --matrix: engine vs transformers (OUT/bench_vs_hf.json)
+#   gpu_session.sh attention OUT        benchmarks/bench_attention.py: the attention kernel vs SDPA flash
+#                                       (prefill TFLOP/s, decode KV bandwidth, MTP rows; OUT/attention.json)
+#   gpu_session.sh long_context OUT     bench_e2e_throughput.py --long_context: TTFT at 512 / 2k / 6k tokens vs
+#                                       transformers' forward, 16 concurrent 6000- vs 150-token prompts
+#   gpu_session.sh steps OUT            decode step ms on the engine's graphs: batch 1 / 64, plain and MTP K = 3
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
 set -uo pipefail
@@ -73,7 +78,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|overlap|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
+job=${1:?usage: gpu_session.sh data|attention|long_context|steps|overlap|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
 shift
 
 case "$job" in
@@ -114,6 +119,23 @@ perf)
     python benchmarks/bench_e2e_throughput.py --matrix --matrix_models $models ${modes:+--matrix_modes $modes} --max_new_tokens 128 \
         --gsm8k .data/test.jsonl --out "$out/bench_vs_hf.json" > "$out/bench.log" 2>>"$out/perf.err"
     tail -14 "$out/bench.log"
+    ;;
+attention)
+    out=${1:?OUT}; mkdir -p "$out"
+    python benchmarks/bench_attention.py --out "$out/attention.json" > "$out/attention.log" 2>&1
+    status=$?; tail -40 "$out/attention.log"; exit $status
+    ;;
+long_context)
+    out=${1:?OUT}; mkdir -p "$out"
+    python benchmarks/bench_e2e_throughput.py --long_context --gsm8k .data/test.jsonl --out "$out/long_context.json" \
+        > "$out/long_context.log" 2>&1
+    status=$?; grep -v " INFO " "$out/long_context.log" | tail -30; exit $status
+    ;;
+steps)
+    out=${1:?OUT}; mkdir -p "$out"
+    for args in "--batch 1" "--batch 1 --mtp_step 3" "--batch 64" "--batch 64 --mtp_step 3"; do
+        echo "== $args"; python benchmarks/profile_decode_step.py $args --rows 0 --steps 50 2>>"$out/steps.err" | tail -3
+    done | tee "$out/steps.txt"
     ;;
 data)
     mkdir -p .data
