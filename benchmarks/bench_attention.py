@@ -367,7 +367,8 @@ def bench_case(case: Case, args, gen: torch.Generator, copy_bw: float, commit: s
 
     def plan():
         return plan_attention(x.row_req_idx, x.row_seq_len, q_heads=h.q_heads, kv_heads=h.kv_heads,
-                              max_q_len=case.q_len, max_seqs=case.batch, deterministic=args.deterministic)
+                              max_q_len=case.q_len, max_seqs=case.batch, deterministic=args.deterministic,
+                              head_dim=h.head_dim)
 
     built = plan()
     plan_ms = host_ms(plan)

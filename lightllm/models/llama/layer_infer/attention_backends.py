@@ -32,7 +32,8 @@ TORCH_BACKEND = "torch"
 TRITON_BACKEND = "triton"
 
 
-def attention_plan(infer_state: InferStateInfo, q_heads: int, kv_heads: int, deterministic: bool) -> AttentionPlan:
+def attention_plan(infer_state: InferStateInfo, q_heads: int, kv_heads: int, head_dim: int,
+                   deterministic: bool) -> AttentionPlan:
     """The forward's plan: built by the first layer that asks, reused by the others."""
     plan = infer_state.attention_plan
     if plan is not None and plan.group * kv_heads == q_heads:
@@ -42,14 +43,14 @@ def attention_plan(infer_state: InferStateInfo, q_heads: int, kv_heads: int, det
     else:
         req, seq_len = infer_state.b_req_idx, infer_state.b_seq_len
     plan = plan_attention(req, seq_len, q_heads, kv_heads, infer_state.max_q_len, infer_state.max_q_runs,
-                          deterministic)
+                          deterministic, head_dim)
     infer_state.attention_plan = plan
     return plan
 
 
 def _triton_attention(q, k_cache, v_cache, infer_state: InferStateInfo, sm_scale: float,
                       deterministic: bool = False) -> torch.Tensor:
-    plan = attention_plan(infer_state, q.shape[1], k_cache.shape[1], deterministic)
+    plan = attention_plan(infer_state, q.shape[1], k_cache.shape[1], q.shape[2], deterministic)
     return unified_attention(q, k_cache, v_cache, infer_state.req_manager.req_to_token_indexs, plan, sm_scale)
 
 

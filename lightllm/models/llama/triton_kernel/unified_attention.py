@@ -34,8 +34,10 @@ MIN_BLOCK_M = 16
 MAX_BLOCK_M = 128
 # Plans whose tile height is at most this are decode-shaped and may split the KV.
 SPLIT_MAX_BLOCK_M = 32
-# Programs a split plan aims for (about two per SM of an H100 / H200).
+# Programs a split plan aims for at head_dim 128 (about two per SM of an H100 / H200); smaller heads
+# move fewer bytes per tile, so their plans aim for proportionally more programs.
 TARGET_PROGRAMS = 264
+TARGET_HEAD_DIM = 128
 MAX_KV_SPLITS = 32
 LOG2E = 1.4426950408889634
 
@@ -240,13 +242,15 @@ def block_shape(group: int, max_q_len: int, deterministic: bool) -> Tuple[int, i
     return min(rows, block_m // group), block_m
 
 
-def num_kv_splits_for(max_blocks: int, kv_heads: int, block_m: int, deterministic: bool) -> int:
+def num_kv_splits_for(max_blocks: int, kv_heads: int, block_m: int, deterministic: bool,
+                      head_dim: int = TARGET_HEAD_DIM) -> int:
     """KV splits of a decode-shaped plan: enough programs to fill the GPU (one for prefill-shaped
     plans and for deterministic ones)."""
     if deterministic or block_m > SPLIT_MAX_BLOCK_M:
         return 1
     programs = max(1, max_blocks * kv_heads)
-    return max(1, min(MAX_KV_SPLITS, TARGET_PROGRAMS // programs))
+    target = TARGET_PROGRAMS * max(1, TARGET_HEAD_DIM // max(head_dim, 1))
+    return max(1, min(MAX_KV_SPLITS, target // programs))
 
 
 @dataclass(frozen=True)
@@ -256,17 +260,30 @@ class LaunchConfig:
     num_stages: int
 
 
-# Launch configurations measured on an H200 (docs/attention.md): prefill-shaped tiles by head_dim,
-# decode-shaped tiles (split KV) one.
+# Launch configurations, from sweeps on an H200 (docs/attention.md). Prefill-shaped tiles by head_dim;
+# decode-shaped tiles: bigger KV tiles when the KV is split or a block holds several rows (MTP),
+# more bytes in flight per program.
 PREFILL_CONFIGS = {64: LaunchConfig(64, 4, 3), 128: LaunchConfig(128, 8, 3)}
 PREFILL_DEFAULT = LaunchConfig(64, 4, 2)
 DECODE_CONFIG = LaunchConfig(64, 4, 2)
+DECODE_SPLIT_CONFIG = LaunchConfig(128, 4, 2)
+DECODE_MULTI_ROW_CONFIG = LaunchConfig(128, 4, 3)
+HALF_BYTES = 2  # the tables above are for bf16 / fp16; fp32 tiles take half the positions
 
 
-def launch_config(block_m: int, block_dmodel: int) -> LaunchConfig:
-    if block_m <= SPLIT_MAX_BLOCK_M:
-        return DECODE_CONFIG
-    return PREFILL_CONFIGS.get(block_dmodel, PREFILL_DEFAULT)
+def launch_config(block_m: int, block_dmodel: int, block_q: int = 1, num_splits: int = 1,
+                  elem_bytes: int = HALF_BYTES) -> LaunchConfig:
+    if block_m > SPLIT_MAX_BLOCK_M:
+        cfg = PREFILL_CONFIGS.get(block_dmodel, PREFILL_DEFAULT)
+    elif num_splits > 1:
+        cfg = DECODE_SPLIT_CONFIG
+    elif block_q > 1:
+        cfg = DECODE_MULTI_ROW_CONFIG
+    else:
+        cfg = DECODE_CONFIG
+    if elem_bytes > HALF_BYTES:  # the same shared memory per stage
+        cfg = LaunchConfig(cfg.block_n * HALF_BYTES // elem_bytes, cfg.num_warps, min(cfg.num_stages, 2))
+    return cfg
 
 
 def plan_attention(
@@ -277,6 +294,7 @@ def plan_attention(
     max_q_len: int,  # host: most consecutive rows of one request (prefill: the longest chunk)
     max_seqs: int,  # host: at most this many runs of consecutive rows of one request
     deterministic: bool = False,
+    head_dim: int = TARGET_HEAD_DIM,
 ) -> AttentionPlan:
     """Group consecutive rows of one request into sequences and cut them into blocks, on the
     device (no host sync; a fixed shape for a fixed number of rows: CUDA-graph safe)."""
@@ -303,7 +321,7 @@ def plan_attention(
         slot = torch.where(leader, torch.cumsum(leader, 0) - 1, max_blocks).clamp_(max=max_blocks)
         first = torch.full((max_blocks + 1,), -1, dtype=torch.int32, device=idx.device)  # the last takes the rest
         first = first.scatter_(0, slot, idx.to(torch.int32))[:max_blocks]
-    splits = num_kv_splits_for(max_blocks, kv_heads, block_m, deterministic)
+    splits = num_kv_splits_for(max_blocks, kv_heads, block_m, deterministic, head_dim)
     return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m, splits)
 
 
@@ -342,7 +360,7 @@ def unified_attention(
     else:
         part_acc = part_ml = out  # not read
     block_dmodel = triton.next_power_of_2(head_dim)
-    cfg = launch_config(plan.block_m, block_dmodel)
+    cfg = launch_config(plan.block_m, block_dmodel, plan.block_q, splits, q.element_size())
     grid = (plan.block_first_row.shape[0], kv_heads, splits)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,

@@ -58,12 +58,14 @@ def test_alone_equals_in_batch(outputs):
 
 def test_close_to_default_kernels(outputs):
     """Not a different model: up to the first token where they part (a near-tie), the default
-    kernels' log-probs agree."""
+    kernels' log-probs agree: every token within the max, and on average over all requests' tokens
+    (a request that parts after a few tokens says little about the mean alone)."""
     tokens, logprobs, _ = _run("plain", _prompts(), deterministic=False)
     det_tokens, det_logprobs, _ = outputs["plain"]
+    diffs = []
     for a, b, la, lb in zip(tokens, det_tokens, logprobs, det_logprobs):
         n = next((j for j, (p, q) in enumerate(zip(a, b)) if p != q), len(a))
         assert n > 0
-        diffs = [abs(x - y) for x, y in zip(la[:n], lb[:n])]
-        assert max(diffs) < DEFAULT_KERNELS_LOGPROB_MAX_DIFF
-        assert sum(diffs) / n < DEFAULT_KERNELS_LOGPROB_MEAN_DIFF
+        diffs += [abs(x - y) for x, y in zip(la[:n], lb[:n])]
+    assert max(diffs) < DEFAULT_KERNELS_LOGPROB_MAX_DIFF
+    assert sum(diffs) / len(diffs) < DEFAULT_KERNELS_LOGPROB_MEAN_DIFF
