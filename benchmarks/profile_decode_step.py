@@ -20,6 +20,8 @@ from lightllm.server.offline_engine import OfflineEngine
 from lightllm.server.router.manager import AddReq
 
 PROMPT_LEN = 64
+DECODE_TOKENS = 900  # new tokens per request: more than any run's steps
+LEN_HEADROOM = 1024  # --max_req_total_len past the prompt
 
 
 def sync() -> None:
@@ -44,14 +46,15 @@ def main():
     a = p.parse_args()
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=a.mtp_step) if a.mtp_step else {}
     eng = OfflineEngine(StartArgs(model_dir=a.model_dir, load_format=a.load_format, running_max_req_size=a.batch,
-                                  max_req_total_len=1024, batch_max_tokens=65536,
+                                  max_req_total_len=a.prompt_len + LEN_HEADROOM,
+                                  batch_max_tokens=max(65536, a.prompt_len + LEN_HEADROOM),
                                   disable_cudagraph=a.disable_cudagraph, graph_max_prefill_tokens=a.graph_max_prefill_tokens,
                                   enable_deterministic_inference=a.enable_deterministic_inference,
                                   disable_overlap_schedule=a.disable_overlap_schedule, **mtp))
     router = eng.router
     if a.prefill:
         return profile_prefill(router, a)
-    sp = SamplingParams.from_request({"max_new_tokens": 900, "ignore_eos": True})
+    sp = SamplingParams.from_request({"max_new_tokens": DECODE_TOKENS, "ignore_eos": True})
     for i in range(a.batch):
         router.add_req(AddReq(i, prompt_ids(i, a.prompt_len), sp, [], 0.0))
     for _ in range(5):  # prefill + warm-up decode steps
