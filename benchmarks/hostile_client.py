@@ -1,8 +1,9 @@
-"""Hostile-client run (issue 13): throw every hostile request of the issue at a live server while
-``--concurrency`` ordinary clients keep working (until the probes end, at least ``--normal``
+"""Hostile-client run (issues 13 and 27): throw every hostile request of the issues at a live server
+while ``--concurrency`` ordinary clients keep working (until the probes end, at least ``--normal``
 requests), then check that /health is 200, no ordinary request failed and no request still holds
-KV. The probes (``_probes``) go by the issue's item numbers; item 5 (SIGKILL of the API server)
-and the worker-death watchdog end the server, so they live in unit_tests only.
+KV. The probes (``_probes``) go by the issues' item numbers (issue 27's as 27.N); what ends the
+server (issue 13's item 5, SIGKILL of the API server, the worker-death watchdog, and issue 27's
+SIGTERM with held connections) lives in unit_tests only.
 
     python benchmarks/hostile_client.py --url http://127.0.0.1:8123 --out hostile.json
     python benchmarks/hostile_client.py --server_args "--mtp_mode eagle_with_att --mtp_step 3"
@@ -10,9 +11,12 @@ and the worker-death watchdog end the server, so they live in unit_tests only.
 import argparse
 import contextlib
 import datetime
+import json
 import math
 import os
 import shlex
+import socket
+import struct
 import sys
 import tempfile
 import threading
@@ -41,6 +45,14 @@ HUGE_BODY_BYTES = 20 * 1024 * 1024
 CHUNKED_BODY_BYTES = 9 * 1024 * 1024
 BIG_PROMPT_CHARS = 7_500_000  # under an 8 MiB body limit, far over any --max_req_total_len
 DEEP_NESTING = 100_000
+# Issue 27
+HUGE_PROMPTS = 8  # sent at once, each BIG_PROMPT_CHARS
+HUGE_REFUSAL_S = 1.0
+UPLOAD_DROPS = 50
+DROPPED_BODY_BYTES = 100_000  # declared; 5000 sent
+BODY_TIMEOUT_SLACK_S = 2.0
+METRICS_POLL_S = 0.1
+LONG_PREFILL_WORDS = 1000  # at most; fewer on a server with a smaller --max_req_total_len
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?"
 CHAT_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 PROMPT = CHAT_PROMPT.format(QUESTION)
@@ -212,6 +224,118 @@ def _health_while_tokenizing(c: Client) -> Tuple[bool, str]:
     return ok, f"prompt {result['status']} after {result['seconds']:.1f}s; worst /health {worst * 1000:.0f} ms ({polls} polls)"
 
 
+def _socket(c: Client) -> socket.socket:
+    host, port = c.url.rsplit("//", 1)[1].split(":")
+    return socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S)
+
+
+def _partial_post(c: Client, declared: int, sent: bytes) -> socket.socket:
+    """A connection that sent a POST's headers and the first ``sent`` bytes of its body."""
+    s = _socket(c)
+    s.sendall(f"POST /generate HTTP/1.1\r\nHost: probe\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {declared}\r\n\r\n".encode() + sent)
+    return s
+
+
+def _stalled_body(body_timeout_s: float) -> Callable[[Client], Tuple[bool, str]]:
+    def probe(c: Client) -> Tuple[bool, str]:
+        s = _partial_post(c, 1000, b'{"inputs": "hi')
+        s.settimeout(body_timeout_s + BODY_TIMEOUT_SLACK_S)
+        t0 = time.time()
+        try:
+            reply = s.recv(4096)
+        except socket.timeout:
+            reply = b""
+        finally:
+            s.close()
+        took = time.time() - t0
+        status = reply.split(b" ", 2)[1].decode() if reply.startswith(b"HTTP/1.1 ") else "none"
+        return status == "408", f"{status} after {took:.1f}s"
+    return probe
+
+
+def _upload_drops(log_path: Optional[str]) -> Callable[[Client], Tuple[bool, str]]:
+    def probe(c: Client) -> Tuple[bool, str]:
+        logged = os.path.getsize(log_path) if log_path else 0
+        for i in range(UPLOAD_DROPS):
+            s = _partial_post(c, DROPPED_BODY_BYTES, b'{"inputs": "' + b"x" * 5000)
+            if i % 2:  # half of them with a reset
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        time.sleep(1.0)
+        health = c.health()
+        if not log_path:
+            return health == 200, f"health {health} (log not seen: --url)"
+        with open(log_path) as f:
+            f.seek(logged)
+            new = f.read()
+        tracebacks = new.count("Traceback")
+        return health == 200 and not tracebacks, f"health {health}, {tracebacks} tracebacks, {len(new.splitlines())} log lines"
+    return probe
+
+
+def _huge_prompts_at_once(c: Client) -> Tuple[bool, str]:
+    huge = json.dumps({"inputs": "a" * BIG_PROMPT_CHARS, "parameters": {"max_new_tokens": 1}}).encode()
+    short = {"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
+    t0 = time.time()
+    c.post("/generate", short)
+    idle = time.time() - t0
+
+    def send_huge(_) -> Tuple[int, float]:
+        t0 = time.time()
+        r = httpx.post(c.url + "/generate", content=huge, headers={"content-type": "application/json"},
+                       timeout=REQUEST_TIMEOUT_S)
+        return r.status_code, time.time() - t0
+
+    def send_short() -> float:
+        t0 = time.time()
+        c.post("/generate", short)
+        return time.time() - t0
+
+    with ThreadPoolExecutor(HUGE_PROMPTS + 1) as ex:
+        short_f = ex.submit(send_short)
+        refused = list(ex.map(send_huge, range(HUGE_PROMPTS)))
+        loaded = short_f.result()
+    worst = max(t for _, t in refused)
+    ok = all(status == 400 for status, _ in refused) and worst < HUGE_REFUSAL_S
+    return ok, f"{sum(s == 400 for s, _ in refused)}/{HUGE_PROMPTS} 400, worst {worst:.2f}s; short {loaded:.2f}s (idle {idle:.2f}s)"
+
+
+def _metrics_during_prefill(c: Client) -> Tuple[bool, str]:
+    max_len = c.http.get("/v1/models").json()["data"][0]["max_model_len"]
+    words = min(LONG_PREFILL_WORDS, max_len - 16)
+    seen = {"first": None, "best": (0.0, 0.0)}
+
+    def stream() -> None:
+        c.stream("/generate_stream", {"inputs": "word " * words, "parameters": {"max_new_tokens": 1}})
+
+    th = threading.Thread(target=stream)
+    t0 = time.time()
+    th.start()
+    while th.is_alive():
+        running, kv = c.metric(RUNNING_REQUESTS), c.metric(KV_USED_TOKENS)
+        if kv >= words and running >= 1 and seen["first"] is None:
+            seen["first"] = time.time() - t0
+        seen["best"] = max(seen["best"], (running, kv))
+        time.sleep(METRICS_POLL_S)
+    th.join()
+    took = time.time() - t0
+    ok = seen["first"] is not None and seen["first"] < took
+    shown = "never" if seen["first"] is None else f"after {seen['first']:.1f}s"
+    return ok, f"running {seen['best'][0]:.0f}, KV {seen['best'][1]:.0f} shown {shown} of a {took:.1f}s request"
+
+
+def _prompt_alone_too_long(c: Client) -> Tuple[bool, str]:
+    max_len = c.http.get("/v1/models").json()["data"][0]["max_model_len"]
+    return _refused(c, "/v1/completions", {"prompt": "hello " * max_len, "max_tokens": 1}, field_name="prompt")
+
+
+def _text_plain_post(c: Client) -> Tuple[bool, str]:
+    r = c.http.post("/generate", content=b'{"inputs": "hi"}', headers={"content-type": "text/plain"})
+    field_name = r.json().get("field") if r.status_code == 415 else None
+    return r.status_code == 415 and field_name == "content-type", f"{r.status_code} {field_name}"
+
+
 def _stop_case(c: Client) -> Tuple[str, str]:
     """(stop string, the greedy text) for a stop that spans several tokens mid-text."""
     text = c.post("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 48}}).json()["generated_text"][0]
@@ -268,7 +392,7 @@ def _max_completion_tokens(c: Client) -> Tuple[bool, str]:
     return r.status_code == 200 and n == 5 and conflict, f"{r.status_code} with {n} tokens; conflict {got}"
 
 
-def _probes() -> List[Probe]:
+def _probes(body_timeout_s: float, log_path: Optional[str]) -> List[Probe]:
     chat = [{"role": "user", "content": "hi"}]
     surrogate = b'{"inputs": "hi \\ud800 there", "parameters": {"max_new_tokens": 2}}'
     deep = b"[" * DEEP_NESTING + b"]" * DEEP_NESTING
@@ -278,7 +402,7 @@ def _probes() -> List[Probe]:
          _abandoned_requests),
         ("4", "20 MB body", "413 < 2s", _huge_body),
         ("4", "9 MB chunked body", "413", _chunked_body),
-        ("4", "/health while an 8 MB prompt tokenizes", f"< {HEALTH_LATENCY_LIMIT_S * 1000:.0f} ms",
+        ("4", "/health while an 8 MB prompt is refused", f"< {HEALTH_LATENCY_LIMIT_S * 1000:.0f} ms",
          _health_while_tokenizing),
         ("6", "stop string across updates", "stream == final", _stream_holds_back),
         ("7", "counts end at the stop", "fewest covering tokens", _counts_end_at_stop),
@@ -294,6 +418,13 @@ def _probes() -> List[Probe]:
         _refusal("9", "max_tokens 10**6 names max_tokens", "/v1/chat/completions",
                  {"messages": chat, "max_tokens": 10**6}, "max_tokens"),
         _refusal("9", "empty prompt names prompt", "/v1/completions", {"prompt": ""}, "prompt"),
+        ("27.1", "stalled request body", "408", _stalled_body(body_timeout_s)),
+        ("27.2", f"{UPLOAD_DROPS} clients drop mid-upload", "no traceback", _upload_drops(log_path)),
+        ("27.3", f"{HUGE_PROMPTS} x 7.5 MB prompts at once", f"400 < {HUGE_REFUSAL_S:g}s each", _huge_prompts_at_once),
+        ("27.4", "/metrics during a long prefill", "running, KV shown", _metrics_during_prefill),
+        ("27.5", "prompt alone too long, max_tokens 1", "400 prompt", _prompt_alone_too_long),
+        _refusal("27.5", '"stream": true on /generate', "/generate", {"inputs": "hi", "stream": True}, "stream"),
+        ("27.5", "text/plain POST (a cross-site simple request)", "415 content-type", _text_plain_post),
     ]
 
 
@@ -337,14 +468,14 @@ def _normal_load(url: str, at_least: int, concurrency: int, probes_done: threadi
         t.join()
 
 
-def run(url: str, normal: int, concurrency: int) -> Dict:
+def run(url: str, normal: int, concurrency: int, body_timeout_s: float, log_path: Optional[str] = None) -> Dict:
     c = Client(url)
     load = NormalLoad()
     probes_done = threading.Event()
     background = threading.Thread(target=_normal_load, args=(url, normal, concurrency, probes_done, load))
     background.start()
     results = []
-    for item, name, expected, probe in _probes():
+    for item, name, expected, probe in _probes(body_timeout_s, log_path):
         t0 = time.time()
         try:
             ok, got = probe(c)
@@ -379,8 +510,11 @@ def format_table(report: Dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server; without it one is started with --server_args")
-    p.add_argument("--server_args", default=f"--mtp_mode eagle_with_att --mtp_step 3 --mtp_asd_regret_budget {USAGE.budget}",
+    p.add_argument("--server_args", default=f"--mtp_mode eagle_with_att --mtp_step 3 --mtp_asd_regret_budget {USAGE.budget}"
+                                            " --timeout_request_body 5",
                    help="flags for the server this script starts (without --url)")
+    p.add_argument("--body_timeout", type=float, default=5.0,
+                   help="the server's --timeout_request_body (the stalled-body probe waits that long)")
     p.add_argument("--normal", type=int, default=24,
                    help="ordinary requests sent beside the probes (at least; they run until the probes end)")
     p.add_argument("--concurrency", type=int, default=4, help="ordinary requests in flight at once")
@@ -391,7 +525,7 @@ def main(argv=None) -> int:
         url = server.url if server else args.url
         if log:
             print(f"server log: {log}")
-        report = run(url, args.normal, args.concurrency)
+        report = run(url, args.normal, args.concurrency, args.body_timeout, log)
     report.update({"date": datetime.datetime.now().isoformat(timespec="seconds"), "url": url,
                    "server_args": None if args.url else args.server_args})
     print(format_table(report))

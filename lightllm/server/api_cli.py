@@ -67,6 +67,26 @@ def make_argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--load_format", type=str, default=d.load_format, choices=LOAD_FORMATS,
                    help="auto: the model dir's safetensors; dummy: random weights for its config.json "
                         "(benchmark a model shape without its weights; the dir needs config.json and a tokenizer).")
+    http = p.add_argument_group("HTTP connections", "Timeouts and limits of the HTTP server (docs/limits.md).")
+    http.add_argument("--timeout_keep_alive", type=float, default=d.timeout_keep_alive,
+                      help="Seconds an idle kept-alive connection may wait for its next request before it is "
+                           "closed (uvicorn's). Default: %(default)s.")
+    http.add_argument("--timeout_request_header", type=float, default=d.timeout_request_header,
+                      help="Seconds a connection has to send a request's headers, counted from connecting or from "
+                           "the previous response; then it is closed (idle and slow-header connections). "
+                           "Default: %(default)s.")
+    http.add_argument("--timeout_request_body", type=float, default=d.timeout_request_body,
+                      help="Seconds from a request's headers to the end of its body; a slower or stalled upload "
+                           "gets a 408 and the connection is closed. Default: %(default)s (8 MiB at 140 KB/s).")
+    http.add_argument("--timeout_graceful_shutdown", type=float, default=d.timeout_graceful_shutdown,
+                      help="On SIGTERM / SIGINT the server stops accepting connections and reading bodies; "
+                           "in-flight requests get this many seconds to finish, then they fail with 503 and the "
+                           "server exits (a second signal fails them at once). Default: %(default)s.")
+    http.add_argument("--limit_concurrency", type=int, default=d.limit_concurrency,
+                      help="Most open connections (and running requests) at once; past it new requests get 503 "
+                           "(uvicorn's limit_concurrency). Default: %(default)s.")
+    http.add_argument("--backlog", type=int, default=d.backlog,
+                      help="Connections the kernel queues before the server accepts them. Default: %(default)s.")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="Hosts the --tp ranks are spread over.")
     p.add_argument("--node_rank", type=int, default=d.node_rank,
                    help="This host's index (0..nnodes-1); node 0 serves HTTP, the others only run ranks.")

@@ -1,7 +1,9 @@
 """FastAPI app: LightLLM's /generate, /generate_stream, OpenAI-compatible endpoints, /health, /metrics.
 
-What a client may send is bounded here (body size) and when SamplingParams is built (parameter
-ranges); docs/limits.md lists both. Every refusal is a 4xx naming the client's own field.
+What a client may send is bounded here (media type, body size and read time, prompt length) and
+when SamplingParams is built (parameter ranges); docs/limits.md lists them. Every refusal is a 4xx
+naming the client's own field. Connection limits (header and keep-alive timeouts, the connection
+limit, shutdown) are uvicorn's and httpserver/serving.py's.
 """
 import json
 import logging
@@ -16,9 +18,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError, is_utf8_text, quote
-from lightllm.server.httpserver.manager import ClientDisconnected, HttpServerManager, ReqResult, WorkerDied
+from lightllm.server.httpserver.manager import (ClientDisconnected, HttpServerManager, ReqResult, ShuttingDown,
+                                                Unavailable)
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +44,68 @@ WORKER_WATCH_INTERVAL_S = 0.5
 WORKER_DEATH_GRACE_S = 0.5
 WORKER_DIED_EXIT_CODE = 1  # the API server's exit status when the model worker died
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# The one media type of request bodies: a browser's cross-site "simple" request (no CORS
+# preflight) can only send text/plain, form or multipart bodies
+JSON_MEDIA_TYPE = "application/json"
+CLOSE_CONNECTION = {"connection": "close"}
 
 
 class BodyTooLarge(Exception):
     """The request body exceeds MAX_REQUEST_BODY_BYTES."""
+
+
+class BodyReadTimeout(Exception):
+    """The request body did not arrive within --timeout_request_body."""
+
+
+class UnsupportedMediaType(Exception):
+    """The request body is not declared application/json."""
+
+
+class BodyReadGuard:
+    """ASGI middleware: a request's body must arrive within ``timeout_s`` of its headers, and
+    reading stops when the server begins shutting down (``stopping()`` resolves). Reading the
+    body then raises BodyReadTimeout (408) or ShuttingDown (503); both close the connection.
+    Once the body is in, receive() is passed through (it then only reports a disconnect)."""
+
+    def __init__(self, app, timeout_s: float, stopping: Callable[[], Optional[asyncio.Future]]):
+        self.app = app
+        self.timeout_s = timeout_s
+        self.stopping = stopping
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        body_done = False
+
+        async def guarded_receive():
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            stopping = self.stopping()
+            if stopping is not None and stopping.done():
+                raise ShuttingDown("the server is shutting down")
+            message = asyncio.ensure_future(receive())
+            waiting = {message} if stopping is None else {message, stopping}
+            try:
+                await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not message.done():
+                    message.cancel()
+            if not message.done() or message.cancelled():
+                if stopping is not None and stopping.done():
+                    raise ShuttingDown("the server is shutting down")
+                raise BodyReadTimeout()
+            msg = message.result()
+            if msg["type"] != "http.request" or not msg.get("more_body", False):
+                body_done = True
+            return msg
+
+        await self.app(scope, guarded_receive, send)
 
 
 def _client_text(s: str, limit: Optional[int] = None) -> str:
@@ -64,24 +126,36 @@ def _content_length(request: Request) -> Optional[int]:
 
 
 async def _read_body(request: Request) -> bytes:
-    """The body, or BodyTooLarge past MAX_REQUEST_BODY_BYTES (declared or read)."""
+    """The body, or BodyTooLarge past MAX_REQUEST_BODY_BYTES (declared or read); ClientDisconnected
+    (one log line) when the client hangs up before it is all sent."""
     declared = _content_length(request)
     if declared is not None and declared > MAX_REQUEST_BODY_BYTES:
         if declared > MAX_DISCARDED_BODY_BYTES or request.headers.get("expect", "").lower() == "100-continue":
             raise BodyTooLarge()
     parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= MAX_REQUEST_BODY_BYTES:
-            parts.append(chunk)
-        elif size > MAX_DISCARDED_BODY_BYTES:
-            break
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= MAX_REQUEST_BODY_BYTES:
+                parts.append(chunk)
+            elif size > MAX_DISCARDED_BODY_BYTES:
+                break
+    except ClientDisconnect:
+        logger.info("%s %s: client disconnected after %d body bytes", request.method, request.url.path, size)
+        raise ClientDisconnected() from None
     if size > MAX_REQUEST_BODY_BYTES:
         raise BodyTooLarge()
     return b"".join(parts)
 
 
+def _media_type(request: Request) -> str:
+    value = request.headers.get("content-type", "")
+    return value.split(";", 1)[0].strip().lower()
+
+
 async def _json_body(request: Request) -> Dict[str, Any]:
+    if _media_type(request) != JSON_MEDIA_TYPE:
+        raise UnsupportedMediaType()
     raw = await _read_body(request)
     try:
         body = json.loads(raw)
@@ -247,6 +321,18 @@ def _completion_prompt(body: Dict[str, Any]) -> str:
     return _need_text("prompt", prompt)
 
 
+def _check_stream_field(stream: Any, streaming: bool) -> None:
+    """``stream`` of a LightLLM request: absent, or true on /generate_stream and false on /generate."""
+    if stream is None:
+        return
+    if not isinstance(stream, bool):
+        raise SamplingParamsError("stream", "must be true or false")
+    if stream and not streaming:
+        raise SamplingParamsError("stream", "/generate does not stream: send the request to /generate_stream")
+    if not stream and streaming:
+        raise SamplingParamsError("stream", "/generate_stream always streams: send the request to /generate")
+
+
 def _exit_process(code: int) -> None:
     logging.shutdown()
     os._exit(code)
@@ -275,6 +361,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         manager.shutdown()
 
     app = FastAPI(title="lightllm", lifespan=lifespan)
+    app.add_middleware(BodyReadGuard, timeout_s=manager.args.timeout_request_body, stopping=lambda: manager.stopping)
 
     @app.exception_handler(SamplingParamsError)
     async def _params_error(request: Request, exc: SamplingParamsError):
@@ -285,13 +372,32 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
     async def _too_large(request: Request, exc: BodyTooLarge):
         return _error(413, "body", f"larger than {MAX_REQUEST_BODY_BYTES} bytes")
 
+    @app.exception_handler(UnsupportedMediaType)
+    async def _not_json(request: Request, exc: UnsupportedMediaType):
+        got = request.headers.get("content-type")
+        return _error(415, "content-type", f"must be {JSON_MEDIA_TYPE}, got {quote(got) if got else 'none'}")
+
+    @app.exception_handler(BodyReadTimeout)
+    async def _body_too_slow(request: Request, exc: BodyReadTimeout):
+        response = _error(408, "body", f"not received within {manager.args.timeout_request_body:g} s "
+                                       f"(--timeout_request_body)")
+        response.headers.update(CLOSE_CONNECTION)
+        return response
+
     @app.exception_handler(ClientDisconnected)
     async def _client_gone(request: Request, exc: ClientDisconnected):
-        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; manager logged the abort
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the cause is logged
 
-    @app.exception_handler(WorkerDied)
-    async def _worker_died(request: Request, exc: WorkerDied):
-        return _error(503, None, str(exc))
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone_reading(request: Request, exc: ClientDisconnect):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # a body read outside _read_body
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(request: Request, exc: Unavailable):
+        response = _error(503, None, str(exc))
+        if isinstance(exc, ShuttingDown):
+            response.headers.update(CLOSE_CONNECTION)
+        return response
 
     async def _final(prompt_ids, params, request: Request) -> ReqResult:
         """Run a non-streaming request to its end (ClientDisconnected when its client hangs up)."""
@@ -315,11 +421,12 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         return {"object": "list", "data": [{"id": manager.model_name, "object": "model", "owned_by": "lightllm",
                                             "max_model_len": manager.args.max_req_total_len}]}
 
-    async def _lightllm_request(body) -> Tuple[List[int], SamplingParams]:
+    async def _lightllm_request(body, streaming: bool) -> Tuple[List[int], SamplingParams]:
         inputs = _need_text("inputs", body.get("inputs"))
         unknown = sorted(set(body) - {"inputs", "parameters", "stream"})
         if unknown:
             raise SamplingParamsError(unknown[0], "unknown field (valid: inputs, parameters)")
+        _check_stream_field(body.get("stream"), streaming)
         params = SamplingParams.from_request(body.get("parameters") or {})
         prompt_ids = await manager.encode_prompt_async(inputs)
         manager.check_request(prompt_ids, params)
@@ -335,7 +442,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
     @app.post("/generate")
     async def generate(request: Request):
-        prompt_ids, params = await _lightllm_request(await _json_body(request))
+        prompt_ids, params = await _lightllm_request(await _json_body(request), streaming=False)
         res = await _final(prompt_ids, params, request)
         if res.finish_reason == "error":
             return _error(500, None, _worker_failed_message(res))
@@ -352,7 +459,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
     @app.post("/generate_stream")
     async def generate_stream(request: Request):
-        prompt_ids, params = await _lightllm_request(await _json_body(request))
+        prompt_ids, params = await _lightllm_request(await _json_body(request), streaming=True)
 
         async def events():
             sent = 0  # token events sent
@@ -377,7 +484,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                         yield _sse({"token": None, "generated_text": res.text, "finished": True,
                                     "finish_reason": res.finish_reason, "details": _details(res)})
                     sent = upto
-            except WorkerDied as e:
+            except Unavailable as e:
                 yield _sse({"token": None, "generated_text": None, "finished": True, "finish_reason": "error",
                             "error": str(e), "details": None})
 
@@ -449,7 +556,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                         c.update(_asd_fields(res))
                         final = res
                     yield _sse(c)
-            except WorkerDied as e:
+            except Unavailable as e:
                 yield stream_error(str(e))
             if include_usage and final is not None:
                 yield _sse({**chunk([]), "usage": _usage(final)})

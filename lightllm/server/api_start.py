@@ -1,16 +1,29 @@
 """Validate StartArgs, start the model worker process(es), serve HTTP."""
+import atexit
 import dataclasses
 import json
 import math
 import multiprocessing as mp
 import os
+import signal
 import sys
-from typing import List, Optional
+import threading
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Sequence
 
 from lightllm.common.constants import LOAD_FORMATS, MAX_MTP_STEP
 from lightllm.server.core.objs.start_args_type import StartArgs
 
 WORKER_START_TIMEOUT_S = 900
+# Seconds the worker processes get to exit once told to (then they are killed)
+WORKER_EXIT_TIMEOUT_S = 10.0
+# Worker processes leave these to the API server: a signal sent to the whole process group
+# (Ctrl-C in a terminal, a supervisor that signals every process) must not end them while the
+# server lets its in-flight requests finish. The server stops them (None on their queue), and
+# they end with it if it dies (router.manager.exit_with_parent).
+WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# File descriptors kept free beyond --limit_concurrency connections (model files, pipes, logs)
+SPARE_FILE_DESCRIPTORS = 256
 
 
 class StartArgsError(ValueError):
@@ -42,6 +55,7 @@ def validate_start_args(args: StartArgs) -> StartArgs:
     _validate_mtp(args)
     _validate_asd(args)
     _validate_parallel(args)
+    _validate_http(args)
     if args.enable_deterministic_inference:
         _need(resolve_device_and_dtype(args)[0] == "cuda", "--enable_deterministic_inference",
               "needs a CUDA device (its kernels are Triton); CPU decoding is fp32 torch")
@@ -139,6 +153,20 @@ def _validate_asd(args: StartArgs) -> None:
             _need(flags[flag] is None, flag, "needs --mtp_asd_regret_budget (ASD is off without a budget)")
 
 
+HTTP_TIMEOUT_FLAGS = ("timeout_keep_alive", "timeout_request_header", "timeout_request_body",
+                      "timeout_graceful_shutdown")
+
+
+def _validate_http(args: StartArgs) -> None:
+    for flag in HTTP_TIMEOUT_FLAGS:
+        v = getattr(args, flag)
+        _need(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"--{flag}",
+              f"must be a number of seconds > 0, got {v!r}")
+    for flag in ("limit_concurrency", "backlog"):
+        v = getattr(args, flag)
+        _need(not isinstance(v, bool) and isinstance(v, int) and v >= 1, f"--{flag}", f"must be an integer >= 1, got {v!r}")
+
+
 def _validate_parallel(args: StartArgs) -> None:
     for flag, v in (("--tp", args.tp), ("--dp", args.dp), ("--nnodes", args.nnodes)):
         _need(not isinstance(v, bool) and isinstance(v, int) and v >= 1, flag, f"must be an integer >= 1, got {v!r}")
@@ -214,6 +242,27 @@ class WorkerProcesses:
                 p.kill()
         self.join(timeout=10)
 
+    def stop(self, timeout: float = WORKER_EXIT_TIMEOUT_S) -> None:
+        """Wait up to ``timeout`` s for the processes (told to exit) to end, then kill the rest."""
+        self.join(timeout)
+        if any(p.is_alive() for p in self.procs):
+            self.kill()
+
+
+@contextmanager
+def _signals_ignored(signals: Sequence[int]) -> Iterator[None]:
+    """Ignore ``signals`` inside the block; processes spawned in it keep ignoring them (exec keeps
+    SIG_IGN, and Python installs no KeyboardInterrupt handler over an ignored SIGINT)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
 
 def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[str] = None):
     """Start this node's ranks (``--tp / --nnodes`` processes, each a router + model worker).
@@ -241,12 +290,16 @@ def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[
         # (a full pipe would block it for ever); the workers' own side: router_worker_main.
         in_q.cancel_join_thread()
     procs = []
-    for rank in ranks:
-        queues = (in_q, out_q) if rank == 0 else (None, None)
-        proc = ctx.Process(target=router_worker_main, args=(args, device, dtype, *queues, rank), daemon=True)
-        proc.start()
-        procs.append(proc)
+    with _signals_ignored(WORKER_IGNORED_SIGNALS):
+        for rank in ranks:
+            queues = (in_q, out_q) if rank == 0 else (None, None)
+            proc = ctx.Process(target=router_worker_main, args=(args, device, dtype, *queues, rank), daemon=True)
+            proc.start()
+            procs.append(proc)
     workers = WorkerProcesses(procs)
+    # They ignore SIGTERM, which is how multiprocessing ends daemon children at exit (it would then
+    # wait for them for ever): on any exit, kill what is left first (atexit runs this before it).
+    atexit.register(workers.kill)
     if not is_driver_node:
         return workers, None, None, None
     import queue as _queue
@@ -291,15 +344,34 @@ def _launch_subprocesses(args: StartArgs) -> None:
                                          args.nccl_host, args.nccl_port)
         workers.join()
         sys.exit(workers.exitcode or 0)
-    import uvicorn
-
     from lightllm.server.api_http import create_app
     from lightllm.server.httpserver.manager import HttpServerManager
+    from lightllm.server.httpserver.serving import serve_http
 
+    _raise_open_file_limit(args.limit_concurrency + SPARE_FILE_DESCRIPTORS)
     manager = HttpServerManager(args, in_q, out_q, ready, worker=workers)
     app = create_app(manager)
     logging.getLogger(__name__).info(
         "serving %s on http://%s:%d (device %s, %s, KV pool %d tokens)",
         args.resolved_model_dir, args.host, args.port, ready.device, ready.data_type, ready.max_total_token_num,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        serve_http(app, manager, args)
+    finally:
+        manager.shutdown()  # the app's shutdown did it already, unless uvicorn was forced out
+        workers.stop()
+        manager.close()
+    logging.getLogger(__name__).info("shut down")
+
+
+def _raise_open_file_limit(wanted: int) -> None:
+    """Raise this process's open-file limit to ``wanted`` where the hard limit allows: every
+    connection holds one (past the limit accept() fails, and asyncio logs a traceback per try)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

@@ -52,3 +52,38 @@ def test_cli_bad_flag_exits_without_traceback(tmp_path, argv, needle):
     assert p.returncode != 0
     assert needle in p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        ({"timeout_keep_alive": 0}, "--timeout_keep_alive"),
+        ({"timeout_request_header": -1.0}, "--timeout_request_header"),
+        ({"timeout_request_body": float("inf")}, "--timeout_request_body"),
+        ({"timeout_graceful_shutdown": float("nan")}, "--timeout_graceful_shutdown"),
+        ({"limit_concurrency": 0}, "--limit_concurrency"),
+        ({"backlog": 0}, "--backlog"),
+    ],
+)
+def test_bad_http_flag_is_a_clear_error(tmp_path, kwargs, flag):
+    with pytest.raises(StartArgsError) as e:
+        validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), **kwargs))
+    assert str(e.value).startswith(flag + ":")
+
+
+def test_http_flags_parse_into_start_args_with_public_server_defaults():
+    from lightllm.server.api_cli import make_argument_parser
+
+    d = StartArgs()
+    # a bounded header, body and shutdown wait, and a connection limit, by default
+    assert (d.timeout_keep_alive, d.timeout_request_header, d.timeout_request_body, d.timeout_graceful_shutdown,
+            d.limit_concurrency, d.backlog) == (5.0, 30.0, 60.0, 30.0, 1024, 2048)
+    ns = make_argument_parser().parse_args(["--timeout_keep_alive", "2", "--timeout_request_header", "3.5",
+                                            "--timeout_request_body", "4", "--timeout_graceful_shutdown", "6",
+                                            "--limit_concurrency", "7", "--backlog", "8"])
+    assert (ns.timeout_keep_alive, ns.timeout_request_header, ns.timeout_request_body, ns.timeout_graceful_shutdown,
+            ns.limit_concurrency, ns.backlog) == (2.0, 3.5, 4.0, 6.0, 7, 8)
+    help_text = make_argument_parser().format_help()
+    for flag in ("--timeout_keep_alive", "--timeout_request_header", "--timeout_request_body",
+                 "--timeout_graceful_shutdown", "--limit_concurrency", "--backlog"):
+        assert flag in help_text

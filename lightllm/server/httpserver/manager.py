@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import AsyncIterator, Dict, List, Optional, Sequence
 
 from jinja2 import TemplateError
@@ -22,18 +23,55 @@ logger = logging.getLogger(__name__)
 
 # How often a waiting request checks that its client is still connected and the worker alive
 DISCONNECT_POLL_S = 0.5
-# Threads that tokenize prompts, off the event loop (a large prompt takes seconds)
+# Threads that tokenize prompts, off the event loop (a large prompt takes a while)
 TOKENIZER_THREADS = 4
-# Put in every waiting request's queue when the worker died
+# Prompts longer than this (characters) are "large": at most LARGE_PROMPT_TOKENIZERS of them
+# tokenize at once, so the other tokenizer threads stay free for everyone else
+LARGE_PROMPT_CHARS = 16384
+LARGE_PROMPT_TOKENIZERS = 1
+# A text the tokenizer must give back unchanged (decode(encode(text)) == text) for the prompt
+# length bound to hold: runs of spaces, tabs and newlines, control and zero-width characters, a
+# combining accent, a compatibility ligature, a full-width letter, an astral character
+ROUND_TRIP_PROBE = "a  b\t\tc\n\n\n d   e\u0301 \u00e9 \x00 \x7f \u200b \ufb01 \uff21 \U0001d518 \r\n x"
+# Seconds shutdown waits for the thread that reads the worker's queue
+READER_EXIT_TIMEOUT_S = 2.0
+# Put in every waiting request's queue when the worker died / when shutdown stops waiting
 WORKER_DIED = object()
+SHUTTING_DOWN = object()
 
 
 class ClientDisconnected(Exception):
     """The client of a request hung up; the request was aborted."""
 
 
-class WorkerDied(Exception):
+class Unavailable(Exception):
+    """The server cannot serve requests any more (HTTP 503)."""
+
+
+class WorkerDied(Unavailable):
     """The model worker is gone: no request can be served any more."""
+
+
+class ShuttingDown(Unavailable):
+    """The server is shutting down: it reads no more request bodies, and in-flight requests that
+    did not finish within --timeout_graceful_shutdown fail."""
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of the vocabulary stands for: the longer of its vocabulary
+    string (byte-level BPE: one character per byte) and its decoded text."""
+    ids = list(range(len(tokenizer)))
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    texts = tokenizer.batch_decode([[i] for i in ids])
+    return max(max(len(p) for p in pieces if p is not None), max(len(t) for t in texts))
+
+
+def keeps_text(tokenizer) -> bool:
+    """Whether the tokenizer gives ROUND_TRIP_PROBE back unchanged. Then a prompt of n tokens has
+    at most n x longest_token_chars characters; a tokenizer that normalizes or drops characters
+    (collapsed spaces, composed accents) keeps no such bound."""
+    ids = tokenizer.encode(ROUND_TRIP_PROBE, add_special_tokens=False)
+    return tokenizer.decode(ids) == ROUND_TRIP_PROBE
 
 
 def load_eos_token_ids(model_dir: str, tokenizer) -> List[int]:
@@ -111,17 +149,29 @@ class HttpServerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = load_eos_token_ids(self.model_dir, self.tokenizer)
         self.detokenizer_vocab = DetokenizerVocab.of(self.tokenizer)
+        # A prompt of more characters than this cannot fit in --max_req_total_len tokens (None: no
+        # such bound for this tokenizer; prompts are then only bounded by the body size)
+        self.max_token_chars = longest_token_chars(self.tokenizer) if keeps_text(self.tokenizer) else None
+        if self.max_token_chars is None:
+            logger.info("the tokenizer normalizes text: prompts are refused by their length only once tokenized")
         self.metrics = ServerMetrics()
         self._ids = itertools.count(1)
         self._streams: Dict[int, asyncio.Queue] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._reader: Optional[threading.Thread] = None
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._large_prompt_slots = asyncio.Semaphore(LARGE_PROMPT_TOKENIZERS)
+        # Shutdown: resolved when it begins; the timer that then fails what is still in flight
+        self.stopping: Optional[asyncio.Future] = None
+        self._fail_timer: Optional[asyncio.TimerHandle] = None
+        self._refusing = False  # past the shutdown bound: new requests fail at once
+        self._shut_down = False
 
     # ---- worker link ----
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._reader = threading.Thread(target=self._read_worker, daemon=True)
+        self.stopping = loop.create_future()
+        self._reader = threading.Thread(target=self._read_worker, name="worker-reader", daemon=True)
         self._reader.start()
 
     def _read_worker(self) -> None:
@@ -149,11 +199,32 @@ class HttpServerManager:
     def _worker_died(self) -> "WorkerDied":
         return WorkerDied(f"the model worker exited (code {self.worker_exit_code()})")
 
-    def fail_pending(self) -> int:
-        """Wake every waiting request with WorkerDied; returns how many there were."""
+    def fail_pending(self, reason: object = WORKER_DIED) -> int:
+        """Wake every waiting request with ``reason`` (WORKER_DIED: WorkerDied, SHUTTING_DOWN:
+        ShuttingDown); returns how many there were."""
         for q in self._streams.values():
-            q.put_nowait(WORKER_DIED)
+            q.put_nowait(reason)
         return len(self._streams)
+
+    # ---- shutdown ----
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Shutdown began (on the event loop): stop reading request bodies now, and fail the
+        requests still in flight after ``grace_s`` seconds."""
+        if self.stopping is None or self.stopping.done():
+            return
+        self.stopping.set_result(None)
+        logger.info("shutting down: %d requests in flight get %g s to finish", len(self._streams), grace_s)
+        self._fail_timer = self._loop.call_later(grace_s, self.hurry_shutdown)
+
+    def hurry_shutdown(self) -> None:
+        """Fail the requests still in flight now (503), and any that come later."""
+        if self._fail_timer is not None:
+            self._fail_timer.cancel()
+            self._fail_timer = None
+        self._refusing = True
+        failed = self.fail_pending(SHUTTING_DOWN)
+        if failed:
+            logger.warning("shutting down: failed %d requests still in flight", failed)
 
     def stop_worker(self) -> None:
         """Kill what is left of the worker processes (the API server is about to exit)."""
@@ -165,25 +236,59 @@ class HttpServerManager:
     def encode_prompt(self, text: str) -> List[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def apply_chat_template(self, messages) -> List[int]:
+    def render_chat(self, messages) -> str:
+        """The prompt text of a chat conversation (the model's template)."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except TemplateError as e:  # the model's template refuses this conversation
             raise SamplingParamsError("messages", f"the chat template refused them: {e}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def apply_chat_template(self, messages) -> List[int]:
+        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def check_prompt_chars(self, text: str) -> None:
+        """Refuse a prompt that has more characters than --max_req_total_len tokens can hold,
+        before it is tokenized (SamplingParamsError naming ``inputs``). Every prompt that passes
+        tokenizes in bounded time."""
+        limit = self.args.max_req_total_len
+        if self.max_token_chars is not None and len(text) > (limit - 1) * self.max_token_chars:
+            raise SamplingParamsError(
+                "inputs", f"the prompt has {len(text)} characters: more than --max_req_total_len {limit} tokens "
+                f"can hold (a token is at most {self.max_token_chars} characters)")
+
+    async def _tokenize(self, fn, arg, chars: int) -> List[int]:
+        """``fn(arg)`` on a tokenizer thread, so the event loop (and /health) never waits for it;
+        large prompts take turns on LARGE_PROMPT_TOKENIZERS of the threads."""
+        loop = asyncio.get_running_loop()
+        if chars <= LARGE_PROMPT_CHARS:
+            return await loop.run_in_executor(self._tokenizer_pool, fn, arg)
+        async with self._large_prompt_slots:
+            return await loop.run_in_executor(self._tokenizer_pool, fn, arg)
 
     async def encode_prompt_async(self, text: str) -> List[int]:
-        """encode_prompt on a tokenizer thread, so the event loop (and /health) never waits for it."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.encode_prompt, text)
+        """check_prompt_chars, then encode_prompt on a tokenizer thread."""
+        self.check_prompt_chars(text)
+        return await self._tokenize(self.encode_prompt, text, len(text))
 
     async def apply_chat_template_async(self, messages) -> List[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.apply_chat_template, messages)
+        """The conversation's prompt ids: render the template, check_prompt_chars, then encode."""
+        loop = asyncio.get_running_loop()
+        chars = sum(len(m.get("content", "")) for m in messages)
+        text = (self.render_chat(messages) if chars <= LARGE_PROMPT_CHARS
+                else await loop.run_in_executor(self._tokenizer_pool, self.render_chat, messages))
+        self.check_prompt_chars(text)
+        return await self._tokenize(partial(self.tokenizer.encode, add_special_tokens=False), text, len(text))
 
     def check_request(self, prompt_ids: List[int], params: SamplingParams) -> None:
         """Raise SamplingParamsError for anything the engine cannot serve."""
         if not prompt_ids:
             raise SamplingParamsError("inputs", "the prompt is empty")
         params.verify_vocab(self.vocab_size)
+        limit = self.args.max_req_total_len
+        if len(prompt_ids) >= limit:  # too long even for one new token: the prompt's fault
+            raise SamplingParamsError(
+                "inputs", f"the prompt has {len(prompt_ids)} tokens: --max_req_total_len {limit} leaves room for "
+                f"at most {limit - 1} (and one new token)")
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.args.max_req_total_len:
             raise SamplingParamsError(
@@ -211,6 +316,8 @@ class HttpServerManager:
         Streams pass None: Starlette cancels their generator when the client goes."""
         if not self.worker_alive():
             raise self._worker_died()
+        if self._refusing:
+            raise ShuttingDown("the server is shutting down")
         req_id = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = q
@@ -230,6 +337,9 @@ class HttpServerManager:
                     u = None
                 if u is WORKER_DIED:
                     raise self._worker_died()
+                if u is SHUTTING_DOWN:
+                    raise ShuttingDown(f"the server is shutting down: this request did not finish in time "
+                                       f"(--timeout_graceful_shutdown {self.args.timeout_graceful_shutdown:g} s)")
                 now = time.monotonic()
                 if u is None or now >= next_check:
                     next_check = now + DISCONNECT_POLL_S
@@ -259,6 +369,10 @@ class HttpServerManager:
                 self.in_q.put(AbortReq(req_id))
                 self.metrics.requests.labels(finish_reason="abort").inc()
                 logger.info("request %d: client disconnected after %d tokens, aborted", req_id, len(res.token_ids))
+            raise
+        except ShuttingDown:
+            self.in_q.put(AbortReq(req_id))  # the worker stops soon; its KV is free until then
+            self.metrics.requests.labels(finish_reason="abort").inc()
             raise
         finally:
             self._streams.pop(req_id, None)
@@ -325,8 +439,23 @@ class HttpServerManager:
         m.request_latency.observe(latency)
 
     def shutdown(self) -> None:
+        """Tell the worker to exit and stop reading its queue (once; the worker may be gone)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            self.in_q.put(None)
-        except Exception:  # the worker may already be gone
-            pass
+        for q in (self.in_q, self.out_q):  # the worker's stop, our reader's
+            try:
+                q.put(None)
+            except (OSError, ValueError):  # a closed queue
+                pass
+        if self._reader is not None:
+            self._reader.join(READER_EXIT_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Close the worker queues (after the worker exited): exiting then never waits to flush
+        them into a pipe nobody reads."""
+        for q in (self.in_q, self.out_q):
+            if hasattr(q, "cancel_join_thread"):  # a multiprocessing queue; tests pass queue.Queue
+                q.cancel_join_thread()
+                q.close()

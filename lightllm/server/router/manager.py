@@ -36,6 +36,7 @@ IDLE_POLL_S = 0.05  # how long an idle router waits for a new request
 # in a row mean the worker itself is broken (a poisoned CUDA context): it raises and exits.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 PARENT_CHECK_INTERVAL_S = 0.5  # how often a worker process checks that its parent lives
+GAUGE_REFRESH_S = 0.25  # how often the driver re-sends its gauges while a step runs (when they changed)
 PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal this process gets when its parent dies
 ORPHAN_EXIT_CODE = 1  # exit status of a worker whose parent (the API server) died
 
@@ -124,6 +125,76 @@ class WorkerStats:
 @dataclass
 class WorkerError:
     message: str
+
+
+@dataclass(frozen=True)
+class Gauges:
+    """The worker's load as /metrics shows it."""
+
+    kv_used_tokens: int
+    running_reqs: int
+    waiting_reqs: int
+
+    def stats(self, timing: StepTiming) -> WorkerStats:
+        return WorkerStats(self.kv_used_tokens, self.running_reqs, self.waiting_reqs, timing)
+
+    def same_counts(self, other: Optional["Gauges"]) -> bool:
+        return other is not None and (self.running_reqs, self.waiting_reqs) == (other.running_reqs, other.waiting_reqs)
+
+
+class GaugePublisher:
+    """Sends the driver's gauges (KV slots used, running and waiting requests) to the HTTP process,
+    so that /metrics is at most one step old also during a long step: with each step's updates;
+    before each step when admissions changed the request counts (they show before the step runs);
+    and from a thread, every GAUGE_REFRESH_S when anything changed (a long prefill's KV shows as
+    it is allocated). Gauge-only messages carry no updates and an empty StepTiming. One lock
+    orders the reads with the sends, so an older reading never arrives after a newer one."""
+
+    def __init__(self, router: "RouterManager", out_q, refresh_s: float = GAUGE_REFRESH_S):
+        self.router = router
+        self.out_q = out_q
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._sent: Optional[Gauges] = None  # the gauges last sent
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _gauges(self) -> Gauges:
+        mem, router = self.router.backend.mem_manager, self.router
+        return Gauges(mem.size - mem.can_use_mem_size, len(router.running), len(router.queue.waiting))
+
+    def send(self, updates: List[ReqStepUpdate]) -> None:
+        """A step's updates with the gauges now and the step timing since the last send."""
+        with self._lock:
+            self._sent = self._gauges()
+            self.out_q.put((updates, self._sent.stats(self.router.take_timing())))
+
+    def refresh(self, counts_only: bool = False) -> None:
+        """The gauges alone, if they changed since the last send (``counts_only``: if the request
+        counts did; a decode step's KV comes with its updates anyway)."""
+        with self._lock:
+            gauges = self._gauges()
+            if gauges.same_counts(self._sent) if counts_only else gauges == self._sent:
+                return
+            self._sent = gauges
+            self.out_q.put(([], gauges.stats(StepTiming())))
+
+    def before_step(self) -> None:
+        """After admission, before the step runs: the new request counts."""
+        self.refresh(counts_only=True)
+
+    def start(self) -> None:
+        def run() -> None:
+            while not self._stop.wait(self.refresh_s):
+                self.refresh()
+
+        self._thread = threading.Thread(target=run, name="gauge-publisher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 class RouterManager:
@@ -243,12 +314,15 @@ class RouterManager:
         error = f"the worker failed a batch step: {type(e).__name__}: {e}"
         return [self._fail(req, error) for req in failed]
 
-    def step(self) -> List[ReqStepUpdate]:
+    def step(self, before_run: Optional[Callable[[], None]] = None) -> List[ReqStepUpdate]:
+        """Admit, then run one batch step; ``before_run()`` is called between the two."""
         t0 = time.perf_counter()
         updates, self._failed = self._failed, []
         updates.extend(self._admit())
         if not self.running:  # a step still in flight for requests that are all gone: take its slots back
             return updates + self.backend.flush_decode()
+        if before_run is not None:
+            before_run()
         batch_reqs = len(self.running)
         try:
             step_updates = self.backend.run_step(self.running, may_admit=bool(self.queue.waiting))
@@ -402,23 +476,27 @@ def serve_steps(router: RouterManager, parallel: ParallelContext, in_q, out_q) -
     backend = router.backend
     log_every_steps = 200
     next_log = log_every_steps
-    while True:
-        msgs = _poll_messages(in_q, block=not router.has_work) if parallel.is_driver else None
-        msgs = parallel.broadcast_from_driver(msgs)
-        updates = []
-        for m in msgs:
-            if m is None:
-                return
-            if isinstance(m, AddReq):
-                router.add_req(m)
-            elif isinstance(m, AbortReq):
-                updates.extend(router.abort(m.req_id))
-        updates.extend(router.step())
-        if updates and parallel.is_driver:
-            mem = backend.mem_manager
-            stats = WorkerStats(mem.size - mem.can_use_mem_size, len(router.running), len(router.queue.waiting),
-                                router.take_timing())
-            out_q.put((updates, stats))
-        if backend.mtp_step and router._steps >= next_log and parallel.is_driver:
-            next_log += log_every_steps
-            logger.info("mtp mean tokens per step %.3f", router.mean_tokens_per_step)
+    gauges = GaugePublisher(router, out_q) if parallel.is_driver else None
+    if gauges is not None:
+        gauges.start()
+    try:
+        while True:
+            msgs = _poll_messages(in_q, block=not router.has_work) if parallel.is_driver else None
+            msgs = parallel.broadcast_from_driver(msgs)
+            updates = []
+            for m in msgs:
+                if m is None:
+                    return
+                if isinstance(m, AddReq):
+                    router.add_req(m)
+                elif isinstance(m, AbortReq):
+                    updates.extend(router.abort(m.req_id))
+            updates.extend(router.step(before_run=gauges.before_step if gauges is not None else None))
+            if updates and gauges is not None:
+                gauges.send(updates)
+            if backend.mtp_step and router._steps >= next_log and parallel.is_driver:
+                next_log += log_every_steps
+                logger.info("mtp mean tokens per step %.3f", router.mean_tokens_per_step)
+    finally:
+        if gauges is not None:
+            gauges.stop()

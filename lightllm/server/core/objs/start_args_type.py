@@ -41,6 +41,13 @@ class StartArgs:
     disable_overlap_schedule: bool = False  # plain decoding: commit each step before launching the next
     enable_deterministic_inference: bool = False  # batch-invariant kernels (CUDA): same tokens in any batch
     load_format: str = "auto"  # one of lightllm.common.constants.LOAD_FORMATS
+    # HTTP connections (uvicorn; docs/limits.md, "Connections")
+    timeout_keep_alive: float = 5.0  # s an idle kept-alive connection waits for its next request (uvicorn's)
+    timeout_request_header: float = 30.0  # s to send a request's headers, from connecting or the last response
+    timeout_request_body: float = 60.0  # s from a request's headers to the end of its body, else 408
+    timeout_graceful_shutdown: float = 30.0  # s in-flight requests get to finish after SIGTERM, then 503
+    limit_concurrency: int = 1024  # open connections (or running requests) past which new requests get 503
+    backlog: int = 2048  # connections the kernel queues before they are accepted (listen backlog)
     # Resolved during validation (never set by users)
     resolved_model_dir: Optional[str] = field(default=None, repr=False)
 

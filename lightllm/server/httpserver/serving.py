@@ -1,0 +1,175 @@
+"""uvicorn for a public server: connection timeouts, a connection limit and a bounded shutdown.
+
+uvicorn brings the keep-alive timeout, ``limit_concurrency``, the listen backlog and a graceful
+shutdown bound. It has no deadline for a request's headers, so ``HeaderDeadlineProtocol`` adds
+one; the deadline for the body lives in the app (``api_http.BodyReadGuard``), which can answer 408.
+
+Shutdown (SIGTERM / SIGINT), in order:
+1. uvicorn stops accepting connections and closes the idle ones; ``HttpServerManager.begin_shutdown``
+   makes requests still sending their body answer 503 at once;
+2. in-flight requests get ``--timeout_graceful_shutdown`` s to finish, then fail with 503 (a
+   second signal fails them at once; a third makes uvicorn quit without waiting);
+3. the app's lifespan ends: the worker processes are told to exit, and the caller waits for them.
+uvicorn's own bound (the backstop that cancels request tasks) is ``SHUTDOWN_FAIL_GRACE_S`` later.
+"""
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger(__name__)
+
+# After --timeout_graceful_shutdown the failed requests get this long to send their 503 before
+# uvicorn cancels what is left
+SHUTDOWN_FAIL_GRACE_S = 2.0
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# The signal count (first = 1) at which shutdown stops waiting for requests / for anything
+HURRY_SIGNAL_COUNT = 2
+FORCE_SIGNAL_COUNT = 3
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The HTTP server's connection settings (StartArgs' ``timeout_*``, ``limit_concurrency``, ``backlog``)."""
+
+    timeout_keep_alive: float
+    timeout_request_header: float
+    timeout_graceful_shutdown: float
+    limit_concurrency: int
+    backlog: int
+
+    @classmethod
+    def of(cls, args) -> "ConnectionLimits":
+        return cls(args.timeout_keep_alive, args.timeout_request_header, args.timeout_graceful_shutdown,
+                   args.limit_concurrency, args.backlog)
+
+
+class HeaderDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for a request's headers: a connection that has not
+    sent a request's full headers ``header_timeout_s`` after it opened, or after its previous
+    response, is closed (idle connections that never send anything; slowloris). uvicorn's
+    keep-alive timeout still closes an idle kept-alive connection first."""
+
+    header_timeout_s: float = 30.0  # set per server by header_deadline_protocol()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_deadline: Optional[asyncio.TimerHandle] = None
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._cancel_header_deadline()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a new request's headers arrived
+            self._cancel_header_deadline()
+
+    def on_response_complete(self) -> None:
+        # armed first: the call below may start a pipelined request, which cancels it
+        if not self.transport.is_closing():
+            self._arm_header_deadline()
+        super().on_response_complete()
+
+    def _arm_header_deadline(self) -> None:
+        self._cancel_header_deadline()
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_deadline_passed)
+
+    def _cancel_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def header_deadline_protocol(header_timeout_s: float) -> type:
+    """A HeaderDeadlineProtocol class with this deadline (uvicorn builds one protocol per connection)."""
+    return type("HeaderDeadlineProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s})
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server that tells the app when shutdown begins and lets the process exit normally.
+
+    ``on_shutdown()`` runs when shutdown begins, ``on_hurry()`` at the second signal (both on the
+    event loop). uvicorn re-raises the signal once it has shut down, which kills the process before
+    its atexit handlers run: multiprocessing's, which unlink the worker queues' semaphores (the
+    "leaked semaphore" warning at every shutdown), and the caller's own clean-up. Here ``run()``
+    returns instead; ``signals`` lists what was received."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], on_hurry: Callable[[], None]):
+        super().__init__(config)
+        self.on_shutdown = on_shutdown
+        self.on_hurry = on_hurry
+        self.signals: List[int] = []
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.on_shutdown()
+        if len(self.signals) >= HURRY_SIGNAL_COUNT:
+            self.on_hurry()
+        await super().shutdown(sockets=sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # signals only reach the main thread
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in SHUTDOWN_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals.append(sig)
+        self.should_exit = True
+        if len(self.signals) == HURRY_SIGNAL_COUNT and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_hurry)
+        elif len(self.signals) >= FORCE_SIGNAL_COUNT:
+            self.force_exit = True
+
+
+def uvicorn_config(app, host: str, port: int, limits: ConnectionLimits) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        http=header_deadline_protocol(limits.timeout_request_header),
+        timeout_keep_alive=limits.timeout_keep_alive,
+        limit_concurrency=limits.limit_concurrency,
+        backlog=limits.backlog,
+        timeout_graceful_shutdown=limits.timeout_graceful_shutdown + SHUTDOWN_FAIL_GRACE_S,
+    )
+
+
+def make_server(app, manager, args, port: Optional[int] = None) -> GracefulServer:
+    """The server of ``app`` over ``manager`` with ``args``' connection limits (on ``port``, else --port)."""
+    limits = ConnectionLimits.of(args)
+    config = uvicorn_config(app, args.host, args.port if port is None else port, limits)
+    return GracefulServer(config, on_shutdown=lambda: manager.begin_shutdown(limits.timeout_graceful_shutdown),
+                          on_hurry=manager.hurry_shutdown)
+
+
+def serve_http(app, manager, args) -> GracefulServer:
+    """Serve ``app`` (over ``manager``) until a shutdown signal; returns once it is shut down."""
+    server = make_server(app, manager, args)
+    server.run()
+    return server
