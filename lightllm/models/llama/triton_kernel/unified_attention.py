@@ -19,6 +19,7 @@ Deterministic plans (``--enable_deterministic_inference``): every row is its own
 the KV is never split, so a row's result depends only on its own position and the cache,
 not on its batch, its chunk or whether it is a decode or an MTP verify row.
 """
+import functools
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -34,10 +35,12 @@ MIN_BLOCK_M = 16
 MAX_BLOCK_M = 128
 # Plans whose tile height is at most this are decode-shaped and may split the KV.
 SPLIT_MAX_BLOCK_M = 32
-# Programs a split plan aims for at head_dim 128 (about two per SM of an H100 / H200); smaller heads
-# move fewer bytes per tile, so their plans aim for proportionally more programs.
-TARGET_PROGRAMS = 264
+# The KV is split only when the unsplit grid is smaller than the GPU's SM count (a larger one fills
+# it already, and splitting would add partial sums to combine); a split plan aims for this many
+# programs per SM at head_dim 128, proportionally more for smaller heads (fewer bytes per tile).
+SPLIT_PROGRAMS_PER_SM = 2
 TARGET_HEAD_DIM = 128
+H200_SMS = 132  # without CUDA (the interpreter)
 MAX_KV_SPLITS = 32
 LOG2E = 1.4426950408889634
 
@@ -242,14 +245,21 @@ def block_shape(group: int, max_q_len: int, deterministic: bool) -> Tuple[int, i
     return min(rows, block_m // group), block_m
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return H200_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def num_kv_splits_for(max_blocks: int, kv_heads: int, block_m: int, deterministic: bool,
-                      head_dim: int = TARGET_HEAD_DIM) -> int:
-    """KV splits of a decode-shaped plan: enough programs to fill the GPU (one for prefill-shaped
-    plans and for deterministic ones)."""
-    if deterministic or block_m > SPLIT_MAX_BLOCK_M:
-        return 1
+                      head_dim: int = TARGET_HEAD_DIM, sms: int = H200_SMS) -> int:
+    """KV splits of a decode-shaped plan whose grid would not fill the GPU's ``sms`` SMs: enough
+    programs to fill it (one for prefill-shaped plans, deterministic ones and large grids)."""
     programs = max(1, max_blocks * kv_heads)
-    target = TARGET_PROGRAMS * max(1, TARGET_HEAD_DIM // max(head_dim, 1))
+    if deterministic or block_m > SPLIT_MAX_BLOCK_M or programs >= sms:
+        return 1
+    target = sms * SPLIT_PROGRAMS_PER_SM * max(1, TARGET_HEAD_DIM // max(head_dim, 1))
     return max(1, min(MAX_KV_SPLITS, target // programs))
 
 
@@ -261,24 +271,19 @@ class LaunchConfig:
 
 
 # Launch configurations, from sweeps on an H200 (docs/attention.md). Prefill-shaped tiles by head_dim;
-# decode-shaped tiles: bigger KV tiles when the KV is split or a block holds several rows (MTP),
-# more bytes in flight per program.
+# decode-shaped tiles: bigger KV tiles when the KV is split (few programs: more bytes in flight each).
 PREFILL_CONFIGS = {64: LaunchConfig(64, 4, 3), 128: LaunchConfig(128, 8, 3)}
 PREFILL_DEFAULT = LaunchConfig(64, 4, 2)
 DECODE_CONFIG = LaunchConfig(64, 4, 2)
 DECODE_SPLIT_CONFIG = LaunchConfig(128, 4, 2)
-DECODE_MULTI_ROW_CONFIG = LaunchConfig(128, 4, 3)
 HALF_BYTES = 2  # the tables above are for bf16 / fp16; fp32 tiles take half the positions
 
 
-def launch_config(block_m: int, block_dmodel: int, block_q: int = 1, num_splits: int = 1,
-                  elem_bytes: int = HALF_BYTES) -> LaunchConfig:
+def launch_config(block_m: int, block_dmodel: int, num_splits: int = 1, elem_bytes: int = HALF_BYTES) -> LaunchConfig:
     if block_m > SPLIT_MAX_BLOCK_M:
         cfg = PREFILL_CONFIGS.get(block_dmodel, PREFILL_DEFAULT)
     elif num_splits > 1:
         cfg = DECODE_SPLIT_CONFIG
-    elif block_q > 1:
-        cfg = DECODE_MULTI_ROW_CONFIG
     else:
         cfg = DECODE_CONFIG
     if elem_bytes > HALF_BYTES:  # the same shared memory per stage
@@ -321,7 +326,7 @@ def plan_attention(
         slot = torch.where(leader, torch.cumsum(leader, 0) - 1, max_blocks).clamp_(max=max_blocks)
         first = torch.full((max_blocks + 1,), -1, dtype=torch.int32, device=idx.device)  # the last takes the rest
         first = first.scatter_(0, slot, idx.to(torch.int32))[:max_blocks]
-    splits = num_kv_splits_for(max_blocks, kv_heads, block_m, deterministic, head_dim)
+    splits = num_kv_splits_for(max_blocks, kv_heads, block_m, deterministic, head_dim, sm_count(idx.device))
     return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m, splits)
 
 
@@ -360,7 +365,7 @@ def unified_attention(
     else:
         part_acc = part_ml = out  # not read
     block_dmodel = triton.next_power_of_2(head_dim)
-    cfg = launch_config(plan.block_m, block_dmodel, plan.block_q, splits, q.element_size())
+    cfg = launch_config(plan.block_m, block_dmodel, splits, q.element_size())
     grid = (plan.block_first_row.shape[0], kv_heads, splits)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,

@@ -28,7 +28,7 @@ ELEM_BYTES = {"*bf16": 2, "*fp16": 2, "*fp32": 4}
 for dtype, head_dim, group, rows, splits in CASES:
     block_q, block_m = block_shape(group, rows, deterministic=False)
     block_dmodel = 1 << (head_dim - 1).bit_length()
-    cfg = launch_config(block_m, block_dmodel, block_q, splits, ELEM_BYTES[dtype])
+    cfg = launch_config(block_m, block_dmodel, splits, ELEM_BYTES[dtype])
     signature = {name: TYPES.get(name, dtype if name.endswith("_ptr") else "i32") for name in ATTENTION_ARGS}
     constexprs = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": block_m,
                   "BLOCK_DMODEL": block_dmodel, "BLOCK_N": cfg.block_n, "NUM_SPLITS": splits,
