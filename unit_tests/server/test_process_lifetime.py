@@ -16,6 +16,7 @@ from typing import Optional
 from lightllm.server.router.manager import PARENT_CHECK_INTERVAL_S, start_parent_watchdog
 from unit_tests.data_paths import REPO_ROOT
 from unit_tests.models.tiny_checkpoints import tiny_model
+from unit_tests.server.process_util import process_gone
 
 CHILD_EXIT_TIMEOUT_S = 5.0
 PARENT_READY_TIMEOUT_S = 120.0  # the parent imports torch and starts its child
@@ -79,22 +80,13 @@ time.sleep(600)
 """
 
 
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie nobody reaped counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def _kill_parent_and_wait_for(parent: subprocess.Popen, child_pid: int) -> Optional[float]:
     """SIGKILL ``parent``; seconds until ``child_pid`` is gone (None: still there after the timeout)."""
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(timeout=10)
     t0 = time.monotonic()
     while time.monotonic() - t0 < CHILD_EXIT_TIMEOUT_S:
-        if _gone(child_pid):
+        if process_gone(child_pid):
             return time.monotonic() - t0
         time.sleep(0.05)
     return None
@@ -120,7 +112,7 @@ def _run_and_kill(argv) -> Optional[float]:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
-        if child_pid is not None and not _gone(child_pid):
+        if child_pid is not None and not process_gone(child_pid):
             os.kill(child_pid, signal.SIGKILL)
 
 

@@ -38,6 +38,7 @@ from lightllm.server.router.manager import GaugePublisher, StepTiming, WorkerRea
 from lightllm.utils.embedded_model import get_default_model_dir
 from lightllm.utils.server_launcher import free_port, launch_server, scrape, sse_data, strict_json
 from unit_tests.server.http.test_hostile_client import Script, ScriptedWorker
+from unit_tests.server.process_util import process_gone
 
 MAX_REQ_TOTAL_LEN = 1024
 # Short timeouts so that the tests see them pass
@@ -534,14 +535,6 @@ def _children(pid: int) -> List[int]:
     return [int(p) for p in out.split()]
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 IN_FLIGHT = 4  # short requests: they finish within the bound
 SHORT_NEW_TOKENS = 12
 LONG_NEW_TOKENS = 200  # a request that cannot finish within the bound (about 0.1 s a token here)
@@ -602,9 +595,9 @@ def _sigterm_with_crowd(tmp_path, idle: int, slow: int, extra_args=()) -> None:
         for p in slow_posts:
             assert _status(_read_until_closed(p, 5)) in (503, None)  # refused, or closed
         deadline = time.monotonic() + 5
-        while not all(_gone(pid) for pid in children) and time.monotonic() < deadline:
+        while not all(process_gone(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert all(_gone(pid) for pid in children), "orphan processes"
+        assert all(process_gone(pid) for pid in children), "orphan processes"
         log = _log(s)
         for bad in ("Traceback", "leaked", "Exception in ASGI", "Cancel "):
             assert bad not in log, log[-3000:]

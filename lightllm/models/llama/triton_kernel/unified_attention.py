@@ -57,6 +57,44 @@ def _load_tile(ptrs, n_in, d_mask, MASK_N: tl.constexpr, EVEN_D: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, IEEE_DOT: tl.constexpr):
+    if IEEE_DOT:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc, qk_scale,
+                 stride_k_slot, stride_v_slot, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                 IEEE_DOT: tl.constexpr):
+    """One tile of BLOCK_N positions from n0 into the online softmax (m_i, l_i, acc). MASK_N: some tile
+    rows do not see every position (past ``end`` or their own length)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_in = offs_n < end
+    if MASK_N:
+        slots = tl.load(table + offs_n, mask=n_in, other=0)
+    else:
+        slots = tl.load(table + offs_n)
+    k = _load_tile(k_ptr + slots[:, None] * stride_k_slot + kv_d, n_in, d_mask, MASK_N, EVEN_D)
+    qk = _dot(q, tl.trans(k), IEEE_DOT)
+    if MASK_N:
+        qk = tl.where(offs_n[None, :] < row_len[:, None], qk * qk_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no key yet
+    else:
+        qk = qk * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = m_new
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_tile(v_ptr + slots[:, None] * stride_v_slot + kv_dv, n_in, d_mask, MASK_N, EVEN_D)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr,  # [rows, q_heads, head_dim]
     k_ptr,  # [num_slots, kv_heads, head_dim]
@@ -131,47 +169,11 @@ def _unified_attention_kernel(
         kv_d = kv_head * stride_k_head + offs_d[None, :]
         kv_dv = kv_head * stride_v_head + offs_d[None, :]
         for n0 in range(start, unmasked_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_in = offs_n < end
-            slots = tl.load(table + offs_n)
-            k = _load_tile(k_ptr + slots[:, None] * stride_k_slot + kv_d, n_in, d_mask, False, EVEN_D)
-            if IEEE_DOT:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = qk * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_tile(v_ptr + slots[:, None] * stride_v_slot + kv_dv, n_in, d_mask, False, EVEN_D)
-            if IEEE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
+                                         qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, False, EVEN_D, IEEE_DOT)
         for n0 in range(unmasked_end, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_in = offs_n < end
-            slots = tl.load(table + offs_n, mask=n_in, other=0)
-            k = _load_tile(k_ptr + slots[:, None] * stride_k_slot + kv_d, n_in, d_mask, True, EVEN_D)
-            if IEEE_DOT:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            seen = offs_n[None, :] < row_len[:, None]
-            qk = tl.where(seen, qk * qk_scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no key yet
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_tile(v_ptr + slots[:, None] * stride_v_slot + kv_dv, n_in, d_mask, True, EVEN_D)
-            if IEEE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
+                                         qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, True, EVEN_D, IEEE_DOT)
 
         store_mask = valid[:, None] & d_mask[None, :]
         if NUM_SPLITS == 1:
