@@ -1,38 +1,72 @@
-"""Every server flag, with help text (LightLLM names)."""
+"""Every server flag, with help text (LightLLM names), in groups; `--help` shows every default."""
 import argparse
 
-from lightllm.common.constants import DATA_TYPES, LOAD_FORMATS
+from lightllm.common.constants import DATA_TYPE_ALIASES, DATA_TYPES, LOAD_FORMATS, canonical_data_type
 from lightllm.server.core.objs.start_args_type import MTP_MODES, StartArgs
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default: "(default: ...)"; None reads "(default: none)"."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return text + (" (default: none)" if action.default is None else " (default: %(default)s)")
 
 
 def make_argument_parser() -> argparse.ArgumentParser:
     d = StartArgs()
-    p = argparse.ArgumentParser(prog="python -m lightllm.server.api_server", description="LightLLM-shaped LLM server")
+    top = argparse.ArgumentParser(prog="python -m lightllm.server.api_server", description="LightLLM-shaped LLM server",
+                                  formatter_class=_HelpFormatter)
+    p = top.add_argument_group("model", "What is served and how it is loaded.")
     p.add_argument("--model_dir", type=str, default=d.model_dir,
-                   help="Hugging Face model dir (config.json + safetensors). Default: the embedded SmolLM2-135M-Instruct.")
-    p.add_argument("--host", type=str, default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+                   help="Hugging Face model dir (config.json + safetensors, a llama or qwen3 model). "
+                        "none: the embedded SmolLM2-135M-Instruct (converted from its GGUF on the first start).")
+    p.add_argument("--model_name", type=str, default=d.model_name,
+                   help="The name OpenAI clients send as `model` (others get a 404) and /v1/models lists; "
+                        "none: the model dir's basename.")
+    p.add_argument("--data_type", type=canonical_data_type, default=d.data_type, choices=DATA_TYPES,
+                   help="Weights and KV dtype; also " + ", ".join(f"{a} ({n})" for a, n in DATA_TYPE_ALIASES.items())
+                        + ". none: bfloat16 on CUDA, float32 on CPU.")
+    p.add_argument("--load_format", type=str, default=d.load_format, choices=LOAD_FORMATS,
+                   help="auto: the model dir's safetensors; dummy: random weights for its config.json "
+                        "(benchmark a model shape without its weights; the dir needs config.json and a tokenizer).")
+    p = top.add_argument_group("server", "The HTTP server and its log.")
+    p.add_argument("--host", type=str, default=d.host, help="Address to listen on (0.0.0.0: every interface).")
+    p.add_argument("--port", type=int, default=d.port,
+                   help="HTTP port; taken before the model starts (a port in use fails at once).")
+    p.add_argument("--disable_log_requests", action="store_true", default=d.disable_log_requests,
+                   help="No log line per request (method, route, status, prompt and output tokens, ms).")
+    p.add_argument("--disable_log_stats", action="store_true", default=d.disable_log_stats,
+                   help="No throughput line every few seconds while busy (tokens/s, running and waiting "
+                        "requests, KV use, MTP tokens/step).")
+    p = top.add_argument_group("scheduling", "Requests, lengths and the KV cache.")
     p.add_argument("--max_total_token_num", type=int, default=d.max_total_token_num,
-                   help="KV cache pool size in tokens (default: sized from free memory).")
+                   help="KV cache pool size in tokens. none: sized from free memory.")
     p.add_argument("--running_max_req_size", type=int, default=d.running_max_req_size,
                    help="Most requests running at once.")
     p.add_argument("--max_req_total_len", type=int, default=d.max_req_total_len,
-                   help="Most prompt + generated tokens of one request.")
+                   help="Most prompt + generated tokens of one request (the model's max_position_embeddings "
+                        "caps it too: /v1/models' max_model_len is the smaller).")
     p.add_argument("--batch_max_tokens", type=int, default=d.batch_max_tokens,
-                   help="Most prompt tokens prefilled in one step (chunked prefill chunk budget).")
-    p.add_argument("--data_type", type=str, default=d.data_type, choices=DATA_TYPES,
-                   help="Weights and KV dtype (default: bfloat16 on CUDA, float32 on CPU).")
+                   help="Most prompt tokens prefilled in one step (chunked prefill chunk budget). "
+                        "none: --max_req_total_len.")
+    p = top.add_argument_group("MTP / ASD", "Speculative decoding with draft modules, and ASD's approximate "
+                                            "acceptance (docs/asd.md).")
     p.add_argument("--mtp_mode", type=str, default=d.mtp_mode, choices=MTP_MODES,
-                   help="MTP speculative decoding mode (default: off).")
+                   help="MTP speculative decoding mode. none: off.")
     p.add_argument("--mtp_step", type=int, default=d.mtp_step, help="Draft tokens per decode step (K).")
     p.add_argument("--mtp_draft_model_dir", type=str, nargs="+", default=d.mtp_draft_model_dir,
-                   help="Draft module dir(s): vanilla chains K modules, eagle reuses one.")
+                   help="Draft module dir(s): vanilla chains K modules, eagle reuses one. none: the packaged "
+                        "draft of the embedded model for eagle_with_att / dspark.")
     p.add_argument("--mtp_asd_regret_budget", type=float, default=d.mtp_asd_regret_budget,
                    help="ASD: per-request total regret budget B (unset: strict verification; 0: strict via ASD path).")
     p.add_argument("--mtp_asd_local_regret_ratio", type=float, default=d.mtp_asd_local_regret_ratio,
                    help="ASD: local cap g on regret / suffix value (unset: no local gate).")
     p.add_argument("--mtp_asd_block_max_mismatch", type=int, default=d.mtp_asd_block_max_mismatch,
                    help="ASD: most relaxed tokens per verify step m (unset: no cap).")
+    p = top.add_argument_group("parallel", "Several GPUs, processes or hosts (docs/parallel.md).")
     p.add_argument("--tp", type=int, default=d.tp,
                    help="Tensor parallel ranks: one worker process each (one GPU each on CUDA; gloo on CPU).")
     p.add_argument("--dp", type=int, default=d.dp,
@@ -42,6 +76,7 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    default=d.enable_decode_microbatch_overlap,
                    help="Split each decode batch in two micro-batches whose forwards interleave, so one's "
                         "communication overlaps the other's compute (uses the DP backend, also with --dp 1).")
+    p = top.add_argument_group("graphs", "CUDA graphs and the decode step (docs/decode_step.md).")
     p.add_argument("--graph_max_batch_size", type=int, default=d.graph_max_batch_size,
                    help="CUDA graph decode: largest captured batch, in requests (capped at --running_max_req_size); "
                         "larger batches decode eagerly.")
@@ -64,32 +99,29 @@ def make_argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable_deterministic_inference", action="store_true", default=d.enable_deterministic_inference,
                    help="CUDA: batch-invariant kernels (SGLang's flag), so a request's tokens do not depend on the "
                         "rest of its batch and strict MTP is token-identical to plain decoding in bf16; slower.")
-    p.add_argument("--load_format", type=str, default=d.load_format, choices=LOAD_FORMATS,
-                   help="auto: the model dir's safetensors; dummy: random weights for its config.json "
-                        "(benchmark a model shape without its weights; the dir needs config.json and a tokenizer).")
-    http = p.add_argument_group("HTTP connections", "Timeouts and limits of the HTTP server (docs/limits.md).")
+    http = top.add_argument_group("HTTP connections", "Timeouts and limits of the HTTP server (docs/limits.md).")
     http.add_argument("--timeout_keep_alive", type=float, default=d.timeout_keep_alive,
                       help="Seconds an idle kept-alive connection may wait for its next request before it is "
-                           "closed (uvicorn's). Default: %(default)s.")
+                           "closed (uvicorn's).")
     http.add_argument("--timeout_request_header", type=float, default=d.timeout_request_header,
                       help="Seconds a connection has to send a request's headers, counted from connecting or from "
-                           "the previous response; then it is closed (idle and slow-header connections). "
-                           "Default: %(default)s.")
+                           "the previous response; then it is closed (idle and slow-header connections).")
     http.add_argument("--timeout_request_body", type=float, default=d.timeout_request_body,
                       help="Seconds from a request's headers to the end of its body; a slower or stalled upload "
-                           "gets a 408 and the connection is closed. Default: %(default)s (8 MiB at 140 KB/s).")
+                           "gets a 408 and the connection is closed. (8 MiB at 140 KB/s.)")
     http.add_argument("--timeout_graceful_shutdown", type=float, default=d.timeout_graceful_shutdown,
                       help="On SIGTERM / SIGINT the server stops accepting connections and reading bodies; "
                            "in-flight requests get this many seconds to finish, then they fail with 503 and the "
-                           "server exits (a second signal fails them at once). Default: %(default)s.")
+                           "server exits (a second signal fails them at once).")
     http.add_argument("--limit_concurrency", type=int, default=d.limit_concurrency,
                       help="Most open connections (and running requests) at once; past it new requests get 503 "
-                           "(uvicorn's limit_concurrency). Default: %(default)s.")
+                           "(uvicorn's limit_concurrency).")
     http.add_argument("--backlog", type=int, default=d.backlog,
-                      help="Connections the kernel queues before the server accepts them. Default: %(default)s.")
+                      help="Connections the kernel queues before the server accepts them.")
+    p = top.add_argument_group("parallel hosts", "Ranks spread over several hosts (docs/parallel.md).")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="Hosts the --tp ranks are spread over.")
     p.add_argument("--node_rank", type=int, default=d.node_rank,
                    help="This host's index (0..nnodes-1); node 0 serves HTTP, the others only run ranks.")
     p.add_argument("--nccl_host", type=str, default=d.nccl_host, help="Address of node 0 for the rank rendezvous.")
     p.add_argument("--nccl_port", type=int, default=d.nccl_port, help="Port on --nccl_host for the rank rendezvous.")
-    return p
+    return top

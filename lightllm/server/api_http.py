@@ -12,17 +12,20 @@ import os
 import re
 import time
 import uuid
-from contextlib import asynccontextmanager
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError, is_utf8_text, quote
+from lightllm.server.core.objs.sampling_params import (MAX_SEED, SamplingParams, SamplingParamsError, is_utf8_text,
+                                                       quote)
 from lightllm.server.httpserver.manager import (ClientDisconnected, HttpServerManager, ReqResult, ShuttingDown,
                                                 Unavailable)
+from lightllm.server.metrics import THROUGHPUT_LOG_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,12 @@ CLIENT_CLOSED_REQUEST = 499
 WORKER_WATCH_INTERVAL_S = 0.5
 WORKER_DEATH_GRACE_S = 0.5
 WORKER_DIED_EXIT_CODE = 1  # the API server's exit status when the model worker died
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's newer names for roles the chat templates know by their older ones
+CHAT_ROLE_ALIASES = {"developer": "system"}
+# A message's content may be a list of parts; only text parts are supported. vLLM joins them so.
+CHAT_TEXT_PART = "text"
+CHAT_TEXT_PART_SEPARATOR = "\n"
 # The one media type of request bodies: a browser's cross-site "simple" request (no CORS
 # preflight) can only send text/plain, form or multipart bodies
 JSON_MEDIA_TYPE = "application/json"
@@ -106,6 +114,66 @@ class BodyReadGuard:
             return msg
 
         await self.app(scope, guarded_receive, send)
+
+
+# Where a request's token counts travel from its route to the request log line (ASGI scope key)
+REQUEST_RECORD_KEY = "lightllm.request_record"
+# GET routes that pollers call all the time: no log line for them
+UNLOGGED_GET_ROUTES = ("/health", "/metrics")
+
+
+@dataclass
+class RequestRecord:
+    """What the request log line says about one request besides its method, route and status;
+    the routes fill it in (``_record``)."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+class RequestLog:
+    """ASGI middleware: one INFO line per request when its response has been sent (or failed):
+    method, route, status, prompt and output tokens, milliseconds. Off with --disable_log_requests."""
+
+    def __init__(self, app, log: logging.Logger):
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] in UNLOGGED_GET_ROUTES):
+            await self.app(scope, receive, send)
+            return
+        record = scope[REQUEST_RECORD_KEY] = RequestRecord()
+        start = time.monotonic()
+        status = None
+        logged = False
+
+        def log_line(code) -> None:
+            nonlocal logged
+            if not logged:
+                logged = True
+                self.log.info("%s %s %s prompt_tokens=%d output_tokens=%d %.1f ms", scope["method"], scope["path"],
+                              code, record.prompt_tokens, record.output_tokens, 1000 * (time.monotonic() - start))
+
+        async def logged_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                log_line(status)
+
+        try:
+            await self.app(scope, receive, logged_send)
+        finally:
+            log_line(status if status is not None else 500)
+
+
+def _record(request: Request, prompt_tokens: int, output_tokens: int) -> None:
+    """The token counts of the request log line (no-op when the log is off)."""
+    record = request.scope.get(REQUEST_RECORD_KEY)
+    if record is not None:
+        record.prompt_tokens, record.output_tokens = prompt_tokens, output_tokens
 
 
 def _client_text(s: str, limit: Optional[int] = None) -> str:
@@ -213,18 +281,91 @@ OPENAI_PARAM_MAP = {
     "asd_regret_budget": "asd_regret_budget",
 }
 OPENAI_MAX_TOKENS_ALIAS = "max_completion_tokens"  # what current clients send instead of max_tokens
-OPENAI_IGNORED = {"model", "user"}
+OPENAI_IGNORED = {"user"}
 OPENAI_STREAM_FIELDS = {"stream", "stream_options"}
+# Fields of OpenAI's choices and log-probs (read by _openai_choices)
+OPENAI_CHOICE_FIELDS = {"model", "n", "best_of", "logprobs"}
+OPENAI_CHAT_ONLY_FIELDS = {"top_logprobs"}
 # Fields we do not implement: accepted only at these (default) values, refused otherwise
 OPENAI_DEFAULT_ONLY = {
-    "n": (None, 1),
-    "best_of": (None, 1),
     "echo": (None, False),
-    "logprobs": (None, False, 0),
     "suffix": (None,),
 }
 OPENAI_DEFAULT_MAX_TOKENS = 16
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+OPENAI_MAX_N = 128  # OpenAI's own bound on n
+# OpenAI's bounds on top-k alternatives (chat top_logprobs / completions logprobs); only 0 is served:
+# alternatives need the decode step to keep the top-k of every row it scores
+OPENAI_MAX_TOP_LOGPROBS = 20
+OPENAI_MAX_COMPLETION_LOGPROBS = 5
+TOP_LOGPROBS_NOT_SUPPORTED = ("top-k alternative log-probs are not supported yet: only 0 (the log-prob of each "
+                              "returned token)")
+
+
+@dataclass(frozen=True)
+class OpenAIChoices:
+    """How many choices a request asks for and what each carries (besides its text)."""
+
+    n: int = 1
+    logprobs: bool = False  # the log-prob of each returned token (top_logprobs / logprobs 0)
+
+
+class ModelNotFound(Exception):
+    """An OpenAI request names a ``model`` this server does not serve (404, as vLLM)."""
+
+    def __init__(self, model: str, served: str):
+        super().__init__(f"The model `{_client_text(model, MAX_FIELD_NAME_CHARS)}` does not exist: "
+                         f"this server serves `{served}`")
+
+
+def _int_field(body: Dict[str, Any], name: str, lo: int, hi: int) -> Optional[int]:
+    """``body[name]``: null, or an integer (not a boolean) in lo..hi."""
+    v = body.get(name)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+        raise SamplingParamsError(name, f"must be an integer in {lo}..{hi}, got {quote(v)}")
+    return v
+
+
+def _openai_choices(body: Dict[str, Any], chat: bool, served_model: str) -> OpenAIChoices:
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise SamplingParamsError("model", "must be a string")
+        if model != served_model:
+            raise ModelNotFound(model, served_model)
+    n = _int_field(body, "n", 1, OPENAI_MAX_N)
+    n = 1 if n is None else n
+    best_of = _int_field(body, "best_of", 1, OPENAI_MAX_N)
+    if best_of is not None and best_of != n:
+        raise SamplingParamsError("best_of", f"must equal n ({n}) or be null: choosing the best of more "
+                                             f"choices is not supported, got {best_of}")
+    if chat:
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise SamplingParamsError("logprobs", f"must be true or false, got {quote(logprobs)}")
+        top = _int_field(body, "top_logprobs", 0, OPENAI_MAX_TOP_LOGPROBS)
+        if top is not None and not logprobs:
+            raise SamplingParamsError("top_logprobs", "needs logprobs true")
+        if top:
+            raise SamplingParamsError("top_logprobs", f"{TOP_LOGPROBS_NOT_SUPPORTED}, got {top}")
+        return OpenAIChoices(n, bool(logprobs))
+    logprobs = body.get("logprobs")
+    if logprobs is False:  # what some clients send for "none"
+        logprobs = None
+    logprobs = _int_field({"logprobs": logprobs}, "logprobs", 0, OPENAI_MAX_COMPLETION_LOGPROBS)
+    if logprobs:
+        raise SamplingParamsError("logprobs", f"{TOP_LOGPROBS_NOT_SUPPORTED}, got {logprobs}")
+    return OpenAIChoices(n, logprobs is not None)
+
+
+def _choice_params(params: SamplingParams, n: int) -> List[SamplingParams]:
+    """The parameters of each of ``n`` choices: choice i samples with seed + i when the request has
+    a seed (else each draws its own noise); greedy choices are all the same, as vLLM's."""
+    if n == 1 or params.seed is None:
+        return [params] * n
+    if params.seed + n - 1 > MAX_SEED:
+        raise SamplingParamsError("seed", f"choice i uses seed + i: seed + n - 1 must be <= {MAX_SEED}")
+    return [replace(params, seed=params.seed + i) for i in range(n)]
 
 
 def _is_one_of(v: Any, allowed: Tuple) -> bool:
@@ -251,7 +392,8 @@ def _client_error(e: SamplingParamsError, names: Dict[str, str]) -> SamplingPara
 
 
 def _openai_params(body: Dict[str, Any], prompt_field: str) -> SamplingParams:
-    known = set(OPENAI_PARAM_MAP) | {OPENAI_MAX_TOKENS_ALIAS} | OPENAI_IGNORED | OPENAI_STREAM_FIELDS
+    known = (set(OPENAI_PARAM_MAP) | {OPENAI_MAX_TOKENS_ALIAS} | OPENAI_IGNORED | OPENAI_STREAM_FIELDS
+             | OPENAI_CHOICE_FIELDS | (OPENAI_CHAT_ONLY_FIELDS if prompt_field == "messages" else set()))
     unknown = sorted(set(body) - known - set(OPENAI_DEFAULT_ONLY) - {prompt_field})
     if unknown:
         raise SamplingParamsError(unknown[0], "unknown field")
@@ -297,19 +439,42 @@ def _openai_stream_flags(body: Dict[str, Any]) -> Tuple[bool, bool]:
     return stream, include_usage
 
 
+def _message_content(i: int, content: Any) -> str:
+    """A message's content as one string: a string, or a list of text parts joined (vLLM's way)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise SamplingParamsError("messages", f"[{i}].content must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise SamplingParamsError("messages", f"[{i}].content[{j}] must be an object with a string type")
+        if part["type"] != CHAT_TEXT_PART:
+            raise SamplingParamsError("messages", f"[{i}].content[{j}].type {quote(part['type'])} is not supported "
+                                                  f"(only {CHAT_TEXT_PART!r} parts)")
+        if not isinstance(part.get("text"), str):
+            raise SamplingParamsError("messages", f"[{i}].content[{j}].text must be a string")
+        texts.append(part["text"])
+    return CHAT_TEXT_PART_SEPARATOR.join(texts)
+
+
 def _chat_messages(body: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The conversation as the chat template takes it: string contents, template role names."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise SamplingParamsError("messages", "must be a non-empty list of {role, content} strings")
+        raise SamplingParamsError("messages", "must be a non-empty list of {role, content} objects")
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise SamplingParamsError("messages", f"[{i}] must be an object with string role and content")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise SamplingParamsError("messages", f"[{i}] must be an object with a string role and a content")
         if m["role"] not in CHAT_ROLES:
             raise SamplingParamsError("messages", f"[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {quote(m['role'])}")
+        m = {**m, "role": CHAT_ROLE_ALIASES.get(m["role"], m["role"]), "content": _message_content(i, m.get("content"))}
         for k, v in m.items():
             if isinstance(v, str) and not is_utf8_text(v):
                 raise SamplingParamsError("messages", f"[{i}].{quote(k)} is not valid Unicode (a lone surrogate)")
-    return messages
+        out.append(m)
+    return out
 
 
 def _completion_prompt(body: Dict[str, Any]) -> str:
@@ -352,21 +517,39 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         manager.stop_worker()
         exit_process(WORKER_DIED_EXIT_CODE)
 
+    async def log_throughput():
+        while True:
+            await asyncio.sleep(THROUGHPUT_LOG_INTERVAL_S)
+            line = manager.throughput.line()
+            if line is not None:
+                logger.info("%s", line)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         manager.start(asyncio.get_running_loop())
-        watchdog = asyncio.create_task(watch_worker())
+        tasks = [asyncio.create_task(watch_worker())]
+        if manager.throughput is not None:
+            tasks.append(asyncio.create_task(log_throughput()))
         yield
-        watchdog.cancel()
+        for task in tasks:
+            task.cancel()
         manager.shutdown()
 
     app = FastAPI(title="lightllm", lifespan=lifespan)
     app.add_middleware(BodyReadGuard, timeout_s=manager.args.timeout_request_body, stopping=lambda: manager.stopping)
+    if not manager.args.disable_log_requests:  # outermost: it sees every answer, 408 and 415 included
+        app.add_middleware(RequestLog, log=logger)
 
     @app.exception_handler(SamplingParamsError)
     async def _params_error(request: Request, exc: SamplingParamsError):
         manager.metrics.bad_requests.inc()
         return _error(400, exc.field_name, str(exc).split(": ", 1)[-1])
+
+    @app.exception_handler(ModelNotFound)
+    async def _no_such_model(request: Request, exc: ModelNotFound):
+        # OpenAI's error object (what vLLM answers), and the field as our other refusals name it
+        return JSONResponse(status_code=404, content={
+            "error": {"message": str(exc), "type": "NotFoundError", "param": "model", "code": 404}, "field": "model"})
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request: Request, exc: BodyTooLarge):
@@ -419,7 +602,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": manager.model_name, "object": "model", "owned_by": "lightllm",
-                                            "max_model_len": manager.args.max_req_total_len}]}
+                                            "max_model_len": manager.max_model_len}]}
 
     async def _lightllm_request(body, streaming: bool) -> Tuple[List[int], SamplingParams]:
         inputs = _need_text("inputs", body.get("inputs"))
@@ -444,6 +627,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
     async def generate(request: Request):
         prompt_ids, params = await _lightllm_request(await _json_body(request), streaming=False)
         res = await _final(prompt_ids, params, request)
+        _record(request, res.prompt_tokens, len(res.token_ids))
         if res.finish_reason == "error":
             return _error(500, None, _worker_failed_message(res))
         out = {
@@ -466,6 +650,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             try:
                 async for res in manager.generate(prompt_ids, params):
                     done = res.finish_reason is not None
+                    _record(request, res.prompt_tokens, len(res.token_ids))
                     if res.finish_reason == "error":
                         yield _sse({"token": None, "generated_text": None, "finished": True, "finish_reason": "error",
                                     "error": _worker_failed_message(res), "details": None})
@@ -490,15 +675,105 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def _usage(res: ReqResult) -> Dict[str, int]:
-        n = len(res.token_ids)
-        return {"prompt_tokens": res.prompt_tokens, "completion_tokens": n, "total_tokens": res.prompt_tokens + n}
+    def _usage(results: List[ReqResult]) -> Dict[str, int]:
+        """OpenAI usage: the prompt once, the completion tokens of every choice."""
+        prompt, n = results[0].prompt_tokens, sum(len(r.token_ids) for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+
+    def _asd_total(results: List[ReqResult]) -> Dict[str, Any]:
+        fields = [_asd_fields(r) for r in results]
+        return {k: sum(f[k] for f in fields) if all(f[k] is not None for f in fields) else None for k in fields[0]}
+
+    def _token_text(token_id: int) -> str:
+        return manager.tokenizer.decode([token_id])
+
+    def _chat_logprobs(res: ReqResult, lo: int, hi: int) -> Dict[str, Any]:
+        """OpenAI chat log-probs of tokens [lo, hi): each token's text, log-prob and UTF-8 bytes."""
+        content = []
+        for i in range(lo, hi):
+            text = _token_text(res.token_ids[i])
+            content.append({"token": text, "logprob": _finite(res.logprobs[i]), "bytes": list(text.encode("utf-8")),
+                            "top_logprobs": []})
+        return {"content": content}
+
+    def _completion_logprobs(res: ReqResult, lo: int, hi: int, offset: int) -> Dict[str, Any]:
+        """OpenAI (legacy) completion log-probs of tokens [lo, hi); ``offset``: text_offset of token lo.
+        A token's offset is the previous one's plus its text's length (vLLM's rule)."""
+        tokens, offsets = [], []
+        for i in range(lo, hi):
+            tokens.append(_token_text(res.token_ids[i]))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [_finite(x) for x in res.logprobs[lo:hi]],
+                "top_logprobs": [None] * len(tokens), "text_offset": offsets}
+
+    async def _results(prompt_ids, choice_params: List[SamplingParams], request: Request) -> List[ReqResult]:
+        """Every choice run to its end, together (ClientDisconnected when the client hangs up:
+        the other choices are aborted too)."""
+        if len(choice_params) == 1:
+            return [await _final(prompt_ids, choice_params[0], request)]
+        gone = False
+        lock = asyncio.Lock()
+
+        async def is_disconnected() -> bool:  # one poll of the connection for all choices
+            nonlocal gone
+            async with lock:
+                gone = gone or await request.is_disconnected()
+            return gone
+
+        async def final(p: SamplingParams) -> ReqResult:
+            res = None
+            async for res in manager.generate(prompt_ids, p, is_disconnected):
+                pass
+            return res
+
+        tasks = [asyncio.ensure_future(final(p)) for p in choice_params]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # their aborts are sent
+
+    async def _updates(prompt_ids, choice_params: List[SamplingParams]) -> AsyncIterator[Tuple[int, ReqResult]]:
+        """(choice index, its result so far) as the choices' updates arrive; each choice's last
+        one has finish_reason set and none of it comes after. Leaving early aborts them all."""
+        if len(choice_params) == 1:
+            async for res in manager.generate(prompt_ids, choice_params[0]):
+                yield 0, res
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, p: SamplingParams) -> None:
+            try:
+                async for res in manager.generate(prompt_ids, p):
+                    q.put_nowait((i, res, None))
+            except Unavailable as e:
+                q.put_nowait((i, None, e))
+
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(choice_params)]
+        finished = set()
+        try:
+            while len(finished) < len(tasks):
+                i, res, exc = await q.get()
+                if exc is not None:
+                    raise exc
+                if i in finished:  # a result object is updated in place: its final state was sent
+                    continue
+                if res.finish_reason is not None:
+                    finished.add(i)
+                yield i, res
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def _openai(request: Request, chat: bool):
         body = await _json_body(request)
         prompt_field = "messages" if chat else "prompt"
         try:  # everything cheap first, then tokenize
             params = _openai_params(body, prompt_field)
+            choices = _openai_choices(body, chat, manager.model_name)
+            choice_params = _choice_params(params, choices.n)
             stream, include_usage = _openai_stream_flags(body)
             if chat:
                 prompt_ids = await manager.apply_chat_template_async(_chat_messages(body))
@@ -511,54 +786,74 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
 
-        def choice(text: str, finish: Optional[str], delta: bool) -> Dict[str, Any]:
-            c = {"index": 0, "finish_reason": OPENAI_FINISH.get(finish) if finish else None}
+        def choice(index: int, text: str, finish: Optional[str], delta: bool,
+                   logprobs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+            c = {"index": index, "finish_reason": OPENAI_FINISH.get(finish) if finish else None}
             if chat:
                 c["delta" if delta else "message"] = {"role": "assistant", "content": text}
             else:
                 c["text"] = text
-                c["logprobs"] = None
+            c["logprobs"] = logprobs
             return c
 
-        def chunk(choices: List[Dict[str, Any]]) -> Dict[str, Any]:
+        def chunk(choices_: List[Dict[str, Any]]) -> Dict[str, Any]:
             return {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                    "model": manager.model_name, "choices": choices}
+                    "model": manager.model_name, "choices": choices_}
 
         def stream_error(message: str) -> str:
             return _sse({"error": {"message": message, "type": "server_error", "code": 500}})
 
+        def logprobs_of(res: ReqResult, lo: int, hi: int, offset: int = 0) -> Optional[Dict[str, Any]]:
+            if not choices.logprobs:
+                return None
+            return _chat_logprobs(res, lo, hi) if chat else _completion_logprobs(res, lo, hi, offset)
+
         if not stream:
-            res = await _final(prompt_ids, params, request)
-            if res.finish_reason == "error":
-                return _error(500, None, _worker_failed_message(res))
+            results = await _results(prompt_ids, choice_params, request)
+            _record(request, len(prompt_ids), sum(len(r.token_ids) for r in results))
+            failed = next((r for r in results if r.finish_reason == "error"), None)
+            if failed is not None:
+                return _error(500, None, _worker_failed_message(failed))
             return {"id": rid, "object": obj, "created": created, "model": manager.model_name,
-                    "choices": [choice(res.text, res.finish_reason, False)], "usage": _usage(res), **_asd_fields(res)}
+                    "choices": [choice(i, r.text, r.finish_reason, False, logprobs_of(r, 0, len(r.token_ids)))
+                                for i, r in enumerate(results)],
+                    "usage": _usage(results), **_asd_total(results)}
 
         async def events():
-            sent_text = ""
-            final = None
+            n = len(choice_params)
+            sent_text = [""] * n
+            sent_tokens = [0] * n  # tokens whose log-probs were sent
+            text_offset = [0] * n  # completions: text_offset of the next token
+            final: List[Optional[ReqResult]] = [None] * n
             try:
-                async for res in manager.generate(prompt_ids, params):
-                    done = res.finish_reason is not None
-                    if res.finish_reason == "error":
-                        yield stream_error(_worker_failed_message(res))
-                        break
-                    # held back: the start of a possible stop string, an incomplete UTF-8 sequence
-                    visible = res.text[:res.stream_text_len]
-                    delta = visible[len(sent_text):] if visible.startswith(sent_text) else ""
-                    if not delta and not done:
-                        continue
-                    sent_text += delta
-                    c = chunk([choice(delta, res.finish_reason, True)])
-                    if include_usage:
-                        c["usage"] = None  # OpenAI: only the extra last chunk has usage
-                    if done:
-                        c.update(_asd_fields(res))
-                        final = res
-                    yield _sse(c)
+                async with aclosing(_updates(prompt_ids, choice_params)) as updates:
+                    async for i, res in updates:
+                        done = res.finish_reason is not None
+                        if res.finish_reason == "error":
+                            yield stream_error(_worker_failed_message(res))
+                            break
+                        # held back: the start of a possible stop string, an incomplete UTF-8 sequence
+                        visible = res.text[:res.stream_text_len]
+                        delta = visible[len(sent_text[i]):] if visible.startswith(sent_text[i]) else ""
+                        if not delta and not done:
+                            continue
+                        sent_text[i] += delta
+                        upto = max(res.stream_token_num, sent_tokens[i])  # tokens within the text shown
+                        lp = logprobs_of(res, sent_tokens[i], upto, text_offset[i])
+                        if lp is not None and not chat:
+                            text_offset[i] += sum(len(t) for t in lp["tokens"])
+                        sent_tokens[i] = upto
+                        c = chunk([choice(i, delta, res.finish_reason, True, lp)])
+                        if include_usage:
+                            c["usage"] = None  # OpenAI: only the extra last chunk has usage
+                        if done:
+                            c.update(_asd_fields(res))
+                            final[i] = res
+                            _record(request, len(prompt_ids), sum(len(r.token_ids) for r in final if r is not None))
+                        yield _sse(c)
             except Unavailable as e:
                 yield stream_error(str(e))
-            if include_usage and final is not None:
+            if include_usage and all(r is not None for r in final):
                 yield _sse({**chunk([]), "usage": _usage(final)})
             yield SSE_DONE
 

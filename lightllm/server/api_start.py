@@ -11,7 +11,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, List, Optional, Sequence
 
-from lightllm.common.constants import LOAD_FORMATS, MAX_MTP_STEP
+from lightllm.common.constants import DATA_TYPE_ALIASES, DATA_TYPES, LOAD_FORMATS, MAX_MTP_STEP, canonical_data_type
 from lightllm.server.core.objs.start_args_type import StartArgs
 
 WORKER_START_TIMEOUT_S = 900
@@ -22,6 +22,8 @@ WORKER_EXIT_TIMEOUT_S = 10.0
 # server lets its in-flight requests finish. The server stops them (None on their queue), and
 # they end with it if it dies (router.manager.exit_with_parent).
 WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# The log's format, set up before anything can log (the first start converts the embedded model)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # File descriptors kept free beyond --limit_concurrency connections (model files, pipes, logs)
 SPARE_FILE_DESCRIPTORS = 256
 
@@ -48,6 +50,11 @@ def validate_start_args(args: StartArgs) -> StartArgs:
         _need(getattr(args, flag) >= 1, f"--{flag}", f"must be >= 1, got {getattr(args, flag)}")
     _need(args.graph_max_prefill_tokens >= 0, "--graph_max_prefill_tokens",
           f"must be >= 0, got {args.graph_max_prefill_tokens}")
+    data_type = None if args.data_type is None else canonical_data_type(args.data_type)
+    _need(data_type is None or data_type in DATA_TYPES, "--data_type",
+          f"must be one of {', '.join(DATA_TYPES + tuple(DATA_TYPE_ALIASES))}, got {args.data_type!r}")
+    _need(args.model_name is None or (isinstance(args.model_name, str) and args.model_name.strip() != ""),
+          "--model_name", f"must be a non-empty string, got {args.model_name!r}")
     _need(args.load_format in LOAD_FORMATS, "--load_format",
           f"must be one of {', '.join(LOAD_FORMATS)}, got {args.load_format!r}")
     _need(args.load_format != "dummy" or args.model_dir is not None, "--load_format",
@@ -70,8 +77,15 @@ def validate_start_args(args: StartArgs) -> StartArgs:
             model_dir = get_default_model_dir()
         except Exception as e:
             raise StartArgsError(f"--model_dir: not given and the embedded model is unavailable: {e}") from None
+    from lightllm.models.registry import check_model_type
+
+    try:
+        check_model_type(model_dir)
+    except ValueError as e:
+        raise StartArgsError(f"--model_dir: {model_dir!r}: {e}") from None
     resolved = dataclasses.replace(
         args,
+        data_type=data_type,
         resolved_model_dir=model_dir,
         batch_max_tokens=args.batch_max_tokens or args.max_req_total_len,
         mtp_draft_model_dir=_resolve_draft_dirs(args, model_dir),
@@ -211,7 +225,7 @@ def resolve_device_and_dtype(args: StartArgs):
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.data_type or ("bfloat16" if device == "cuda" else "float32")
+    dtype = canonical_data_type(args.data_type) if args.data_type else ("bfloat16" if device == "cuda" else "float32")
     return device, dtype
 
 
@@ -326,14 +340,23 @@ def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[
 
 
 def _launch_subprocesses(args: StartArgs) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # first: validation may convert the model
     try:
         args = validate_start_args(args)
     except StartArgsError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    import logging
+    sock = None
+    if args.node_rank == 0:  # the HTTP port, taken before the worker starts: a conflict shows at once
+        from lightllm.server.httpserver.serving import bind_socket
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            sock = bind_socket(args.host, args.port, args.backlog)
+        except OSError as e:
+            print(f"error: --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+            sys.exit(1)
     try:
         workers, in_q, out_q, ready = start_worker(args)
     except RuntimeError as e:
@@ -356,7 +379,7 @@ def _launch_subprocesses(args: StartArgs) -> None:
         args.resolved_model_dir, args.host, args.port, ready.device, ready.data_type, ready.max_total_token_num,
     )
     try:
-        serve_http(app, manager, args)
+        serve_http(app, manager, args, sock)
     finally:
         manager.shutdown()  # the app's shutdown did it already, unless uvicorn was forced out
         workers.stop()

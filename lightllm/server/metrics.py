@@ -1,10 +1,14 @@
-"""Prometheus metrics of the HTTP server (one registry per server)."""
+"""Prometheus metrics of the HTTP server (one registry per server), and the periodic throughput
+line of the log (``ThroughputLog``)."""
+import time
 from typing import Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lightllm.common.constants import MTP_TABLE_WIDTH
 
+# Seconds between two throughput lines while the server is busy (vLLM: 10, LightLLM: a few)
+THROUGHPUT_LOG_INTERVAL_S = 5.0
 # accept_len of one request in one verify step is 1..MTP_TABLE_WIDTH (drafts + 1)
 ACCEPT_LEN_BUCKETS = tuple(range(1, MTP_TABLE_WIDTH + 1))
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -109,3 +113,51 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ThroughputLog:
+    """What the periodic throughput line reports: tokens per second since the last line, the
+    running and waiting requests and the KV in use (the latest worker stats), and MTP's committed
+    tokens per request per decode step. Fed by the HTTP server's worker reader (``observe``,
+    ``add_prompt``); ``line()`` is None while idle (nothing happened since the last line)."""
+
+    def __init__(self, kv_capacity_tokens: int, mtp: bool = False, clock=time.monotonic):
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.mtp = mtp  # report MTP tokens/step (a server with --mtp_mode)
+        self._clock = clock
+        self._since = clock()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._verify_steps = 0  # request decode steps that verified drafts (accept_len > 0)
+        self._verify_tokens = 0
+        self._running = self._waiting = self._kv_used = 0
+
+    def add_prompt(self, tokens: int) -> None:
+        self._prompt_tokens += tokens
+
+    def observe(self, updates, stats) -> None:
+        for u in updates:
+            self._generation_tokens += len(u.token_ids)
+            if u.accept_len:
+                self._verify_steps += 1
+                self._verify_tokens += u.accept_len
+        self._running, self._waiting, self._kv_used = stats.running_reqs, stats.waiting_reqs, stats.kv_used_tokens
+
+    def line(self) -> Optional[str]:
+        """The line for the time since the previous one (and start a new period); None when idle."""
+        now = self._clock()
+        elapsed = max(now - self._since, 1e-9)
+        busy = self._prompt_tokens or self._generation_tokens or self._running or self._waiting
+        if not busy:
+            self._since = now
+            return None
+        kv_share = 100.0 * self._kv_used / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
+        text = (f"throughput: prompt {self._prompt_tokens / elapsed:.1f} tokens/s, "
+                f"generation {self._generation_tokens / elapsed:.1f} tokens/s, running {self._running} reqs, "
+                f"waiting {self._waiting} reqs, KV {self._kv_used}/{self.kv_capacity_tokens} tokens "
+                f"({kv_share:.1f}%)")
+        if self.mtp and self._verify_steps:
+            text += f", MTP {self._verify_tokens / self._verify_steps:.2f} tokens/step"
+        self._since = now
+        self._prompt_tokens = self._generation_tokens = self._verify_steps = self._verify_tokens = 0
+        return text

@@ -161,7 +161,8 @@ def ensure_converted(
         # another process may have finished the same conversion while we waited
         if not force and read_marker(model_dir) == stamp:
             return model_dir
-        logger.info("converting %s into %s (once)", gguf_path, model_dir)
+        logger.info("converting %s into a Hugging Face model dir at %s (once; later starts reuse it)",
+                    gguf_path, model_dir)
         tmp_dir = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
         os.chmod(tmp_dir, MODEL_DIR_MODE)  # mkdtemp makes it owner-only
         try:
@@ -169,6 +170,7 @@ def ensure_converted(
             with open(os.path.join(tmp_dir, MARKER_FILENAME), "w") as f:
                 json.dump(asdict(stamp), f, indent=2)
             _replace_dir(tmp_dir, model_dir)
+            logger.info("the converted model is in %s", model_dir)
         except BaseException:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             raise

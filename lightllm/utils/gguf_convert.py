@@ -222,9 +222,11 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def read_weights(reader, config: LlamaGgufConfig) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to fp32 (unrounded), renamed and un-permuted for HF."""
     from gguf.quants import dequantize
+    from tqdm import tqdm
 
     weights = {}
-    for tensor in reader.tensors:
+    # a progress bar on stderr: a first start spends most of its time here
+    for tensor in tqdm(reader.tensors, desc="dequantizing GGUF tensors", unit="tensor", leave=False):
         name = _hf_tensor_name(tensor.name)
         torch_shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
         # np.array copies: F32 tensors come back as read-only views of the mmapped file

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError
 from lightllm.server.httpserver.detokenize import REPLACEMENT_CHAR, DetokenizerVocab, IncrementalDetokenizer
-from lightllm.server.metrics import ServerMetrics
+from lightllm.server.metrics import ServerMetrics, ThroughputLog
 from lightllm.server.router.manager import AbortReq, AddReq
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,16 @@ def keeps_text(tokenizer) -> bool:
     (collapsed spaces, composed accents) keeps no such bound."""
     ids = tokenizer.encode(ROUND_TRIP_PROBE, add_special_tokens=False)
     return tokenizer.decode(ids) == ROUND_TRIP_PROBE
+
+
+def read_max_position_embeddings(model_dir: str) -> Optional[int]:
+    """The model's ``max_position_embeddings`` from its config.json (None when it has none)."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        v = json.load(f).get("max_position_embeddings")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def load_eos_token_ids(model_dir: str, tokenizer) -> List[int]:
@@ -145,7 +155,12 @@ class HttpServerManager:
         self.vocab_size = ready.vocab_size
         self.max_total_token_num = ready.max_total_token_num
         self.model_dir = args.resolved_model_dir
-        self.model_name = os.path.basename(os.path.normpath(self.model_dir))
+        # The name clients send as OpenAI's ``model`` (LightLLM's --model_name; default: the dir's name)
+        self.model_name = args.model_name or os.path.basename(os.path.normpath(self.model_dir))
+        # Most prompt + new tokens of one request: --max_req_total_len, or less when the model's
+        # positions end sooner (/v1/models' max_model_len)
+        self.max_position_embeddings = read_max_position_embeddings(self.model_dir)
+        self.max_model_len = min(args.max_req_total_len, self.max_position_embeddings or args.max_req_total_len)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = load_eos_token_ids(self.model_dir, self.tokenizer)
         self.detokenizer_vocab = DetokenizerVocab.of(self.tokenizer)
@@ -155,6 +170,9 @@ class HttpServerManager:
         if self.max_token_chars is None:
             logger.info("the tokenizer normalizes text: prompts are refused by their length only once tokenized")
         self.metrics = ServerMetrics()
+        # The periodic throughput line (None: --disable_log_stats)
+        self.throughput = None if args.disable_log_stats else ThroughputLog(self.max_total_token_num,
+                                                                            mtp=args.mtp_mode is not None)
         self._ids = itertools.count(1)
         self._streams: Dict[int, asyncio.Queue] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -183,6 +201,8 @@ class HttpServerManager:
 
     def _dispatch(self, updates, stats) -> None:
         self.metrics.observe_worker(stats)
+        if self.throughput is not None:
+            self.throughput.observe(updates, stats)
         for u in updates:
             if u.accept_len:
                 self.metrics.observe_step(u.accept_len, u.draft_confidence)
@@ -246,14 +266,21 @@ class HttpServerManager:
     def apply_chat_template(self, messages) -> List[int]:
         return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
 
+    def limit_text(self) -> str:
+        """How error messages name the request length limit (max_model_len)."""
+        if self.max_model_len == self.args.max_req_total_len:
+            return f"--max_req_total_len {self.max_model_len}"
+        return (f"max_model_len {self.max_model_len} (the model's max_position_embeddings; "
+                f"--max_req_total_len is {self.args.max_req_total_len})")
+
     def check_prompt_chars(self, text: str) -> None:
-        """Refuse a prompt that has more characters than --max_req_total_len tokens can hold,
-        before it is tokenized (SamplingParamsError naming ``inputs``). Every prompt that passes
+        """Refuse a prompt that has more characters than max_model_len tokens can hold, before
+        it is tokenized (SamplingParamsError naming ``inputs``). Every prompt that passes
         tokenizes in bounded time."""
-        limit = self.args.max_req_total_len
+        limit = self.max_model_len
         if self.max_token_chars is not None and len(text) > (limit - 1) * self.max_token_chars:
             raise SamplingParamsError(
-                "inputs", f"the prompt has {len(text)} characters: more than --max_req_total_len {limit} tokens "
+                "inputs", f"the prompt has {len(text)} characters: more than {self.limit_text()} tokens "
                 f"can hold (a token is at most {self.max_token_chars} characters)")
 
     async def _tokenize(self, fn, arg, chars: int) -> List[int]:
@@ -284,17 +311,17 @@ class HttpServerManager:
         if not prompt_ids:
             raise SamplingParamsError("inputs", "the prompt is empty")
         params.verify_vocab(self.vocab_size)
-        limit = self.args.max_req_total_len
+        limit = self.max_model_len
         if len(prompt_ids) >= limit:  # too long even for one new token: the prompt's fault
             raise SamplingParamsError(
-                "inputs", f"the prompt has {len(prompt_ids)} tokens: --max_req_total_len {limit} leaves room for "
+                "inputs", f"the prompt has {len(prompt_ids)} tokens: {self.limit_text()} leaves room for "
                 f"at most {limit - 1} (and one new token)")
         total = len(prompt_ids) + params.max_new_tokens
-        if total > self.args.max_req_total_len:
+        if total > limit:
             raise SamplingParamsError(
                 "max_new_tokens",
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                f"exceeds --max_req_total_len {self.args.max_req_total_len}",
+                f"exceeds {self.limit_text()}",
             )
         if params.asd_regret_budget is not None and not self.args.asd_enabled:
             raise SamplingParamsError(
@@ -328,6 +355,8 @@ class HttpServerManager:
         finished = False
         budget = params.asd_budget(self.args.mtp_asd_regret_budget)
         self.in_q.put(AddReq(req_id, prompt_ids, self._worker_params(params), self.eos_token_ids, budget))
+        if self.throughput is not None:
+            self.throughput.add_prompt(len(prompt_ids))
         try:
             next_check = time.monotonic() + DISCONNECT_POLL_S
             while True:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional
@@ -168,8 +169,25 @@ def make_server(app, manager, args, port: Optional[int] = None) -> GracefulServe
                           on_hurry=manager.hurry_shutdown)
 
 
-def serve_http(app, manager, args) -> GracefulServer:
-    """Serve ``app`` (over ``manager``) until a shutdown signal; returns once it is shut down."""
+def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (OSError when the port is taken or the address
+    is not this host's). Start-up binds it before the model worker starts, so such a failure is
+    reported at once, and "serving on" is only printed for a port that is ours."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve_http(app, manager, args, sock: Optional[socket.socket] = None) -> GracefulServer:
+    """Serve ``app`` (over ``manager``) until a shutdown signal, on ``sock`` (bind_socket's) or
+    else a socket uvicorn binds; returns once it is shut down."""
     server = make_server(app, manager, args)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     return server

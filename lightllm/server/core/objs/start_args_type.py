@@ -9,6 +9,7 @@ MTP_MODES = ("vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_a
 @dataclass
 class StartArgs:
     model_dir: Optional[str] = None  # None: the embedded SmolLM2-135M-Instruct
+    model_name: Optional[str] = None  # OpenAI's ``model`` this server answers to; None: model_dir's basename
     host: str = "127.0.0.1"
     port: int = 8000
     max_total_token_num: Optional[int] = None  # KV pool size in tokens; None: sized from free memory
@@ -48,6 +49,9 @@ class StartArgs:
     timeout_graceful_shutdown: float = 30.0  # s in-flight requests get to finish after SIGTERM, then 503
     limit_concurrency: int = 1024  # open connections (or running requests) past which new requests get 503
     backlog: int = 2048  # connections the kernel queues before they are accepted (listen backlog)
+    # Logging (vLLM's flag names)
+    disable_log_requests: bool = False  # no log line per request (method, route, status, tokens, ms)
+    disable_log_stats: bool = False  # no periodic throughput line while busy
     # Resolved during validation (never set by users)
     resolved_model_dir: Optional[str] = field(default=None, repr=False)
 

@@ -1,0 +1,222 @@
+"""The OpenAI API as clients use it (issue 29), through real servers over a tiny random fp32 Llama
+(unit_tests/models/tiny_checkpoints) with a byte-level tokenizer: log-probs against transformers'
+own forward over the returned tokens (plain, strict MTP, ASD; streamed and not), n > 1, text parts,
+the developer role, the served model name and max_model_len."""
+import json
+
+import httpx
+import pytest
+import torch
+
+from lightllm.utils.server_launcher import launch_server, sse_data, strict_json
+from unit_tests.models.tiny_checkpoints import MAX_POSITIONS, tiny_model
+from unit_tests.server.http.tiny_tokenizer import write_tokenizer
+
+MAX_REQ_TOTAL_LEN = 512  # above the tiny model's MAX_POSITIONS (256): max_model_len is 256
+MAX_TOKENS = 12
+LOGPROB_TOL = 2e-3  # fp32 on both sides; the engine's kernels sum in another order
+MODEL_NAME = "tiny-llama"
+CHAT = [{"role": "user", "content": "hello there, what is the time?"}]
+PROMPT = "the rain in spain stays"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model = tiny_model("llama", tmp_path_factory.mktemp("tiny_openai"))
+    write_tokenizer(model.model_dir, model.vocab_size)
+    return model
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, tmp_path_factory):
+    """name -> server: plain, strict MTP, ASD (a weak random draft: many mismatches, so relaxations)."""
+    logs = tmp_path_factory.mktemp("tiny_openai_logs")
+    base = ["--model_dir", tiny.model_dir, "--max_req_total_len", str(MAX_REQ_TOTAL_LEN),
+            "--running_max_req_size", "8", "--max_total_token_num", "4096"]
+    draft = tiny.draft("draft", with_attention=True, std=0.02)
+    mtp = ["--mtp_mode", "eagle_with_att", "--mtp_step", "2", "--mtp_draft_model_dir", draft]
+    flags = {"plain": base + ["--model_name", MODEL_NAME], "mtp": base + mtp,
+             "asd": base + mtp + ["--mtp_asd_regret_budget", "4.0"]}
+    started = {}
+    try:
+        for name, f in flags.items():
+            started[name] = launch_server(f, str(logs / f"{name}.log"))
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def _post(server, path, body):
+    r = httpx.post(server.url + path, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return strict_json(r.text)
+
+
+def _stream(server, path, body):
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        data = sse_data(r.iter_lines())
+    assert data[-1] == "[DONE]"
+    return [strict_json(d) for d in data[:-1]]
+
+
+def _prompt_ids(tok, chat: bool):
+    if chat:
+        return tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)
+    return tok.encode(PROMPT, add_special_tokens=True)
+
+
+def _engine_ids(server, tok, chat: bool):
+    """The returned token ids, through /generate with the same prompt ids' text (greedy)."""
+    text = tok.decode(_prompt_ids(tok, chat)) if chat else PROMPT
+    out = _post(server, "/generate", {"inputs": text, "parameters": {
+        "max_new_tokens": MAX_TOKENS, "ignore_eos": True, "return_details": True}})
+    return [t["id"] for t in out["tokens"]]
+
+
+def _reference_logprobs(hf, prompt_ids, out_ids):
+    """log p(out token i | prompt, out[:i]) by transformers' forward over prompt + output."""
+    ids = torch.tensor([prompt_ids + out_ids])
+    with torch.no_grad():
+        logits = hf(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
+    return lp.gather(1, torch.tensor(out_ids).unsqueeze(1)).squeeze(1).tolist()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny.model_dir)
+
+
+@pytest.mark.parametrize("name", ["plain", "mtp", "asd"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_logprobs_equal_transformers_forward(servers, tiny, tok, name, chat):
+    server = servers[name]
+    model = {"model": MODEL_NAME} if name == "plain" else {}
+    if chat:
+        path, body = "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 0}
+    else:
+        path, body = "/v1/completions", {"prompt": PROMPT, "logprobs": 0}
+    body.update(model, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    out = _post(server, path, body)
+    ids = _engine_ids(server, tok, chat)
+    assert len(ids) == MAX_TOKENS
+    if name == "mtp":  # strict MTP is plain greedy decoding
+        assert ids == _engine_ids(servers["plain"], tok, chat)
+    ref = _reference_logprobs(tiny.hf, _prompt_ids(tok, chat), ids)
+    lp = out["choices"][0]["logprobs"]
+    texts = [tok.decode([t]) for t in ids]
+    if chat:
+        got = [e["logprob"] for e in lp["content"]]
+        assert [e["token"] for e in lp["content"]] == texts
+        assert all(e["bytes"] == list(e["token"].encode("utf-8")) and e["top_logprobs"] == [] for e in lp["content"])
+    else:
+        got = lp["token_logprobs"]
+        assert lp["tokens"] == texts and lp["top_logprobs"] == [None] * MAX_TOKENS
+        assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(MAX_TOKENS)]
+    assert got == pytest.approx(ref, abs=LOGPROB_TOL)
+    # streamed: the chunks' log-probs, in order, are the same
+    streamed = []
+    for c in _stream(server, path, body):
+        if c["choices"] and c["choices"][0]["logprobs"] is not None:
+            part = c["choices"][0]["logprobs"]
+            streamed += [e["logprob"] for e in part["content"]] if chat else part["token_logprobs"]
+    assert streamed == got
+    if name == "asd":
+        assert out["mtp_accepted_token_num"] >= 0 and out["asd_regret_spent"] is not None
+
+
+def test_no_logprobs_unless_asked(servers):
+    out = _post(servers["plain"], "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0})
+    assert out["choices"][0]["logprobs"] is None
+    out = _post(servers["plain"], "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    assert out["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 0}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "top_logprobs": 0}, "top_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2, "best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 250}, "max_tokens"),
+])
+def test_refusals_name_the_field(servers, path, body, field):
+    r = httpx.post(servers["plain"].url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == field and r.json()["error"].startswith(field + ":")
+    if body.get("top_logprobs") or (path == "/v1/completions" and body.get("logprobs")):
+        assert "not supported yet" in r.json()["error"]
+    if field == "max_tokens":
+        assert "max_model_len 256" in r.json()["error"]
+
+
+def test_model_name_404_and_models_list(servers, tiny):
+    plain, mtp = servers["plain"], servers["mtp"]
+    models = httpx.get(plain.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [MODEL_NAME]
+    assert models[0]["max_model_len"] == min(MAX_REQ_TOTAL_LEN, MAX_POSITIONS)
+    # default name: the model dir's basename
+    assert httpx.get(mtp.url + "/v1/models").json()["data"][0]["id"] == "target"
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": PROMPT})):
+        r = httpx.post(plain.url + path, json={**body, "model": "gpt-4", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["code"] == 404 and err["type"] == "NotFoundError" and err["param"] == "model"
+        assert "gpt-4" in err["message"]
+        assert _post(plain, path, {**body, "model": MODEL_NAME, "max_tokens": 2})["model"] == MODEL_NAME
+
+
+def test_text_parts_and_developer_role(servers):
+    plain = servers["plain"]
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    as_string = _post(plain, "/v1/chat/completions", {**base, "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello\nthere"}]})
+    as_parts = _post(plain, "/v1/chat/completions", {**base, "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]})
+    assert as_parts["choices"][0]["message"]["content"] == as_string["choices"][0]["message"]["content"]
+    assert as_parts["usage"] == as_string["usage"]
+
+
+def test_n_choices(servers):
+    plain = servers["plain"]
+    base = {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
+    greedy = _post(plain, "/v1/completions", {**base, "n": 3, "temperature": 0})
+    assert [c["index"] for c in greedy["choices"]] == [0, 1, 2]
+    assert len({c["text"] for c in greedy["choices"]}) == 1  # greedy: identical, as vLLM
+    assert greedy["usage"]["completion_tokens"] == 3 * 8
+    # sampled with a seed: choice i is the request with seed + i
+    sampled = _post(plain, "/v1/completions", {**base, "n": 3, "best_of": 3, "temperature": 1.0, "seed": 7})
+    alone = [_post(plain, "/v1/completions", {**base, "temperature": 1.0, "seed": 7 + i})["choices"][0]["text"]
+             for i in range(3)]
+    assert [c["text"] for c in sampled["choices"]] == alone
+    assert len(set(alone)) > 1
+    # streamed: every chunk names its choice; each choice's deltas make its text
+    chat = {"messages": CHAT, "max_tokens": 8, "ignore_eos": True, "temperature": 1.0, "seed": 3, "n": 2,
+            "stream_options": {"include_usage": True}}
+    whole = _post(plain, "/v1/chat/completions", {k: v for k, v in chat.items() if k != "stream_options"})
+    chunks = _stream(plain, "/v1/chat/completions", chat)
+    texts = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        (ch,) = c["choices"]
+        texts[ch["index"]] += ch["delta"]["content"]
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+
+
+def test_request_log_lines(servers):
+    _post(servers["plain"], "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
+    log = open(servers["plain"].log_path).read()
+    lines = [l for l in log.splitlines() if "POST /v1/completions 200" in l]
+    assert any("output_tokens=4" in l and " ms" in l for l in lines), log[-2000:]
+    assert "Traceback" not in log
