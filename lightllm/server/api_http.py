@@ -150,7 +150,7 @@ class RequestLog:
 
         def log_line(code) -> None:
             nonlocal logged
-            if not logged:
+            if not logged and code != CLIENT_CLOSED_REQUEST:  # a client gone mid-upload: logged where noticed
                 logged = True
                 self.log.info("%s %s %s prompt_tokens=%d output_tokens=%d %.1f ms", scope["method"], scope["path"],
                               code, record.prompt_tokens, record.output_tokens, 1000 * (time.monotonic() - start))

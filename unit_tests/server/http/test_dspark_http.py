@@ -42,7 +42,7 @@ def test_usage_line_serves_generate_and_chat(server):
     out = r.json()
     assert out["generated_text"] and out["count_output_tokens"] == len(out["tokens"]) > 0
     r = httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
-        "model": "default", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": MAX_NEW_TOKENS})
+        "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": MAX_NEW_TOKENS})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"]
 
