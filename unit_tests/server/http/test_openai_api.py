@@ -3,6 +3,7 @@
 own forward over the returned tokens (plain, strict MTP, ASD; streamed and not), n > 1, text parts,
 the developer role, the served model name and max_model_len."""
 import json
+import time
 
 import httpx
 import pytest
@@ -214,9 +215,19 @@ def test_n_choices(servers):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
 
 
+LOG_WAIT_S = 5.0
+
+
 def test_request_log_lines(servers):
     _post(servers["plain"], "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
+
+    def logged(log: str) -> bool:  # the line is written after the response has gone out
+        return any("POST /v1/completions 200" in l and "output_tokens=4" in l and " ms" in l for l in log.splitlines())
+
+    deadline = time.monotonic() + LOG_WAIT_S
     log = open(servers["plain"].log_path).read()
-    lines = [l for l in log.splitlines() if "POST /v1/completions 200" in l]
-    assert any("output_tokens=4" in l and " ms" in l for l in lines), log[-2000:]
+    while not logged(log) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        log = open(servers["plain"].log_path).read()
+    assert logged(log), log[-2000:]
     assert "Traceback" not in log
