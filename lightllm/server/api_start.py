@@ -7,12 +7,11 @@ import multiprocessing as mp
 import os
 import signal
 import sys
-import threading
-from contextlib import contextmanager
-from typing import Iterator, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from lightllm.common.constants import DATA_TYPE_ALIASES, DATA_TYPES, LOAD_FORMATS, MAX_MTP_STEP, canonical_data_type
 from lightllm.server.core.objs.start_args_type import StartArgs
+from lightllm.utils.signals import signal_handlers
 
 WORKER_START_TIMEOUT_S = 900
 # Seconds the worker processes get to exit once told to (then they are killed)
@@ -263,19 +262,10 @@ class WorkerProcesses:
             self.kill()
 
 
-@contextmanager
-def _signals_ignored(signals: Sequence[int]) -> Iterator[None]:
+def _signals_ignored(signals: Sequence[int]):
     """Ignore ``signals`` inside the block; processes spawned in it keep ignoring them (exec keeps
     SIG_IGN, and Python installs no KeyboardInterrupt handler over an ignored SIGINT)."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return signal_handlers(signals, signal.SIG_IGN)
 
 
 def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[str] = None):

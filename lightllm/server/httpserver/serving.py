@@ -13,16 +13,16 @@ Shutdown (SIGTERM / SIGINT), in order:
 uvicorn's own bound (the backstop that cancels request tasks) is ``SHUTDOWN_FAIL_GRACE_S`` later.
 """
 import asyncio
-import contextlib
 import logging
 import signal
 import socket
-import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, List, Optional
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from lightllm.utils.signals import signal_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -126,17 +126,8 @@ class GracefulServer(uvicorn.Server):
             self.on_hurry()
         await super().shutdown(sockets=sockets)
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():  # signals only reach the main thread
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in SHUTDOWN_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def capture_signals(self):
+        return signal_handlers(SHUTDOWN_SIGNALS, self.handle_exit)
 
     def handle_exit(self, sig: int, frame) -> None:
         self.signals.append(sig)
