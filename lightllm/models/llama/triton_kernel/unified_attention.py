@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-# KV positions per tile.
+# KV positions per tile of the default launch configurations (larger tiles take multiples of it).
 BLOCK_N = 64
 # Smallest tile height tl.dot takes.
 MIN_BLOCK_M = 16
@@ -274,10 +274,10 @@ class LaunchConfig:
 
 # Launch configurations, from sweeps on an H200 (docs/attention.md). Prefill-shaped tiles by head_dim;
 # decode-shaped tiles: bigger KV tiles when the KV is split (few programs: more bytes in flight each).
-PREFILL_CONFIGS = {64: LaunchConfig(64, 4, 3), 128: LaunchConfig(128, 8, 3)}
-PREFILL_DEFAULT = LaunchConfig(64, 4, 2)
-DECODE_CONFIG = LaunchConfig(64, 4, 2)
-DECODE_SPLIT_CONFIG = LaunchConfig(128, 4, 2)
+PREFILL_CONFIGS = {64: LaunchConfig(BLOCK_N, 4, 3), 128: LaunchConfig(2 * BLOCK_N, 8, 3)}
+PREFILL_DEFAULT = LaunchConfig(BLOCK_N, 4, 2)
+DECODE_CONFIG = LaunchConfig(BLOCK_N, 4, 2)
+DECODE_SPLIT_CONFIG = LaunchConfig(2 * BLOCK_N, 4, 2)
 HALF_BYTES = 2  # the tables above are for bf16 / fp16; fp32 tiles take half the positions
 
 
