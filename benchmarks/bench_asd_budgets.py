@@ -43,6 +43,7 @@ from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
     DECODE_CLOCK,
     DECODE_CLOCK_BY_BATCH,
     ENGINE_CLOCK,
+    MIXED_CLOCK,
     USAGE,
     AsdSetting,
     auto_max_req_total_len,
@@ -95,6 +96,19 @@ class Wave:
     decode_reqs: int = 0
     # the decode clock by batch size: [batch, seconds, steps, decoded requests] (decode_clock_by_batch)
     decode_by_batch: List[List[float]] = field(default_factory=list)
+    # mixed steps (decode rows beside prompt chunks): their clock and decoded requests
+    mixed_s: float = 0.0
+    mixed_steps: int = 0
+    mixed_reqs: int = 0
+
+    @property
+    def decoding_steps(self) -> int:
+        """Steps that decoded: decode steps and mixed steps."""
+        return self.decode_steps + self.mixed_steps
+
+    @property
+    def decoding_reqs(self) -> int:
+        return self.decode_reqs + self.mixed_reqs
 
     @property
     def tokens_per_s(self) -> float:
@@ -122,7 +136,7 @@ class BudgetRow:
     ms_per_batch_step: float
     step_cost_speedup_vs_b0: float  # output tokens per batch step, B over B = 0: the speed-up at equal step cost
     ms_per_decode_step: float  # decode steps only
-    mean_decode_batch: float
+    mean_decode_batch: float  # requests per step that decoded (decode steps and mixed steps)
     decode_step_vs_b0: float  # median over rounds of ms / decode step, B over B = 0 in the same round
     step_ratio_equal_batch: float  # median over rounds of equal_batch_step_ratio (EQUAL_BATCH_DEFINITION)
     step_ratio_equal_batch_rounds: List[float]
@@ -171,7 +185,7 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
             per_step / _pooled(b0s, "output_tokens", "steps") - 1, _median(engine_ratios), engine_ratios,
             _pooled(ws, "batch_reqs", "batch_steps"), _pooled(ws, "engine_s", "batch_steps", 1000),
             _pooled(ws, "output_tokens", "batch_steps") / _pooled(b0s, "output_tokens", "batch_steps"),
-            _pooled(ws, "decode_s", "decode_steps", 1000), _pooled(ws, "decode_reqs", "decode_steps"),
+            _pooled(ws, "decode_s", "decode_steps", 1000), _pooled(ws, "decoding_reqs", "decoding_steps"),
             _median(step_ratios), _median(equal_ratios), equal_ratios,
             sum(n for _, n in equal) / b0_steps if b0_steps else float("nan")))
     return rows
@@ -305,12 +319,14 @@ def main(argv=None) -> int:
                 grown = scrape(server.url) - before
                 engine_s, batch_steps, batch_reqs = (grown.value(n) for n in ENGINE_CLOCK)
                 decode_s, decode_steps, decode_reqs = (grown.value(n) for n in DECODE_CLOCK)
+                mixed_s, mixed_steps, mixed_reqs = (grown.value(n) for n in MIXED_CLOCK)
                 count = sum(x["count_output_tokens"] for x in res)
                 waves.append(Wave(
                     r, b, wall, count, count - sum(x["mtp_accepted_token_num"] for x in res),
                     sum(x["asd_relaxed_token_num"] for x in res), engine_s, int(batch_steps), int(batch_reqs),
                     [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None,
-                    decode_s, int(decode_steps), int(decode_reqs), decode_clock_by_batch(grown)))
+                    decode_s, int(decode_steps), int(decode_reqs), decode_clock_by_batch(grown),
+                    mixed_s, int(mixed_steps), int(mixed_reqs)))
             if args.out:  # after every round: a run cut short keeps its finished rounds
                 write_results(args.out, args, flags, waves)
     print_tables(waves, args.budgets, b0_rounds_identical(waves))

@@ -440,7 +440,7 @@ def run_matrix(args) -> List[dict]:
                 graphs = eng.backend.decode_step.graphs
                 rows[-1]["graph_capture_s"] = graphs.capture_seconds if graphs else None
                 rows[-1]["graph_capture_mib"] = graphs.capture_mib if graphs else None
-                prefill = eng.backend.prefill_rows.graphs if eng.backend.prefill_rows is not None else None
+                prefill = eng.backend.step_rows.graphs if eng.backend.step_rows is not None else None
                 rows[-1]["prefill_graph_capture_s"] = prefill.capture_seconds if prefill else None
                 rows[-1]["prefill_graph_capture_mib"] = prefill.capture_mib if prefill else None
                 print(render_table([rows[-1]], MATRIX_TABLE), flush=True)

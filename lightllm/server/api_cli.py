@@ -50,8 +50,9 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    help="Most prompt + generated tokens of one request (the model's max_position_embeddings "
                         "caps it too: /v1/models' max_model_len is the smaller).")
     p.add_argument("--batch_max_tokens", type=int, default=d.batch_max_tokens,
-                   help="Most prompt tokens prefilled in one step (chunked prefill chunk budget). "
-                        "none: --max_req_total_len.")
+                   help="Most prompt tokens prefilled in one step (chunked prefill's chunk budget; "
+                        "decode rows come on top). Mixed steps take at most --graph_max_prefill_tokens of them "
+                        "on CUDA with graphs.")
     p = top.add_argument_group("MTP / ASD", "Speculative decoding with draft modules, and ASD's approximate "
                                             "acceptance (docs/asd.md).")
     p.add_argument("--mtp_mode", type=str, default=d.mtp_mode, choices=MTP_MODES,
@@ -91,6 +92,9 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    help="CUDA, one rank: a prefill step of at most this many new tokens runs as decode rows "
                         "from a CUDA graph (captured for powers of two up to it); longer ones run the prefill "
                         "forward. 0: never. With --disable_cudagraph the same rows run eagerly.")
+    p.add_argument("--disable_mixed_steps", action="store_true", default=d.disable_mixed_steps,
+                   help="Run prefill chunks in steps of their own, alternating with decode steps, instead of in "
+                        "the same forward as every running request's decode rows (docs/decode_step.md).")
     p.add_argument("--disable_overlap_schedule", action="store_true", default=d.disable_overlap_schedule,
                    help="One rank, decoding without MTP: launch each decode step only after the host has "
                         "committed the previous one. By default the next step of the same requests is launched "

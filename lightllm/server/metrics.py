@@ -72,6 +72,15 @@ class ServerMetrics:
             "lightllm_decode_step_requests_by_batch", "Decoded requests summed over decode steps, by decode batch size",
             [DECODE_BATCH_LABEL], registry=r
         )
+        # mixed steps: every running request's decode rows and prompt chunks in one forward
+        self.mixed_step_seconds = Counter(
+            "lightllm_mixed_step_seconds", "Router wall time inside mixed steps (decode rows beside prompt chunks)",
+            registry=r
+        )
+        self.mixed_steps = Counter("lightllm_mixed_steps", "Mixed steps the router ran", registry=r)
+        self.mixed_step_decode_requests = Counter(
+            "lightllm_mixed_step_decode_requests", "Decoded requests summed over mixed steps", registry=r
+        )
         # confidence of each verified draft by depth, next to how many were committed
         self.draft_confidence = Histogram(
             "lightllm_mtp_draft_confidence", "Confidence of each verified draft token, by depth", [DEPTH_LABEL],
@@ -110,6 +119,9 @@ class ServerMetrics:
             self.decode_step_seconds_by_batch.labels(**label).inc(clock.seconds)
             self.decode_steps_by_batch.labels(**label).inc(clock.steps)
             self.decode_step_requests_by_batch.labels(**label).inc(clock.reqs)
+        self.mixed_step_seconds.inc(stats.timing.mixed_seconds)
+        self.mixed_steps.inc(stats.timing.mixed_steps)
+        self.mixed_step_decode_requests.inc(stats.timing.mixed_decode_reqs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -218,6 +218,9 @@ DECODE_STEPS = _sample_name(_NAMES.decode_steps)
 DECODE_STEP_REQUESTS = _sample_name(_NAMES.decode_step_requests)
 ENGINE_CLOCK = (BATCH_STEP_SECONDS, BATCH_STEPS, BATCH_STEP_REQUESTS)
 DECODE_CLOCK = (DECODE_STEP_SECONDS, DECODE_STEPS, DECODE_STEP_REQUESTS)
+# mixed steps (decode rows beside prompt chunks): seconds, steps, decoded requests
+MIXED_CLOCK = tuple(_sample_name(m) for m in (_NAMES.mixed_step_seconds, _NAMES.mixed_steps,
+                                              _NAMES.mixed_step_decode_requests))
 DECODE_CLOCK_BY_BATCH = tuple(_sample_name(m) for m in (  # the same by batch size (label DECODE_BATCH_LABEL)
     _NAMES.decode_step_seconds_by_batch, _NAMES.decode_steps_by_batch, _NAMES.decode_step_requests_by_batch))
 MTP_ACCEPT_LEN = _sample_name(_NAMES.mtp_accept_len)  # a histogram

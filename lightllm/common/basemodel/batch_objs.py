@@ -31,6 +31,9 @@ class ModelInput:
     # reads a run's KV once; prefill derives both from its items.
     max_q_len: int = 1
     max_q_runs: Optional[int] = None
+    # The rows (new tokens) whose logits the forward computes, in this order (None: each item's
+    # last new token; decode: every row).
+    logit_rows: Optional[torch.Tensor] = None
     # Host copies for the python-side loops of the torch attention path.
     b_seq_len_cpu: Optional[torch.Tensor] = None  # [batch] int32
     b_ready_cache_len_cpu: Optional[torch.Tensor] = None  # [batch] int32
@@ -38,7 +41,7 @@ class ModelInput:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [batch, vocab] fp32: last new token of each item
+    logits: torch.Tensor  # [batch, vocab] fp32: last new token of each item (or ModelInput.logit_rows)
     hidden_states: torch.Tensor  # [num_new_tokens, hidden] last layer output, before final norm
     # [num_new_tokens, len(aux_layer_ids) * hidden]: outputs of the layers a draft asked for
     aux_hidden_states: Optional[torch.Tensor] = None

@@ -33,7 +33,7 @@ class InferStateInfo:
     positions: torch.Tensor  # [num_new_tokens] int64
     token_item: torch.Tensor  # [num_new_tokens] int64, item of each new token
     token_offset: torch.Tensor  # [num_new_tokens] int64, index among its item's new tokens
-    last_token_index: torch.Tensor  # [batch] int64, row of each item's last new token
+    last_token_index: torch.Tensor  # [logit rows] int64: the rows whose logits the forward computes
     mem_manager: MemoryManager
     req_manager: ReqManager
     comm: TpComm = SINGLE_RANK_COMM  # collectives of this forward (tensor / data parallel ranks)
@@ -79,6 +79,8 @@ class InferStateInfo:
             max_new_len = 1
             max_q_len = model_input.max_q_len
             max_q_runs = batch_size if model_input.max_q_runs is None else model_input.max_q_runs
+        if model_input.logit_rows is not None:
+            last_token_index = model_input.logit_rows.to(device)
         return cls(
             is_prefill=model_input.is_prefill,
             batch_size=batch_size,

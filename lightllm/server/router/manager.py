@@ -25,7 +25,7 @@ from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.common.req_manager import ReqParamsError
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
-from lightllm.server.router.model_infer.mode_backend.base_backend import ReqStepUpdate
+from lightllm.server.router.model_infer.mode_backend.base_backend import ReqStepUpdate, StepResult
 from lightllm.server.router.req_queue import ReqQueue
 from lightllm.utils.dist_utils import NUM_OVERLAP_MICROBATCHES, ParallelContext, init_parallel, single_rank_context
 
@@ -92,10 +92,15 @@ class StepTiming:
     decode_batch_reqs: int = 0
     # decode steps by decode batch size (decode_batch_bucket of the requests they decoded)
     decode_by_batch: Dict[int, BatchClock] = field(default_factory=dict)
+    # mixed steps: decode rows and prompt chunks in one forward (decoded requests summed)
+    mixed_seconds: float = 0.0
+    mixed_steps: int = 0
+    mixed_decode_reqs: int = 0
 
     def add(self, seconds: float, batch_reqs: int, decode: bool, decoded_reqs: int = 0,
             ladder: Optional[GraphLadder] = None, steps: int = 1) -> None:
-        """One step; a decode step that decoded ``decoded_reqs`` requests is also filed by batch size.
+        """One step; a decode step that decoded ``decoded_reqs`` requests is also filed by batch size,
+        a step that prefilled beside decoding is a mixed step.
         ``steps`` 0: a call that only finished a step launched by an earlier one (overlap): its
         time belongs to that step, which was already counted."""
         self.seconds += seconds
@@ -110,6 +115,10 @@ class StepTiming:
                 clock.seconds += seconds
                 clock.steps += steps
                 clock.reqs += decoded_reqs * steps
+        elif decoded_reqs:
+            self.mixed_seconds += seconds
+            self.mixed_steps += steps
+            self.mixed_decode_reqs += decoded_reqs * steps
 
 
 @dataclass
@@ -208,6 +217,7 @@ class RouterManager:
         self._steps = 0
         self._step_tokens = 0
         self.timing = StepTiming()
+        self.last_result: Optional[StepResult] = None  # what the last batch step did (tests, logs)
         self._ladder = backend.decode_step.ladder  # decode batch sizes of the step clock (None: exact)
         self._failed: List[ReqStepUpdate] = []  # updates of refused requests, sent with the next step
         self._step_failures = 0  # batch steps that raised in a row
@@ -325,7 +335,7 @@ class RouterManager:
             before_run()
         batch_reqs = len(self.running)
         try:
-            step_updates = self.backend.run_step(self.running, may_admit=bool(self.queue.waiting))
+            result = self.backend.run_step(self.running, may_admit=bool(self.queue.waiting))
         except Exception as e:
             # Ranks run the same step on the same inputs, so an error that comes from them is
             # raised on every rank and all fail the same requests, in lock-step. An error on one
@@ -337,6 +347,8 @@ class RouterManager:
                 raise
             return updates + self._fail_running(e)
         self._step_failures = 0
+        self.last_result = result
+        step_updates = result.updates
         for u in step_updates:
             if u.accept_len:
                 self._steps += 1
@@ -344,10 +356,8 @@ class RouterManager:
         if self._steps:
             self.mean_tokens_per_step = self._step_tokens / self._steps
         self._reap_finished()
-        decode = not self.backend.last_step_prefilled
-        self.timing.add(time.perf_counter() - t0, batch_reqs, decode,
-                        self.backend.last_decode_reqs if decode else 0, self._ladder,
-                        self.backend.last_decode_steps if decode else 1)
+        self.timing.add(time.perf_counter() - t0, batch_reqs, not result.prefilled, result.decode_reqs, self._ladder,
+                        result.steps)
         return updates + step_updates
 
     @property

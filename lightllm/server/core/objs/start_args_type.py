@@ -4,6 +4,9 @@ from typing import List, Optional
 
 # "dspark": one block draft pass (docs/dspark.md); the others: DeepSeek-V3-style MTP depths
 MTP_MODES = ("vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_att", "dspark")
+# Prompt tokens one step prefills by default: short steps, so a long prompt never holds the others
+# for long (vLLM's max_num_batched_tokens and SGLang's chunked_prefill_size for online serving).
+DEFAULT_BATCH_MAX_TOKENS = 2048
 
 
 @dataclass
@@ -15,7 +18,7 @@ class StartArgs:
     max_total_token_num: Optional[int] = None  # KV pool size in tokens; None: sized from free memory
     running_max_req_size: int = 64
     max_req_total_len: int = 4096  # prompt + new tokens of one request
-    batch_max_tokens: Optional[int] = None  # prefill tokens per step (chunked prefill); None: max_req_total_len
+    batch_max_tokens: Optional[int] = DEFAULT_BATCH_MAX_TOKENS  # prompt tokens per step (chunked prefill); None: max_req_total_len
     data_type: Optional[str] = None  # None: bfloat16 on CUDA, float32 on CPU
     # MTP speculative decoding
     mtp_mode: Optional[str] = None
@@ -38,6 +41,7 @@ class StartArgs:
     graph_split_batch_size: int = 32  # powers of two below it, then steps of graph_grow_step_size
     graph_grow_step_size: int = 16
     disable_cudagraph: bool = False  # eager decode (same padding, the bit-exact reference)
+    disable_mixed_steps: bool = False  # alternate prefill and decode steps instead of mixing them
     graph_max_prefill_tokens: int = 512  # CUDA: prefills up to this many tokens run as graph rows (0: never)
     disable_overlap_schedule: bool = False  # plain decoding: commit each step before launching the next
     enable_deterministic_inference: bool = False  # batch-invariant kernels (CUDA): same tokens in any batch

@@ -136,6 +136,18 @@ class PendingResult:
 
 
 @dataclass
+class FirstTokens:
+    """Prompts whose last chunk runs in a mixed step: each samples its first token (and, with a
+    draft, gets its first K drafts) in the same flow as the step's decode rows."""
+
+    reqs: List[InferReq]  # [m]
+    req_idx: torch.Tensor  # [m] int32 device
+    logit_rows: torch.Tensor  # [decode rows + m] device: the sampled rows' logits in the forward's output
+    # (decode rows' verified tokens [rows], first tokens [m]) -> guesses [rows + m, K]; None without a draft
+    propose: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+
+
+@dataclass
 class ReqCommit:
     """What one request kept in a step."""
 
@@ -428,10 +440,11 @@ class DecodeStep:
 
     # ---- after the forward ----
     def finish(
-        self, rows: DecodeRows, out: ModelOutput, sampler: Sampler, seed_of: SeedFn
+        self, rows: DecodeRows, out: ModelOutput, sampler: Sampler, seed_of: SeedFn,
+        firsts: Optional["FirstTokens"] = None,
     ) -> HostStepResult:
         """sample -> verify -> pack + async host copy -> draft -> scatter -> wait for the copy."""
-        return self.wait(self.launch_finish(rows, out, sampler, seed_of))
+        return self.wait(self.launch_finish(rows, out, sampler, seed_of, firsts))
 
     def wait(self, pending: PendingResult) -> HostStepResult:
         """Wait for a launched step's packed result and unpack it."""
@@ -440,18 +453,31 @@ class DecodeStep:
         return HostStepResult.unpack(pending.host, pending.num_rows, pending.num_reqs, pending.asd, self.conf_width)
 
     def launch_finish(
-        self, rows: DecodeRows, out: ModelOutput, sampler: Sampler, seed_of: SeedFn
+        self, rows: DecodeRows, out: ModelOutput, sampler: Sampler, seed_of: SeedFn,
+        firsts: Optional["FirstTokens"] = None,
     ) -> PendingResult:
-        """sample -> verify -> pack + async host copy -> draft -> scatter, all queued; no host wait."""
+        """sample -> verify -> pack + async host copy -> draft -> scatter, all queued; no host wait.
+        ``firsts``: prompts finishing in the same forward (a mixed step), sampled beside the rows;
+        their tokens and log-probs follow the rows' in the packed result."""
         k1 = rows.rows_per_req
         real = rows.num_real_rows
         n = len(rows.reqs)
+        m = 0 if firsts is None else len(firsts.reqs)
+        if m and self.conf_width:
+            raise ValueError("a draft that reports confidences drafts prefills on its own (no mixed steps)")
         b_req_idx = rows.b_req_idx[:real]
         row_reqs = [r for r in rows.reqs for _ in range(k1)]
         seeded = any(r.params.seed is not None for r in rows.reqs)
         seeds = [seed_of(r, j) for r in rows.reqs for j in range(k1)] if seeded else None
-        s = sampler(out.logits[:real], b_req_idx, row_reqs, seeds)
-        next_ids = s.next_token_ids
+        if firsts is None:
+            logits, sampled_req_idx = out.logits[:real], b_req_idx
+        else:
+            logits, sampled_req_idx = out.logits[firsts.logit_rows], torch.cat([b_req_idx, firsts.req_idx])
+            row_reqs = row_reqs + firsts.reqs
+            if seeded or any(r.params.seed is not None for r in firsts.reqs):
+                seeds = (seeds or [seed_of(r, j) for r in rows.reqs for j in range(k1)]) + [seed_of(r, 0) for r in firsts.reqs]
+        s = sampler(logits, sampled_req_idx, row_reqs, seeds)
+        next_ids, first_ids = s.next_token_ids[:real], s.next_token_ids[real:]
         asd = self.asd
         verifying = self.mtp_step > 0 and n > 0
         target_ids = next_ids.clone() if verifying and self.verify_observer is not None else next_ids
@@ -459,19 +485,21 @@ class DecodeStep:
         if verifying:
             accept_len, _ = verify_mtp_tokens(
                 self.req_to_next_token_ids, rows.b_req_mtp_start_loc, next_ids, b_req_idx,
-                s.processed_logits, self.params_manager, asd, relaxed,
+                s.processed_logits[:real], self.params_manager, asd, relaxed,
             )
         else:  # nothing verified (K = 0, or a DP rank with only padding)
             accept_len = torch.ones(n, dtype=torch.int32, device=next_ids.device)
         if verifying and self.verify_observer is not None:
-            self.verify_observer(self._verify_record(rows, target_ids, next_ids, s.processed_logits, accept_len))
+            self.verify_observer(self._verify_record(rows, target_ids, next_ids, s.processed_logits[:real], accept_len))
         # Log-probs after verification: a relaxed row reports the token it commits.
-        logprobs = token_logprobs(s.processed_logits, next_ids)
+        logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
         with_asd = self.mtp_step > 0 and asd is not None
         req_rows = b_req_idx[::k1].long() if with_asd or self.conf_width else None  # [n]
         spent = self.params_manager.req_to_asd_cum_regret[req_rows] if with_asd else None
         conf = self.req_to_draft_conf[req_rows] if self.conf_width else None  # drafts verified now
-        packed = HostStepResult.pack(next_ids, logprobs, accept_len, relaxed if with_asd else None, spent, conf)
+        if with_asd and m:  # a first token is never relaxed
+            relaxed = torch.cat([relaxed, torch.zeros(m, dtype=relaxed.dtype, device=relaxed.device)])
+        packed = HostStepResult.pack(s.next_token_ids, logprobs, accept_len, relaxed if with_asd else None, spent, conf)
         turn = self._packed_turn
         self._packed_turn = (turn + 1) % HOST_BUFFERS
         host, done = self._packed_hosts[turn][:packed.shape[0]], self._copies_done[turn]
@@ -479,7 +507,15 @@ class DecodeStep:
         if done is not None:
             done.record()
         # The GPU drafts while the host waits for the copy and commits.
-        if self.mtp_step > 0:
+        if self.mtp_step > 0 and firsts is not None:
+            guesses = firsts.propose(next_ids, first_ids)  # [real + m, K]
+            all_next = torch.cat([next_ids[:, None], guesses[:real]], dim=1)
+            scatter = mtp_scatter_next_token_ids if next_ids.is_cuda else mtp_scatter_next_token_ids_torch
+            scatter(self.req_to_next_token_ids, rows.b_req_mtp_start_loc, all_next, b_req_idx, accept_len)
+            first_rows = firsts.req_idx.long()
+            self.req_to_next_token_ids[first_rows, 0] = first_ids
+            self.req_to_next_token_ids[first_rows, 1:self.mtp_step + 1] = guesses[real:]
+        elif self.mtp_step > 0:
             self.first_tokens[:real].copy_(next_ids)
             self.first_tokens[real:rows.num_rows].fill_(PAD_TOKEN_ID)
             if self.draft.uses_accept_len:
@@ -492,7 +528,9 @@ class DecodeStep:
             scatter(self.req_to_next_token_ids, rows.b_req_mtp_start_loc, all_next[:real], b_req_idx, accept_len)
         else:
             self.req_to_next_token_ids[b_req_idx.long(), 0] = next_ids
-        return PendingResult(host, done, real, n, with_asd, accept_len)
+            if m:
+                self.req_to_next_token_ids[firsts.req_idx.long(), 0] = first_ids
+        return PendingResult(host, done, real + m, n, with_asd, accept_len)
 
     def _verify_record(self, rows, target_ids, next_ids, logits, accept_len) -> VerifyStepRecord:
         k, real = rows.mtp_step, rows.num_real_rows

@@ -21,7 +21,7 @@ def run_embedded(args, prompts):
     eng = OfflineEngine(args, device="cuda", dtype="bfloat16")
     params = [{"max_new_tokens": 24 + 9 * i, "ignore_eos": True} for i in range(len(prompts))]
     res = eng.generate(prompts, params)
-    rows = eng.backend.prefill_rows
+    rows = eng.backend.step_rows
     captured = eng.backend.decode_step.graphs is not None and (rows is None or rows.graphs is not None)
     del eng
     gc.collect()

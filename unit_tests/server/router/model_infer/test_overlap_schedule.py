@@ -497,11 +497,11 @@ class ClockWatch:
         delta = tuple(a - b for a, b in zip(now, self.prev))
         self.prev = now
         decoded = sum(1 for u in ups if u.accept_len)
-        self.calls.append((router.backend.last_decode_steps == 0, decoded) + delta)
+        self.calls.append((router.last_result.steps == 0, decoded) + delta)
 
 
 def _decode_steps_and_reqs(run: Run) -> Tuple[int, int]:
-    """(committed decode steps, request decode steps) of a run: from its updates."""
+    """(committed steps that decoded: decode and mixed steps, request decode steps) of a run: from its updates."""
     decode_groups = [g for g in run.groups if any(u.accept_len for u in g)]
     return len(decode_groups), sum(1 for g in decode_groups for u in g if u.accept_len)
 
@@ -529,10 +529,12 @@ def test_step_clock_counts_each_committed_decode_step_once(models, ends):
     (plain_t, overlap_t), (plain, overlap), watch = timings, runs, watches[1]
     assert overlap.groups == plain.groups
     steps, req_steps = _decode_steps_and_reqs(overlap)
-    assert plain_t.decode_steps == steps and plain_t.decode_batch_reqs == req_steps
+    assert plain_t.decode_steps + plain_t.mixed_steps == steps
+    assert plain_t.decode_batch_reqs + plain_t.mixed_decode_reqs == req_steps
     assert overlap.backend.steps_ahead > 0
-    assert (overlap_t.decode_steps, overlap_t.decode_batch_reqs) == (steps, req_steps)
-    assert sum(c.steps for c in overlap_t.decode_by_batch.values()) == steps
+    assert (overlap_t.decode_steps, overlap_t.decode_batch_reqs) == (plain_t.decode_steps, plain_t.decode_batch_reqs)
+    assert (overlap_t.mixed_steps, overlap_t.mixed_decode_reqs) == (plain_t.mixed_steps, plain_t.mixed_decode_reqs)
+    assert sum(c.steps for c in overlap_t.decode_by_batch.values()) == plain_t.decode_steps
     commit_only = [c for c in watch.calls if c[0]]
     assert any(decoded for _, decoded, *_ in commit_only)  # calls that committed a step, launching none
     for _, _, d_steps, d_decode, d_seconds, d_decode_seconds in commit_only:

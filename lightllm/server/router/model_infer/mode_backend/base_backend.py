@@ -3,6 +3,7 @@
 One shared decode flow (``verify_draft_commit``) serves every decode call site;
 the modes only differ in how rows are laid out and run.
 """
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -20,11 +21,11 @@ from lightllm.models.registry import load_model
 from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.router.model_infer.decode_step import (
-    PAD_TOKEN_ID, DecodeRows, DecodeStep, HostStepResult, PendingResult, commit_step,
+    PAD_TOKEN_ID, DecodeRows, DecodeStep, FirstTokens, HostStepResult, PendingResult, commit_step,
 )
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, sample, token_logprobs
-from lightllm.server.router.model_infer.prefill_rows import PrefillItem, PrefillRows
+from lightllm.server.router.model_infer.step_rows import RowItem, StepRows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,16 @@ class ReqStepUpdate:
         target.mtp_accepted_token_num = self.mtp_accepted_token_num
         target.asd_relaxed_token_num = self.asd_relaxed_token_num
         target.asd_regret_spent = self.asd_regret_spent
+
+
+@dataclass
+class StepResult:
+    """What one ``run_step`` call did: its updates, and what the router's step clock files."""
+
+    updates: List[ReqStepUpdate]
+    prefilled: bool = False  # its forward prefilled prompt chunks (a prefill or a mixed step)
+    decode_reqs: int = 0  # requests whose decode rows it ran (or, with overlap, committed)
+    steps: int = 1  # forwards it launched (0: it only committed one an earlier call launched)
 
 
 # Decode steps a request's KV table must hold room for past its committed tokens: the step
@@ -151,11 +162,20 @@ class ModeBackend:
             self.model, self.req_to_next_token_ids, self.params_manager, self.draft, self.mtp_step,
             self.asd_config, max_reqs=max_step_reqs, ladder=ladder, use_graphs=use_graphs,
         )
-        self.last_decode_steps = 1  # decode steps the last run_step launched (0: it only committed one)
-        self.prefill_rows = None  # short prefills as graph rows (prefill_rows.py)
+        self.step_rows = None  # short prefills (and mixed steps) as graph rows (step_rows.py)
+        rows_draft = self.draft if self.draft is not None and self.draft.drafts_prefill_rows else None
+        self.rows_draft = rows_draft
         if ladder is not None and graph_capable(args, self.parallel) and args.graph_max_prefill_tokens:
-            rows_draft = self.draft if self.draft is not None and self.draft.drafts_prefill_rows else None
-            self.prefill_rows = PrefillRows(self.model, args.graph_max_prefill_tokens, use_graphs, rows_draft)
+            max_rows = args.graph_max_prefill_tokens
+            if self.mixed_steps_enabled():
+                max_rows += args.running_max_req_size * (self.mtp_step + 1)
+            self.step_rows = StepRows(self.model, self.req_to_next_token_ids,
+                                      step_ladder(args.graph_max_prefill_tokens, max_rows), use_graphs, rows_draft)
+
+    def mixed_steps_enabled(self) -> bool:
+        """Whether a step may hold decode rows and prefill chunks together (the chunked-prefill
+        backend; not a draft that drafts prefills on its own)."""
+        return False
 
     @property
     def verify_observer(self):
@@ -229,8 +249,10 @@ class ModeBackend:
         b_seq_cpu = torch.tensor(b_seq, dtype=torch.int32)
         b_ready_cpu = torch.tensor(b_ready, dtype=torch.int32)
         slots_cpu = torch.cat(slots_all)
-        size = self.prefill_rows.bucket_size(len(input_ids)) if self.prefill_rows is not None and not pad_tokens else None
-        rows_draft = size is not None and self.prefill_rows.draft is not None
+        size = None
+        if self.step_rows is not None and not pad_tokens and len(input_ids) <= self.args.graph_max_prefill_tokens:
+            size = self.step_rows.bucket_size(len(input_ids))
+        rows_draft = size is not None and self.step_rows.draft is not None
         model_input = None  # the prefill forward's input: without rows, or for a draft that drafts prefills itself
         if size is None or (self.draft is not None and not rows_draft):
             model_input = ModelInput(
@@ -247,9 +269,9 @@ class ModeBackend:
                 b_ready_cache_len_cpu=b_ready_cpu,
             )
         if size is not None:
-            items = [PrefillItem(r.req_idx, r.kv_len, r.prompt_ids, n) for r, n in zip(reqs, chunk_lens)]
-            rows = self.prefill_rows.stage(size, items, slots_cpu)
-            out = self.prefill_rows.forward(rows)
+            items = [RowItem(r.req_idx, r.kv_len, n, r.prompt_ids) for r, n in zip(reqs, chunk_lens)]
+            rows = self.step_rows.stage(items, slots_cpu, size)
+            out = self.step_rows.forward(rows)
         else:
             out = self.model.forward(model_input)
         for req, n in zip(reqs, chunk_lens):
@@ -259,7 +281,7 @@ class ModeBackend:
         if self.draft is None:
             return updates
         if rows_draft:
-            drafts = self.prefill_rows.propose(rows, first_tokens)
+            drafts = self.step_rows.propose(rows, first_tokens)
             if drafts is not None:
                 self._write_prefill_drafts(self._to_dev([reqs[i].req_idx for i in sorted(first_tokens)], torch.int64),
                                            drafts, None)
@@ -320,6 +342,47 @@ class ModeBackend:
             self.params_manager.update_penalty_state(
                 self._to_dev(idx, torch.int32), self._to_dev(toks, torch.int64)
             )
+
+    # ---- mixed: every decode row and prefill chunks in one forward (step_rows.py) ----
+    def mixed(self, rows_owner: StepRows, decoding: List[InferReq], reqs: List[InferReq],
+              chunk_lens: List[int]) -> List[ReqStepUpdate]:
+        """One forward over the K + 1 decode rows of every request in ``decoding`` and the next
+        ``chunk_lens[i]`` prompt tokens of each of ``reqs``; then the one decode flow, with the
+        first token (and drafts) of every prompt this step finishes sampled beside the rows."""
+        k1 = self.mtp_step + 1
+        real = len(decoding) * k1
+        slots = self.mem_manager.alloc(real + sum(chunk_lens))  # [rows] host
+        items = [RowItem(r.req_idx, r.kv_len, k1) for r in decoding]
+        items += [RowItem(r.req_idx, r.kv_len, n, r.prompt_ids) for r, n in zip(reqs, chunk_lens)]
+        done_items = [len(decoding) + i for i, (r, n) in enumerate(zip(reqs, chunk_lens)) if r.kv_len + n >= r.prompt_len]
+        batch = rows_owner.stage(items, slots)
+        mi, out = rows_owner.forward_rows(batch, done_items)
+        chunk_slots = slots[real:].tolist()
+        for req, start, n in zip(reqs, itertools.accumulate([0] + chunk_lens), chunk_lens):
+            req.slots.extend(chunk_slots[start:start + n])
+            req.kv_len += n
+        done = [reqs[i - len(decoding)] for i in done_items]
+        rows = DecodeRows(
+            reqs=decoding, mtp_step=self.mtp_step, b_req_idx=rows_owner.b_req_idx[:real],
+            b_mtp_index=rows_owner.b_mtp_index[:real], b_seq_len=rows_owner.b_seq_len[:real],
+            b_seq_len_cpu=rows_owner.staged_seq_len_cpu[:real], mem_indexes=rows_owner.mem_indexes[:real],
+            mem_indexes_cpu=slots[:real], b_req_mtp_start_loc=self.decode_step.b_req_mtp_start_loc[:len(decoding)],
+            model_input=mi,
+        )
+        propose = None
+        if rows_owner.draft is not None:
+            def propose(decode_ids: torch.Tensor, first_ids: torch.Tensor) -> torch.Tensor:
+                return rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids)
+        firsts = FirstTokens(done, self._to_dev([r.req_idx for r in done], torch.int32),
+                             rows_owner.logit_rows(batch, done_items), propose)
+        host = self.decode_step.finish(rows, out, self.sample_rows, self._seed, firsts)
+        updates = self.commit_decode(rows, host)
+        first = [(host.ids[real + j], host.logprobs[real + j]) for j in range(len(done))]
+        for req, (tok, lp) in zip(done, first):
+            req.append_token(tok, lp)
+            updates.append(self._update(req, [tok], [lp], accept_len=0))
+        self._update_penalties(done, [[tok] for tok, _ in first])
+        return updates
 
     # ---- decode: one owner (DecodeStep), three call sites (here and the DP backend) ----
     def prepare_decode_rows(self, reqs: List[InferReq], num_rows: Optional[int] = None) -> DecodeRows:

@@ -1,4 +1,11 @@
-"""Chunked-prefill backend: each step either prefills prompt chunks or decodes every running request.
+"""Chunked-prefill backend: each step runs every running request's decode rows and, while prompts
+wait, chunks of them in the same forward (a mixed step, step_rows.py); a step with nothing to decode
+prefills alone, one with nothing to prefill decodes alone (CUDA graphs, overlap).
+
+Mixed steps take at most ``mixed_budget`` prompt tokens: --batch_max_tokens, and on CUDA with
+graphs at most --graph_max_prefill_tokens, so that every mixed step is one graph replay. A draft
+that drafts prefills on its own (dspark) and --disable_mixed_steps alternate prefill and decode
+steps instead.
 
 Overlap (one rank, decoding without MTP, unless ``--disable_overlap_schedule``): a decode step is left in flight,
 and the next call launches the next step of the same requests before it reads and commits
@@ -13,7 +20,8 @@ from typing import List, Optional, Tuple
 
 from lightllm.server.router.model_infer.decode_step import DecodeRows, PendingResult
 from lightllm.server.router.model_infer.infer_batch import InferReq
-from lightllm.server.router.model_infer.mode_backend.base_backend import ModeBackend, ReqStepUpdate
+from lightllm.server.router.model_infer.mode_backend.base_backend import ModeBackend, ReqStepUpdate, StepResult
+from lightllm.server.router.model_infer.step_rows import StepRows
 
 
 @dataclass
@@ -29,7 +37,17 @@ class ChunkedPrefillBackend(ModeBackend):
         super().__init__(args, device, dtype, parallel)
         self.batch_max_tokens = args.batch_max_tokens
         self.last_step_prefilled = False  # what run_step did last: prefill chunks or a decode step
-        self.last_decode_reqs = 0  # requests the last decode step decoded (the router's step clock)
+        # Mixed steps: the rows' owner (the graph rows on CUDA, else unpadded items) and its token budget.
+        self.mixed_rows: Optional[StepRows] = None
+        self.mixed_budget = 0
+        if self.mixed_steps_enabled():
+            self.mixed_rows = self.step_rows
+            self.mixed_budget = self.batch_max_tokens
+            if self.mixed_rows is not None:
+                self.mixed_budget = min(self.mixed_budget, args.graph_max_prefill_tokens)
+            else:
+                self.mixed_rows = StepRows(self.model, self.req_to_next_token_ids, None, False, self.rows_draft,
+                                           max_rows=self.batch_max_tokens)
         # Plain decoding only: with MTP the host's commit already runs under the draft pass, and a
         # step launched ahead measured no faster on the H200 (docs/decode_step.md); the code is the
         # same for any K (the tests run it with MTP too).
@@ -39,30 +57,37 @@ class ChunkedPrefillBackend(ModeBackend):
         self.steps_ahead = 0  # decode steps launched before the previous one was committed
         self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
 
-    def run_step(self, running: List[InferReq], may_admit: bool = False) -> List[ReqStepUpdate]:
-        """One engine step. Prefill and decode alternate while both have work,
-        so a stream of long prompts never starves running decodes. ``may_admit``: requests are
-        waiting (a finish may let one in, which the plain schedule prefills next)."""
+    def mixed_steps_enabled(self) -> bool:
+        return not self.args.disable_mixed_steps and (self.draft is None or self.draft.drafts_prefill_rows)
+
+    def run_step(self, running: List[InferReq], may_admit: bool = False) -> StepResult:
+        """One engine step: decode rows and prompt chunks together (mixed), or whichever has work.
+        Without mixed steps prefill and decode alternate while both have work, so a stream of long
+        prompts never starves running decodes. ``may_admit``: requests are waiting (a finish may let
+        one in, which the plain schedule prefills next)."""
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
-        self.last_decode_steps = 1
         if self._inflight is not None:
             self.last_step_prefilled = False
             return self._advance(decoding, bool(prefilling), may_admit)
+        if prefilling and decoding and self.mixed_rows is not None:
+            self.last_step_prefilled = True
+            reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+            return StepResult(self.mixed(self.mixed_rows, decoding, reqs, lens), prefilled=True,
+                              decode_reqs=len(decoding))
         if prefilling and (not decoding or not self.last_step_prefilled):
             self.last_step_prefilled = True
-            return self.prefill_chunks(prefilling)
+            return StepResult(self.prefill_chunks(prefilling), prefilled=True)
         self.last_step_prefilled = False
-        self.last_decode_reqs = len(decoding)
         if not decoding:
-            return []
+            return StepResult([])
         if not self._may_run_ahead(decoding):
-            return self.decode(decoding)
+            return StepResult(self.decode(decoding), decode_reqs=len(decoding))
         rows = self.prepare_decode_rows(decoding)
         self._inflight = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
-        return []
+        return StepResult([], decode_reqs=len(decoding))
 
-    def _advance(self, decoding: List[InferReq], prefilling: bool, may_admit: bool) -> List[ReqStepUpdate]:
+    def _advance(self, decoding: List[InferReq], prefilling: bool, may_admit: bool) -> StepResult:
         """With a step in flight: launch the next step of the same requests and commit the one in
         flight, or (anything else to do first) only commit it."""
         cur = self._inflight
@@ -70,11 +95,10 @@ class ChunkedPrefillBackend(ModeBackend):
             a is b for a, b in zip(decoding, cur.rows.reqs))
         k1 = self.mtp_step + 1
         # the requests the committed step decodes (a kept step's finished rows are padding)
-        self.last_decode_reqs = sum(r.finish_reason is None for r in cur.rows.reqs)
+        decoded = sum(r.finish_reason is None for r in cur.rows.reqs)
         if not (same and self._may_run_ahead(decoding)
                 and self.mem_manager.can_use_mem_size >= len(decoding) * k1):
-            self.last_decode_steps = 0
-            return self.flush_decode()
+            return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
         self.decode_step.snapshot(cur.rows)  # after cur's writes, before the next step's
         rows = self.decode_step.prepare_successor(cur.rows, cur.pending)
         nxt = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
@@ -85,8 +109,8 @@ class ChunkedPrefillBackend(ModeBackend):
         if finished and (may_admit or finished == len(rows.reqs) or
                          self.decode_step.padded_rows(len(rows.reqs) - finished) != rows.num_rows):
             self._undo(nxt)  # the plain schedule's next step differs: a new prefill or another shape
-            self.last_decode_steps = 0  # this call only committed a step; the re-run is counted
-        return updates
+            return StepResult(updates, decode_reqs=decoded, steps=0)  # the re-run is counted when it runs
+        return StepResult(updates, decode_reqs=decoded)
 
     def _undo(self, step: InFlightStep) -> None:
         """Take back a launched step: the batch it ran is not the one the plain schedule runs."""
@@ -118,9 +142,10 @@ class ChunkedPrefillBackend(ModeBackend):
     def prefill_chunks(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:
         return self.prefill(*self.chunk_plan(reqs))
 
-    def chunk_plan(self, reqs: List[InferReq]) -> Tuple[List[InferReq], List[int]]:
-        """The requests to prefill this step, in order, and their chunk lengths (within --batch_max_tokens)."""
-        budget = self.batch_max_tokens
+    def chunk_plan(self, reqs: List[InferReq], budget: Optional[int] = None) -> Tuple[List[InferReq], List[int]]:
+        """The requests to prefill this step, in order, and their chunk lengths (within ``budget``
+        prompt tokens, default --batch_max_tokens)."""
+        budget = self.batch_max_tokens if budget is None else budget
         picked, chunk_lens = [], []
         for req in reqs:
             if budget <= 0:

@@ -37,6 +37,9 @@ class DPBackend(ChunkedPrefillBackend):
         self.overlap = args.enable_decode_microbatch_overlap
         self.overlap_schedule = False  # its decode lays rows out per DP group / micro-batch, step by step
 
+    def mixed_steps_enabled(self) -> bool:
+        return False  # every rank runs the same kind of step: prefill and decode alternate
+
     def _by_group(self, reqs: Sequence[InferReq]) -> List[List[InferReq]]:
         groups: List[List[InferReq]] = [[] for _ in range(self.dp_size)]
         for req in reqs:

@@ -1,11 +1,11 @@
-"""Short prefills run as decode rows (prefill_rows.py), on CPU with the eager path the CUDA
+"""Short prefills run as decode rows (step_rows.py), on CPU with the eager path the CUDA
 graphs capture: the token ladder (hand-computed), and the engine's greedy tokens against
 transformers' own generation, with prompts on both sides of the rows limit and chunked."""
 import pytest
 import torch
 
 from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, row_positions, tokens_ahead
-from lightllm.server.router.model_infer.prefill_rows import PrefillRows, token_ladder
+from lightllm.server.router.model_infer.step_rows import StepRows, token_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
 
@@ -39,7 +39,7 @@ def _with_rows(eng) -> list:
     """Give ``eng`` a rows path (CPU has none by default) and record the padded sizes it runs."""
     backend = eng.backend
     draft = backend.draft if backend.draft is not None and backend.draft.drafts_prefill_rows else None
-    rows = PrefillRows(backend.model, ROWS_LIMIT, use_graphs=False, draft=draft)
+    rows = StepRows(backend.model, backend.req_to_next_token_ids, token_ladder(ROWS_LIMIT), use_graphs=False, draft=draft)
     sizes = []
     forward = rows.forward
 
@@ -48,18 +48,18 @@ def _with_rows(eng) -> list:
         return forward(batch)
 
     rows.forward = spy
-    backend.prefill_rows = rows
+    backend.step_rows = rows
     return sizes
 
 
 def _record_items(eng) -> list:
     """The number of items of every rows prefill step, in order."""
-    rows, counts = eng.backend.prefill_rows, []
+    rows, counts = eng.backend.step_rows, []
     stage = rows.stage
 
-    def spy(size, items, slots):
+    def spy(items, slots, size=None):
         counts.append(len(items))
-        return stage(size, items, slots)
+        return stage(items, slots, size)
 
     rows.stage = spy
     return counts
@@ -91,9 +91,10 @@ def test_rows_prefill_drafts_equal_the_prefill_drafts(tmp_path, running, batch_m
     prompts = random_prompts(tiny.vocab_size, 3, range(3, 11), seed=4) + random_prompts(tiny.vocab_size, 2, range(20, 30))
     written = {}
     for with_rows in (True, False):
+        # prefill-only steps (mixed steps draft their prompts in the decode flow: test_mixed_steps.py)
         eng = make_engine(tiny.model_dir, running_max_req_size=running, max_req_total_len=64,
                           batch_max_tokens=batch_max_tokens, mtp_mode="eagle_with_att", mtp_step=2,
-                          mtp_draft_model_dir=[draft])
+                          mtp_draft_model_dir=[draft], disable_mixed_steps=True)
         sizes = _with_rows(eng) if with_rows else None
         items = _record_items(eng) if with_rows else None
         written[with_rows] = _record_prefill_drafts(eng)
@@ -136,7 +137,7 @@ def test_rows_target_with_dspark_prefill_drafts(tmp_path):
         eng = make_engine(tiny.model_dir, running_max_req_size=1, max_req_total_len=64, batch_max_tokens=12,
                           mtp_mode="dspark", mtp_step=3, mtp_draft_model_dir=[draft])
         sizes = _with_rows(eng) if with_rows else None
-        assert with_rows is False or eng.backend.prefill_rows.draft is None  # dspark: no rows draft pass
+        assert with_rows is False or eng.backend.step_rows.draft is None  # dspark: no rows draft pass
         backend, calls = eng.backend, []
         write = backend._write_prefill_drafts
 

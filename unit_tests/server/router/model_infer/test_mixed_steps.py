@@ -1,0 +1,122 @@
+"""Mixed steps on CPU: decode rows and prompt chunks in one forward (step_rows.py).
+
+More requests than --running_max_req_size, prompts of different lengths chunked by a small
+--batch_max_tokens: requests join while others decode, so most steps hold both. The reference
+for every request is the same engine serving one request at a time (no step ever mixes), and
+transformers' own greedy generation for plain decoding. Token ids must be equal; log-probs
+equal up to float rounding (the rows run in other GEMM and attention shapes).
+"""
+from typing import List
+
+import pytest
+
+import torch
+
+from lightllm.server.router.model_infer.step_rows import GATHER_INPUT, RowItem, StepRows, step_ladder
+from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
+from unit_tests.server.router.engine_util import hf_greedy, make_engine
+
+K = 2
+ASD_BUDGET = 3.0  # relaxes some tokens with the tiny eagle draft
+MAX_NEW = (12, 5, 9, 14, 7, 10, 6)
+PROMPT_LENS = range(3, 40)
+COMMON = dict(max_req_total_len=64, max_total_token_num=600)
+CHUNK = 8  # prompt tokens per step: most prompts take several chunks
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed")
+    m = tiny_model("llama", seed=2, root=root)
+    return m, m.draft("eagle", True, 1, seed=4)
+
+
+def _mode_args(eagle: str, mode: str) -> dict:
+    if mode == "plain":
+        return {}
+    mtp = dict(mtp_mode="eagle_with_att", mtp_step=K, mtp_draft_model_dir=[eagle])
+    if mode == "mtp":
+        return mtp
+    return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": ASD_BUDGET}[mode])
+
+
+def _run(model_dir: str, prompts, running: int, layout: str = "items", **kw):
+    """``layout`` rows: CUDA's padded rows layout (its eager body) instead of CPU's items."""
+    eng = make_engine(model_dir, running_max_req_size=running, batch_max_tokens=CHUNK, **COMMON, **kw)
+    b = eng.backend
+    if layout == "rows":
+        ladder = step_ladder(CHUNK, running * (b.mtp_step + 1) + CHUNK)
+        b.mixed_rows = StepRows(b.model, b.req_to_next_token_ids, ladder, False, b.rows_draft)
+    calls = []
+    mixed = eng.backend.mixed
+
+    def spy(rows_owner, decoding, reqs, chunk_lens):
+        calls.append((len(decoding), sum(chunk_lens)))
+        return mixed(rows_owner, decoding, reqs, chunk_lens)
+
+    eng.backend.mixed = spy
+    params = [{"max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
+    res = eng.generate(prompts, params)
+    assert eng.backend.mem_manager.can_use_mem_size == eng.backend.mem_manager.size  # every slot back
+    return res, calls
+
+
+@pytest.mark.parametrize("layout", ["items", "rows"])
+@pytest.mark.parametrize("mode", ["plain", "mtp", "asd0", "asd"])
+def test_mixed_steps_give_one_request_at_a_times_outputs(tiny, mode, layout):
+    m, eagle = tiny
+    prompts = random_prompts(m.vocab_size, len(MAX_NEW), PROMPT_LENS, seed=7)
+    kw = _mode_args(eagle, mode)
+    alone, alone_calls = _run(m.model_dir, prompts, 1, **kw)
+    mixed, calls = _run(m.model_dir, prompts, 3, layout, **kw)
+    assert not alone_calls
+    assert calls and all(d > 0 and t > 0 for d, t in calls)
+    assert any(t == CHUNK for _, t in calls)  # a chunk that does not finish its prompt rode along
+    for a, b in zip(alone, mixed):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=LOGPROB_TOL)
+    if mode in ("plain", "mtp", "asd0"):  # greedy decoding, strictly verified: transformers' tokens
+        for prompt, n, b in zip(prompts, MAX_NEW, mixed):
+            assert b.token_ids == hf_greedy(m.hf, prompt, n)
+    if mode == "asd":
+        assert sum(r.asd_relaxed_token_num for r in mixed) > 0  # the budget was used
+
+
+def test_disable_mixed_steps_alternates(tiny):
+    m, _ = tiny
+    prompts = random_prompts(m.vocab_size, len(MAX_NEW), PROMPT_LENS, seed=8)
+    res, calls = _run(m.model_dir, prompts, 3, disable_mixed_steps=True)
+    assert not calls
+    for prompt, n, r in zip(prompts, MAX_NEW, res):
+        assert r.token_ids == hf_greedy(m.hf, prompt, n)
+
+
+def test_stage_lays_out_decode_rows_then_chunks_hand_computed(tiny):
+    """Two decode requests (K + 1 = 3 rows each) then a chunk of positions 4..6 of a prompt."""
+    m, _ = tiny
+    eng = make_engine(m.model_dir, running_max_req_size=4, **COMMON)
+    rows = eng.backend.mixed_rows
+    assert rows is not None and rows.ladder is None  # CPU: the items layout
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    items = [RowItem(0, 5, 3), RowItem(2, 9, 3), RowItem(1, 4, 3, prompt)]
+    batch = rows.stage(items, torch.arange(100, 109))
+    assert (batch.num_decode_rows, batch.num_rows, batch.first_row) == (6, 9, [0, 3, 6])
+    assert rows.b_req_idx[:9].tolist() == [0, 0, 0, 2, 2, 2, 1, 1, 1]
+    assert rows.b_seq_len[:9].tolist() == [6, 7, 8, 10, 11, 12, 5, 6, 7]
+    assert rows.b_mtp_index[:9].tolist() == [0, 1, 2, 0, 1, 2, 0, 0, 0]  # prefill rows: staged inputs
+    assert rows.staged_ids[:9].tolist() == [GATHER_INPUT] * 6 + [15, 16, 17]
+    assert rows.mem_indexes[:9].tolist() == list(range(100, 109))
+    assert rows.logit_rows_host(batch, [2]).tolist() == [0, 1, 2, 3, 4, 5, 8]
+    with pytest.raises(ValueError, match="decode items come before"):
+        rows.stage([RowItem(1, 4, 3, prompt), RowItem(0, 5, 3)], torch.arange(6))
+
+
+def test_mixed_steps_are_off_for_a_draft_that_drafts_prefills_itself(tiny, tmp_path):
+    from lightllm.models.dspark.train_module import random_dspark_draft
+
+    m, _ = tiny
+    draft = random_dspark_draft(m.hf.config, str(tmp_path / "dspark"), seed=3, block_size=4)
+    eng = make_engine(m.model_dir, running_max_req_size=3, mtp_mode="dspark", mtp_step=3,
+                      mtp_draft_model_dir=[draft], **COMMON)
+    assert eng.backend.mixed_rows is None

@@ -1,0 +1,62 @@
+"""Mixed steps on CUDA (the embedded model in bf16, CUDA graphs on): with
+--enable_deterministic_inference a token's result does not depend on its batch, so a workload
+whose steps mix decode rows with prompt chunks gives exactly (token ids and log-probs) what the
+same engine gives one request at a time, and what --disable_mixed_steps gives, for plain
+decoding, strict MTP, B = 0 and ASD's usage budget. Runs in the GPU CI (skips without CUDA)."""
+import gc
+
+import pytest
+
+from lightllm.server.core.objs.start_args_type import StartArgs
+from unit_tests.devices import needs_cuda
+from unit_tests.server.router.model_infer.embedded_modes import MODES
+
+pytestmark = [needs_cuda, pytest.mark.slow]
+
+NUM_REQS = 9
+RUNNING = 4  # requests join while others decode
+CHUNK = 48  # prompt tokens per step: GSM8K prompts take several chunks
+ENGINE = dict(max_req_total_len=512, max_total_token_num=8192, graph_max_batch_size=8,
+              enable_deterministic_inference=True, batch_max_tokens=CHUNK)
+
+
+def _prompts():
+    from unit_tests.data_paths import embedded_gsm8k_prompts
+
+    return embedded_gsm8k_prompts(NUM_REQS)[2]
+
+
+def _run(mode: str, prompts, running: int, **extra):
+    import torch
+
+    from lightllm.server.offline_engine import OfflineEngine
+
+    eng = OfflineEngine(StartArgs(**MODES[mode], **ENGINE, running_max_req_size=running, **extra),
+                        device="cuda", dtype="bfloat16")
+    mixed_calls = []
+    mixed = eng.backend.mixed
+
+    def spy(rows_owner, decoding, reqs, chunk_lens):
+        mixed_calls.append(rows_owner.graphs is not None)
+        return mixed(rows_owner, decoding, reqs, chunk_lens)
+
+    eng.backend.mixed = spy
+    params = [{"max_new_tokens": 20 + 7 * i, "ignore_eos": True} for i in range(len(prompts))]
+    res = eng.generate(prompts, params)
+    out = ([r.token_ids for r in res], [r.logprobs for r in res], mixed_calls)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mixed_steps_equal_one_request_at_a_time(mode):
+    prompts = _prompts()
+    alone_ids, alone_lps, alone_calls = _run(mode, prompts, 1)
+    ids, lps, calls = _run(mode, prompts, RUNNING)
+    alt_ids, alt_lps, alt_calls = _run(mode, prompts, RUNNING, disable_mixed_steps=True)
+    assert not alone_calls and not alt_calls
+    assert calls and all(calls)  # mixed steps ran, each a graph replay
+    assert ids == alone_ids and lps == alone_lps
+    assert alt_ids == alone_ids and alt_lps == alone_lps
