@@ -27,6 +27,7 @@ ASD verify kernel (about 2 us per step, docs/results.md section 6).
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -282,6 +283,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--server_args", default="", help="more server flags (one string, shell-quoted), e.g. "
+                   "--disable_mixed_steps for the alternating schedule")
     a = p.parse_args(argv)
     if not a.data and not a.from_json:
         p.error("--data is required (or --from_json)")
@@ -303,7 +306,8 @@ def main(argv=None) -> int:
     # the server's own budget is B = 0, each request sets its own
     asd = AsdSetting(BASELINE_BUDGET, args.local_ratio, args.max_mismatch)
     flags = (wave_server_flags(model_dir, args.concurrency, max_len)
-             + server_flags(mtp_mode=args.mtp_mode, mtp_step=args.mtp_step, **asd.start_args()))
+             + server_flags(mtp_mode=args.mtp_mode, mtp_step=args.mtp_step, **asd.start_args())
+             + shlex.split(args.server_args))
     log = os.path.join(tempfile.mkdtemp(prefix="bench_asd_budgets_"), "server.log")
     print(f"{len(prompts)} questions, budgets {args.budgets}, {args.rounds} rounds; server log {log}", flush=True)
     waves: List[Wave] = []

@@ -34,7 +34,8 @@
 #                                       with the checkout's draft (OUT/arms_NAME_kK.json)
 #   gpu_session.sh budgets OUT K [CONC] [NQ] [BUDGETS]   one server, budgets (default 0 / usage / 8) in 3
 #                                       interleaved rounds of NQ questions (default all 1319) at concurrency CONC:
-#                                       ASD's tok/s ratio to B = 0 (OUT/budgets_kK_cCONC.json)
+#                                       ASD's tok/s ratio to B = 0 (OUT/budgets_kK_cCONC$BUDGETS_NAME.json;
+#                                       BUDGETS_SERVER_ARGS: more server flags, e.g. --disable_mixed_steps)
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
 #   gpu_session.sh graphs OUT          CUDA graph vs eager: the graph tests, then ms per decode step at
 #                                       batch 1 / 64 / 256, K = 0 and 3, and the 8B-shaped dummy model
@@ -270,10 +271,10 @@ arms)
     ;;
 budgets)
     out=${1:?OUT}; k=${2:?K}; conc=${3:-$EVAL_CONCURRENCY}; nq=${4:-}; budgets=${5:-0,2.0625,8}; mkdir -p "$out"
-    name=budgets_k${k}_c$conc
+    name=budgets_k${k}_c$conc${BUDGETS_NAME:-}
     python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step "$k" --budgets "$budgets" --rounds 3 \
         --concurrency "$conc" ${nq:+--num_questions "$nq"} --max_new_tokens "$EVAL_NEW_TOKENS" \
-        --out "$out/$name.json" > "$out/$name.log" 2>&1
+        --server_args "${BUDGETS_SERVER_ARGS:-}" --out "$out/$name.json" > "$out/$name.log" 2>&1
     grep -E "^\||identical" "$out/$name.log"
     ;;
 profile)
