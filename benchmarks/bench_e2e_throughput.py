@@ -24,15 +24,31 @@ prompts with ``--max_new_tokens`` each (tok/s) beside the same wave of SHORT-tok
 Prompts are GSM8K questions, repeated, in the chat template, cut to the exact token count.
 Writes ``docs/data/perf/long_context.json`` by default.
 
+``--serving``: serving under a realistic mix (``run_serving``). One server per ``--serving_modes``
+arm (default plain, MTP K = 3 eagle strict, ASD usage), one after the other, each sent the same
+``--num_prompts`` requests (default 512) closed-loop at ``--concurrency`` (default 64), streamed
+from ``/v1/completions``: 80% GSM8K test questions in the chat template (``--max_new_tokens``,
+default 256 here) and 20% (``--serving_long_fraction``) prompts of ``--serving_long_lens`` 2000-4000
+tokens (seeded lengths, GSM8K questions repeated, cut so the server's tokenizer counts the length;
+``--serving_long_new_tokens``, default 64), in a seeded order. Per arm: output tok/s, time to first
+token, inter-token latency (all requests, the short ones, and the short ones while a long prompt
+waits for its first token: SERVING_DEFINITIONS), and the engine's decode clock from /metrics
+(mean decode batch, ms per decode step). Ratios are to the first arm. Writes
+``docs/data/perf/serving.json`` by default.
+
     python benchmarks/bench_e2e_throughput.py --long_context
+
+    python benchmarks/bench_e2e_throughput.py --serving --gsm8k .data/test.jsonl
 
     python benchmarks/bench_e2e_throughput.py --ignore_eos --out e2e.json \\
         --configs "plain=;mtp_k3=--mtp_mode eagle_with_att --mtp_step 3"
 """
 import argparse
+import bisect
 import logging
 import os
 import platform
+import random
 import shlex
 import signal
 import statistics
@@ -50,10 +66,13 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
 from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
-    USAGE, auto_max_req_total_len, free_device_memory, generate_body, model_dir_or_embedded, send_timed, serve)
+    DECODE_CLOCK, ENGINE_CLOCK, USAGE, StreamTrace, auto_max_req_total_len, completion_stream_body,
+    free_device_memory, generate_body, model_dir_or_embedded, send_streamed, send_timed, serve, server_flags, warm_up,
+    wave_server_flags)
 from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, gsm8k_path, load_gsm8k,  # noqa: E402
                                     load_prompt_file, take_cyclic)
 from lightllm.tools.report import Column, ratio, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
+from lightllm.utils.server_launcher import MetricsPage, scrape  # noqa: E402
 
 DEFAULT_OUT = "bench_e2e_throughput.json"
 DEFAULT_CONFIG_NAME = "engine"
@@ -671,16 +690,312 @@ def run_long_context(args) -> Dict[str, object]:
     return long_context_result(ttft, hf_ms, waves.get("long"), waves.get("short"), _git_commit(), meta)
 
 
+# --serving: one server per mode, a closed-loop mix of short and long prompts, streamed
+SERVING_OUT = os.path.join("docs", "data", "perf", "serving.json")
+SERVING_MODES = {"plain": MATRIX_MODES["plain"], "mtp": MATRIX_MODES["mtp3"], "asd_usage": MATRIX_MODES["asd_usage"],
+                 "dspark": MATRIX_MODES["dspark3"], "dspark_asd_usage": MATRIX_MODES["dspark_asd_usage"],
+                 "plain_no_overlap": MATRIX_MODES["plain_no_overlap"]}
+DEFAULT_SERVING_MODES = ("plain", "mtp", "asd_usage")
+SERVING_NUM_PROMPTS = 512
+SERVING_SHORT_NEW_TOKENS = 256
+SERVING_LONG_NEW_TOKENS = 64  # at most --max_new_tokens unless given
+SERVING_LONG_FRACTION = 0.2
+SERVING_LONG_LENS = (2000, 4000)
+SERVING_CLIENT_PROCS = 4
+SERVING_PERCENTILES = (50, 99)
+SHORT, LONG = "short", "long"
+LONG_START_STRIDE = 97  # long prompt j starts at GSM8K question 97 j: no two alike
+LENGTH_FIT_TRIES = 8
+SERVING_RATIO_KEYS = ("output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_short_ms_p50", "itl_short_ms_p99",
+                      "itl_short_during_long_prefill_ms_p99", "mean_decode_batch")
+SERVING_DEFINITIONS = {
+    "clock": "client side, time.perf_counter of the benchmark's client processes (one monotonic clock)",
+    "output_tok_s": "completion tokens of all requests / (last response's end - first request's send)",
+    "ttft_ms": "first chunk with a token - the request's send",
+    "itl_ms": "per token after a request's first chunk: a chunk of n tokens arriving g ms after the previous "
+              "chunk gives n samples of g / n (MTP: one step commits several tokens, each gets its share); "
+              "chunks read in one network read count as one",
+    "itl_short_ms": "itl_ms of the short requests only",
+    "itl_short_during_long_prefill_ms": "itl_ms of the short requests whose gap overlaps a long request's "
+                                        "window from its send to its first token (queued or being prefilled)",
+    "long_prefill_time_share": "the union of those windows / the run's wall time",
+    "mean_decode_batch": "/metrics delta over the timed run: requests decoded / decode steps",
+    "decode_step_ms": "/metrics delta: engine seconds in decode steps / decode steps",
+    "prefill_steps": "/metrics delta: batch steps that were not decode steps",
+}
+
+
+@dataclass(frozen=True)
+class ServingRequest:
+    kind: str  # SHORT or LONG
+    text: str  # the prompt as /v1/completions takes it
+    prompt_tokens: int  # the server's count of it (add_special_tokens=True)
+    max_new_tokens: int
+
+
+def _server_token_count(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=True))  # as the server's encode_prompt
+
+
+def exact_length_prompt_text(tokenizer, n_tokens: int, texts: Sequence[str], start: int = 0) -> Tuple[str, int]:
+    """(the text, its server token count) of a chat prompt of ``n_tokens``: one user turn made of
+    ``texts`` from ``start`` (cycling, one blank line apart), its tokens cut to fit. Text, unlike
+    ``exact_length_prompt``'s ids, is re-tokenized by the server: the cut is moved until the count
+    is ``n_tokens``, or the closest not above it (a cut can swing by one token)."""
+    if not texts:
+        raise ValueError("no texts to build a prompt from")
+    overhead = _server_token_count(tokenizer, chat_prompt_texts(tokenizer, [""])[0])
+    if n_tokens <= overhead:
+        raise ValueError(f"{n_tokens} tokens cannot hold the chat template ({overhead} tokens)")
+    pieces, chars, i = [], 0, start
+    while chars < 8 * n_tokens:  # a token is rarely more than 8 characters of this text
+        pieces.append(texts[i % len(texts)])
+        chars += len(pieces[-1]) + 2
+        i += 1
+    body = tokenizer.encode("\n\n".join(pieces), add_special_tokens=False)
+    cut, tried = n_tokens - overhead, {}
+    for _ in range(LENGTH_FIT_TRIES):
+        text = chat_prompt_texts(tokenizer, [tokenizer.decode(body[:cut])])[0]
+        got = tried[cut] = (_server_token_count(tokenizer, text), text)
+        if got[0] == n_tokens or cut + n_tokens - got[0] in tried:
+            break
+        cut += n_tokens - got[0]
+    # the exact count, else the closest not above it, else the closest
+    best = min(tried.values(), key=lambda t: (t[0] != n_tokens, t[0] > n_tokens, abs(t[0] - n_tokens)))
+    return best[1], best[0]
+
+
+def build_serving_workload(tokenizer, questions: Sequence[str], num_requests: int, long_fraction: float,
+                           long_lens: Sequence[int], short_new_tokens: int, long_new_tokens: int,
+                           seed: int = 0) -> List[ServingRequest]:
+    """``round(num_requests * long_fraction)`` long prompts of seeded lengths in [long_lens[0],
+    long_lens[1]], the rest GSM8K questions in order (cycling) in the chat template, in a seeded
+    order."""
+    lo, hi = long_lens
+    if not 1 <= lo <= hi:
+        raise ValueError(f"long prompt lengths: need 1 <= LO <= HI, got {lo} {hi}")
+    if not 0.0 <= long_fraction <= 1.0:
+        raise ValueError(f"the long fraction must be in [0, 1], got {long_fraction}")
+    rng = random.Random(seed)
+    n_long = round(num_requests * long_fraction)
+    n_short = num_requests - n_long
+    lens = [rng.randint(lo, hi) for _ in range(n_long)]
+    kinds = [LONG] * n_long + [SHORT] * n_short
+    rng.shuffle(kinds)
+    short_texts = chat_prompt_texts(tokenizer, take_cyclic(questions, n_short)) if n_short else []
+    shorts = iter(ServingRequest(SHORT, t, _server_token_count(tokenizer, t), short_new_tokens) for t in short_texts)
+    longs = iter(ServingRequest(LONG, *exact_length_prompt_text(tokenizer, n, questions, j * LONG_START_STRIDE),
+                                long_new_tokens) for j, n in enumerate(lens))
+    return [next(longs) if k == LONG else next(shorts) for k in kinds]
+
+
+def serving_mode_flags(mode: str) -> List[str]:
+    """A SERVING_MODES entry as server flags (a True value is a flag without a value)."""
+    start_args = SERVING_MODES[mode]
+    return (server_flags(**{k: v for k, v in start_args.items() if not isinstance(v, bool)})
+            + [f"--{k}" for k, v in start_args.items() if v is True])
+
+
+def merge_windows(windows: Sequence[Tuple[float, float]]) -> Tuple[List[float], List[float]]:
+    """The union of [start, end] windows as disjoint intervals in order: (starts, ends)."""
+    starts: List[float] = []
+    ends: List[float] = []
+    for a, b in sorted(windows):
+        if starts and a <= ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    return starts, ends
+
+
+def overlaps_any(a: float, b: float, starts: Sequence[float], ends: Sequence[float]) -> bool:
+    """The gap (a, b) shares time with one of the disjoint, ordered intervals (``merge_windows``)."""
+    i = bisect.bisect_left(starts, b) - 1  # the last interval starting before b: the latest end of those
+    return i >= 0 and ends[i] > a
+
+
+def long_prefill_windows(requests: Sequence[ServingRequest],
+                         traces: Sequence[StreamTrace]) -> List[Tuple[float, float]]:
+    """Each long request's time from its send to its first token (its end when none came)."""
+    return [(t.sent_s, t.chunks[0][0] if t.chunks else t.done_s) for r, t in zip(requests, traces) if r.kind == LONG]
+
+
+def itl_samples(trace: StreamTrace, starts: Sequence[float] = (),
+                ends: Sequence[float] = ()) -> List[Tuple[float, bool]]:
+    """(ms, tagged) per token after the request's first chunk. A chunk of n tokens that came g ms
+    after the previous chunk gives n samples of g / n ms: with MTP one step commits several tokens,
+    which the server sends in one chunk, and each token gets its share of the gap (the first chunk's
+    tokens have no gap before them: TTFT). Tagged: the gap overlaps one of the intervals."""
+    out = []
+    for (a, _), (b, n) in zip(trace.chunks, trace.chunks[1:]):
+        tagged = overlaps_any(a, b, starts, ends)
+        out += [(1e3 * (b - a) / n, tagged)] * n
+    return out
+
+
+def _percentiles(name: str, xs: Sequence[float]) -> Dict[str, Optional[float]]:
+    values = np.percentile(xs, SERVING_PERCENTILES) if len(xs) else [None] * len(SERVING_PERCENTILES)
+    return {f"{name}_p{q}": None if v is None else float(v) for q, v in zip(SERVING_PERCENTILES, values)}
+
+
+def engine_clock_fields(grown: Optional[MetricsPage]) -> Dict[str, Optional[float]]:
+    """The engine's step clock over a run from the growth of its /metrics (None: not scraped)."""
+    if grown is None:
+        return {k: None for k in ("mean_decode_batch", "decode_step_ms", "decode_steps", "prefill_steps",
+                                  "prefill_step_ms", "mean_batch", "engine_busy_s")}
+    engine_s, batch_steps, batch_reqs = (grown.value(n, 0.0) for n in ENGINE_CLOCK)
+    decode_s, decode_steps, decode_reqs = (grown.value(n, 0.0) for n in DECODE_CLOCK)
+    prefill_steps = batch_steps - decode_steps
+    return {"mean_decode_batch": ratio(decode_reqs, decode_steps),
+            "decode_step_ms": ratio(1e3 * decode_s, decode_steps), "decode_steps": int(decode_steps),
+            "prefill_steps": int(prefill_steps),
+            "prefill_step_ms": ratio(1e3 * (engine_s - decode_s), prefill_steps),
+            "mean_batch": ratio(batch_reqs, batch_steps), "engine_busy_s": engine_s}
+
+
+def serving_row(mode: str, requests: Sequence[ServingRequest], traces: Sequence[StreamTrace],
+                grown: Optional[MetricsPage] = None) -> Dict[str, object]:
+    """One arm's JSON row (SERVING_DEFINITIONS) from its requests' traces and its /metrics growth."""
+    if len(requests) != len(traces) or not traces:
+        raise ValueError(f"{mode}: {len(requests)} requests, {len(traces)} traces")
+    starts, ends = merge_windows(long_prefill_windows(requests, traces))
+    wall = max(t.done_s for t in traces) - min(t.sent_s for t in traces)
+    out_tokens = sum(t.output_tokens for t in traces)
+    ttft = {k: [1e3 * t.ttft_s for r, t in zip(requests, traces) if t.chunks and k in (None, r.kind)]
+            for k in (None, SHORT, LONG)}
+    itl_all, itl_short, itl_short_tagged = [], [], []
+    for r, t in zip(requests, traces):
+        samples = itl_samples(t, starts, ends)
+        itl_all += [ms for ms, _ in samples]
+        if r.kind == SHORT:
+            itl_short += [ms for ms, _ in samples]
+            itl_short_tagged += [ms for ms, tagged in samples if tagged]
+    row: Dict[str, object] = {
+        "mode": mode, "requests": len(traces), "short_requests": sum(r.kind == SHORT for r in requests),
+        "long_requests": sum(r.kind == LONG for r in requests), "wall_s": wall, "output_tokens": out_tokens,
+        "prompt_tokens": sum(t.prompt_tokens for t in traces), "output_tok_s": out_tokens / wall if wall > 0 else None,
+        "tokens_per_step": tokens_per_step(out_tokens, sum(t.mtp_accepted_token_num for t in traces)),
+        **_percentiles("ttft_ms", ttft[None]), **_percentiles("ttft_short_ms", ttft[SHORT]),
+        **_percentiles("ttft_long_ms", ttft[LONG]), **_percentiles("itl_ms", itl_all),
+        **_percentiles("itl_short_ms", itl_short),
+        **_percentiles("itl_short_during_long_prefill_ms", itl_short_tagged),
+        "itl_short_samples": len(itl_short), "itl_short_during_long_prefill_samples": len(itl_short_tagged),
+        "long_prefill_time_share": sum(b - a for a, b in zip(starts, ends)) / wall if wall > 0 else None,
+        "finish_reasons": dict(Counter(str(t.finish_reason) for t in traces)),
+        # requests whose streamed chunks' tokens differ from their usage count (0 expected)
+        "stream_token_mismatches": sum(sum(n for _, n in t.chunks) != t.output_tokens for t in traces),
+    }
+    row["itl_short_p99_over_p50"] = ratio(row["itl_short_ms_p99"], row["itl_short_ms_p50"])
+    row["itl_short_during_long_prefill_p99_over_p50"] = ratio(row["itl_short_during_long_prefill_ms_p99"],
+                                                              row["itl_short_during_long_prefill_ms_p50"])
+    row.update(engine_clock_fields(grown))
+    return row
+
+
+def add_serving_ratios(rows: List[Dict[str, object]]) -> List[Dict[str, object]]:
+    """``KEY_vs_first`` = each row's KEY / the first row's, for SERVING_RATIO_KEYS (in place)."""
+    for row in rows:
+        for key in SERVING_RATIO_KEYS:
+            row[f"{key}_vs_first"] = ratio(row[key], rows[0][key])
+    return rows
+
+
+SERVING_TABLE = (
+    Column("mode", "mode"), Column("requests", "req", "d"), Column("output_tok_s", "out tok/s", ".1f"),
+    Column("output_tok_s_vs_first", "x 1st", ".2f"), Column("ttft_ms_p50", "TTFT p50 ms", ".1f"),
+    Column("ttft_ms_p99", "TTFT p99 ms", ".1f"), Column("itl_ms_p50", "ITL p50", ".2f"),
+    Column("itl_ms_p99", "ITL p99", ".2f"), Column("itl_short_ms_p50", "short ITL p50", ".2f"),
+    Column("itl_short_ms_p99", "short ITL p99", ".2f"),
+    Column("itl_short_during_long_prefill_ms_p50", "during long prefill p50", ".2f"),
+    Column("itl_short_during_long_prefill_ms_p99", "p99", ".2f"),
+    Column("itl_short_during_long_prefill_p99_over_p50", "p99/p50", ".2f"),
+    Column("itl_short_ms_p99_vs_first", "short p99 x 1st", ".2f"), Column("tokens_per_step", "tok/step", ".2f"),
+    Column("mean_decode_batch", "decode batch", ".1f"), Column("decode_step_ms", "decode step ms", ".2f"),
+)
+
+
+def workload_summary(workload: Sequence[ServingRequest]) -> Dict[str, object]:
+    def lens(kind):
+        return [r.prompt_tokens for r in workload if r.kind == kind]
+
+    return {kind: {"requests": len(lens(kind)), "prompt_tokens_min": min(lens(kind), default=None),
+                   "prompt_tokens_mean": statistics.fmean(lens(kind)) if lens(kind) else None,
+                   "prompt_tokens_max": max(lens(kind), default=None),
+                   "max_new_tokens": next((r.max_new_tokens for r in workload if r.kind == kind), None)}
+            for kind in (SHORT, LONG)}
+
+
+def run_serving(args) -> Dict[str, object]:
+    """One server per mode, one after the other, each sent the same workload; the JSON after every arm."""
+    import torch
+    from transformers import AutoTokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shared = tuple(shlex.split(args.server_args or ""))
+    model_dir, dtype = resolve_model_and_dtype([ServerConfig("serving", shared)], device)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    questions = [q.question for q in load_gsm8k(gsm8k_path("test", args.gsm8k))]
+    t0 = time.perf_counter()
+    workload = build_serving_workload(tok, questions, args.num_prompts, args.serving_long_fraction,
+                                      args.serving_long_lens, args.max_new_tokens, args.serving_long_new_tokens,
+                                      args.seed)
+    summary = workload_summary(workload)
+    print(f"workload: {summary[SHORT]['requests']} short + {summary[LONG]['requests']} long "
+          f"({summary[LONG]['prompt_tokens_min']}-{summary[LONG]['prompt_tokens_max']} tokens) requests, "
+          f"built in {time.perf_counter() - t0:.1f}s; concurrency {args.concurrency}, "
+          f"{args.client_procs} client processes", flush=True)
+    max_len = auto_max_req_total_len([r.prompt_tokens + r.max_new_tokens for r in workload], 0)
+    base = wave_server_flags(None, args.concurrency, max_len) + list(shared)  # --server_args last: they win
+    bodies = [completion_stream_body(r.text, r.max_new_tokens, args.ignore_eos) for r in workload]
+    warm_texts = [r.text for r in workload]
+    warm_tokens = min([args.warmup_tokens] + [r.max_new_tokens for r in workload])  # within max_req_total_len
+    log_dir = tempfile.mkdtemp(prefix="bench_serving_")
+    meta = {"model_dir": model_dir, "device": device, "dtype": dtype,
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "torch": torch.__version__,
+            "prompt_source": gsm8k_path("test", args.gsm8k), "workload": summary, "server_flags": base,
+            "log_dir": log_dir}
+    rows: List[Dict[str, object]] = []
+    for mode in args.serving_modes:
+        flags = base + serving_mode_flags(mode)
+        log_path = os.path.join(log_dir, f"server_{mode}.log")
+        print(f"[{mode}] starting server: {' '.join(flags)}  (log: {log_path})", flush=True)
+        t0 = time.perf_counter()
+        with serve(flags, log_path) as server:
+            print(f"[{mode}] up in {time.perf_counter() - t0:.1f}s at {server.url}", flush=True)
+            n_warm = min(args.warmup_requests, len(workload))
+            if n_warm:  # the mix's first requests: the long prompts' kernels too
+                t0 = time.perf_counter()
+                warm_up(server.url, warm_texts, warm_tokens, args.concurrency, requests=n_warm)
+                print(f"[{mode}] warm-up: {n_warm} requests in {time.perf_counter() - t0:.1f}s", flush=True)
+            before = scrape(server.url)
+            traces = send_streamed(server.url, bodies, args.concurrency, args.client_procs, mode)
+            grown = scrape(server.url) - before
+        row = serving_row(mode, workload, traces, grown)
+        row["server_args"] = flags
+        rows.append(row)
+        add_serving_ratios(rows)
+        print(f"[{mode}] {row['requests']} requests in {row['wall_s']:.2f}s, {row['output_tok_s']:.1f} out tok/s, "
+              f"short ITL p50 / p99 {row['itl_short_ms_p50']:.2f} / {row['itl_short_ms_p99']:.2f} ms", flush=True)
+        result = {"commit": _git_commit(), "args": vars(args), "meta": meta, "definitions": SERVING_DEFINITIONS,
+                  "arms": rows}
+        write_json(args.out, result)  # after every arm: a run cut short keeps its finished arms
+    return result
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--server_args", default="", help="flags for every server (one string, shell-quoted)")
+    p.add_argument("--server_args", default="",
+                   help="flags for every server (one string, shell-quoted; --serving: after its own, so they win)")
     p.add_argument("--configs", default=None,
                    help='named server configs "name=ARGS;name2=ARGS2" (after --server_args); ratios are to the first')
-    p.add_argument("--num_prompts", type=int, default=64)
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--num_prompts", type=int, default=None,
+                   help=f"requests (default 64; --serving: {SERVING_NUM_PROMPTS} per arm)")
+    p.add_argument("--max_new_tokens", type=int, default=None,
+                   help=f"default 128; --serving: {SERVING_SHORT_NEW_TOKENS}, of the short requests")
     p.add_argument("--ignore_eos", action="store_true", help="every request generates exactly max_new_tokens")
-    p.add_argument("--concurrency", type=int, default=64, help="most requests in flight")
+    p.add_argument("--concurrency", type=int, default=64, help="most requests in flight (--serving: closed-loop)")
     p.add_argument("--stream", action="store_true", help="use /generate_stream and report mean TTFT")
     p.add_argument("--hf_batch_size", type=int, default=64)
     p.add_argument("--skip_hf", action="store_true", help="no transformers baseline (ratios to the first config only)")
@@ -691,7 +1006,8 @@ def parse_args(argv=None):
                                                  "$LIGHTLLM_GSM8K_DIR or ../shared/data/gsm8k beside the checkout)")
     p.add_argument("--prompt_file", default=None, help="prompts, one per line, used as is (instead of GSM8K)")
     p.add_argument("--out", default=None,
-                   help=f"JSON results path (default: {DEFAULT_OUT}; --long_context: {LONG_CONTEXT_OUT})")
+                   help=f"JSON results path (default: {DEFAULT_OUT}; --long_context: {LONG_CONTEXT_OUT}; "
+                        f"--serving: {SERVING_OUT})")
     p.add_argument("--matrix", action="store_true",
                    help="in-process engine vs transformers over models x modes x batches (CUDA; "
                         "writes the rows of docs/data/perf/bench_vs_hf.json to --out)")
@@ -710,18 +1026,46 @@ def parse_args(argv=None):
                    help="--long_context: the embedded model's TTFT prompt lengths (tokens)")
     p.add_argument("--wave_lens", type=int, nargs=2, default=list(LONG_WAVE_LENS), metavar=("LONG", "SHORT"),
                    help=f"--long_context: prompt tokens of the long and the short {LONG_WAVE_REQUESTS}-request waves")
+    p.add_argument("--serving", action="store_true",
+                   help="one server per --serving_modes arm, a closed-loop streamed mix of short GSM8K and long "
+                        f"prompts: output tok/s, TTFT, inter-token latency, decode batch (writes {SERVING_OUT})")
+    p.add_argument("--serving_modes", nargs="+", default=list(DEFAULT_SERVING_MODES), choices=list(SERVING_MODES),
+                   help="--serving: the arms, in order (ratios are to the first)")
+    p.add_argument("--serving_long_fraction", type=float, default=SERVING_LONG_FRACTION,
+                   help="--serving: the share of long prompts")
+    p.add_argument("--serving_long_lens", type=int, nargs=2, default=list(SERVING_LONG_LENS), metavar=("LO", "HI"),
+                   help="--serving: long prompts' tokens, drawn uniformly in [LO, HI] (seeded)")
+    p.add_argument("--serving_long_new_tokens", type=int, default=None,
+                   help=f"--serving: max_new_tokens of the long requests (default {SERVING_LONG_NEW_TOKENS}, "
+                        "at most --max_new_tokens)")
+    p.add_argument("--seed", type=int, default=0, help="--serving: the long prompts' lengths and the order")
+    p.add_argument("--client_procs", type=int, default=SERVING_CLIENT_PROCS,
+                   help="--serving: client processes sharing the concurrency (one Python client may lag "
+                        "behind thousands of chunks per second)")
     args = p.parse_args(argv)
-    for name in ("num_prompts", "max_new_tokens", "concurrency", "hf_batch_size"):
+    if sum((args.serving, args.long_context, args.matrix)) > 1:
+        p.error("--serving, --long_context and --matrix are separate runs")
+    if args.num_prompts is None:
+        args.num_prompts = SERVING_NUM_PROMPTS if args.serving else 64
+    if args.max_new_tokens is None:
+        args.max_new_tokens = SERVING_SHORT_NEW_TOKENS if args.serving else 128
+    if args.serving_long_new_tokens is None:
+        args.serving_long_new_tokens = min(SERVING_LONG_NEW_TOKENS, args.max_new_tokens)
+    lo, hi = args.serving_long_lens
+    if not 1 <= lo <= hi:
+        p.error("--serving_long_lens: need 1 <= LO <= HI")
+    if not 0.0 <= args.serving_long_fraction <= 1.0:
+        p.error("--serving_long_fraction must be in [0, 1]")
+    for name in ("num_prompts", "max_new_tokens", "concurrency", "hf_batch_size", "serving_long_new_tokens",
+                 "client_procs"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
-    if args.long_context and args.matrix:
-        p.error("--long_context and --matrix are separate runs")
     if min(args.long_lens + args.wave_lens) < 1:
         p.error("--long_lens and --wave_lens must be >= 1")
     if args.warmup_requests is None:
         args.warmup_requests = args.concurrency
     if args.out is None:
-        args.out = LONG_CONTEXT_OUT if args.long_context else DEFAULT_OUT
+        args.out = LONG_CONTEXT_OUT if args.long_context else SERVING_OUT if args.serving else DEFAULT_OUT
     return args
 
 
@@ -736,6 +1080,14 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
+    if args.serving:
+        result = run_serving(args)
+        print()
+        print(render_table(result["arms"], SERVING_TABLE))
+        print(f"\nx 1st: relative to '{result['arms'][0]['mode']}'. during long prefill: short requests' "
+              "inter-token gaps that overlap a long request's wait for its first token.")
+        print(f"wrote {args.out}")
+        return 0
     if args.long_context:
         result = run_long_context(args)
         print(render_table(ttft_rows(result), LONG_TABLE))

@@ -203,6 +203,131 @@ def send_timed(url: str, bodies: Sequence[Dict], concurrency: int, stream: bool 
     return out, time.perf_counter() - t0
 
 
+# Streamed OpenAI completions with a client-side clock per chunk (the serving benchmark)
+COMPLETIONS_PATH = "/v1/completions"
+STREAM_START_TIMEOUT_S = 120.0  # client processes: the longest wait for all of them to be ready
+
+
+def completion_stream_body(text: str, max_new_tokens: int, ignore_eos: bool = False, **params) -> Dict:
+    """A greedy streamed ``/v1/completions`` request whose chunks list their tokens (``logprobs`` 0:
+    the log-prob of each token sent, so a chunk says how many tokens it carries) and whose last
+    event is the usage."""
+    return {"prompt": text, "max_tokens": max_new_tokens, "temperature": 0, "ignore_eos": ignore_eos,
+            "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}, **params}
+
+
+@dataclass
+class StreamTrace:
+    """One streamed request on the client's clock (``time.perf_counter`` seconds: CLOCK_MONOTONIC
+    on Linux, so the traces of several client processes share one clock)."""
+
+    sent_s: float
+    # (arrival, tokens): one entry per network read that brought tokens. The server sends one
+    # chunk per update of the request (a decode step: 1 token, or up to K + 1 with MTP); chunks
+    # a slow client reads together count as one, their tokens summed
+    chunks: List[Tuple[float, int]]
+    done_s: float
+    prompt_tokens: int = -1
+    output_tokens: int = 0  # the usage's completion_tokens
+    finish_reason: Optional[str] = None
+    mtp_accepted_token_num: int = 0
+
+    @property
+    def ttft_s(self) -> Optional[float]:
+        return self.chunks[0][0] - self.sent_s if self.chunks else None
+
+
+async def _streamed(client, body: Dict) -> StreamTrace:
+    sent = time.perf_counter()
+    chunks: List[Tuple[float, int]] = []
+    trace = StreamTrace(sent, chunks, sent)
+    buf = b""
+    async with client.stream("POST", COMPLETIONS_PATH, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{COMPLETIONS_PATH} returned HTTP {r.status_code}: {(await r.aread()).decode()}")
+        async for data in r.aiter_bytes():
+            now = time.perf_counter()  # before parsing: the parse's time is not the server's
+            *events, buf = (buf + data).split(b"\n\n")
+            tokens = 0
+            for event in events:
+                payload = event.strip()
+                if not payload.startswith(SSE_DATA_PREFIX.encode()) or payload.endswith(b"[DONE]"):
+                    continue
+                obj = json.loads(payload[len(SSE_DATA_PREFIX):])
+                if "error" in obj:
+                    raise RuntimeError(f"{COMPLETIONS_PATH} stream failed: {obj['error']}")
+                if obj.get("usage"):
+                    trace.prompt_tokens = obj["usage"]["prompt_tokens"]
+                    trace.output_tokens = obj["usage"]["completion_tokens"]
+                for choice in obj["choices"]:
+                    tokens += len((choice.get("logprobs") or {}).get("tokens") or ())
+                    if choice.get("finish_reason"):
+                        trace.finish_reason = choice["finish_reason"]
+                        trace.mtp_accepted_token_num = obj.get("mtp_accepted_token_num") or 0
+            if tokens:
+                chunks.append((now, tokens))
+    trace.done_s = time.perf_counter()
+    if trace.finish_reason is None:
+        raise RuntimeError(f"{COMPLETIONS_PATH} stream ended without a finish reason")
+    return trace
+
+
+def _stream_worker(index: int, url: str, bodies: Sequence[Dict], concurrency: int, desc: Optional[str],
+                   barrier, out_q) -> None:
+    """One client process of ``send_streamed``: its share of the requests once every process is ready."""
+    try:
+        import httpx  # noqa: F401 (imported before the start: not timed)
+
+        barrier.wait(STREAM_START_TIMEOUT_S)
+        out_q.put((index, asyncio.run(_bounded(url, bodies, concurrency, desc, _streamed)), None))
+    except BaseException as e:  # the parent raises it
+        out_q.put((index, None, f"{type(e).__name__}: {e}"))
+
+
+def send_streamed(url: str, bodies: Sequence[Dict], concurrency: int, procs: int = 1,
+                  desc: Optional[str] = None) -> List[StreamTrace]:
+    """Stream every body (``completion_stream_body``) closed-loop, at most ``concurrency`` in flight;
+    the traces in order. ``procs`` > 1: that many client processes (so that one Python client's
+    parsing does not delay the arrival times), process p sending bodies p, p + procs, ... closed-loop
+    at its share of ``concurrency``, all starting together."""
+    procs = max(1, min(procs, concurrency, len(bodies)))
+    if procs == 1:
+        return asyncio.run(_bounded(url, bodies, concurrency, desc, _streamed))
+    import multiprocessing
+    import queue
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
+    barrier, out_q = ctx.Barrier(procs + 1), ctx.Queue()
+    workers = [ctx.Process(target=_stream_worker, daemon=True,
+                           args=(p, url, list(bodies[p::procs]), concurrency // procs + (p < concurrency % procs),
+                                 desc if p == 0 else None, barrier, out_q)) for p in range(procs)]
+    for w in workers:
+        w.start()
+    results: Dict[int, List[StreamTrace]] = {}
+    try:
+        barrier.wait(STREAM_START_TIMEOUT_S)
+        while len(results) < procs:  # read before joining: a full pipe would block the writer
+            try:
+                index, traces, error = out_q.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p, w in enumerate(workers) if w.exitcode not in (None, 0) and p not in results]
+                if dead:
+                    raise RuntimeError(f"client process {dead[0]} exited with {workers[dead[0]].exitcode}")
+                continue
+            if error is not None:
+                raise RuntimeError(f"client process {index}: {error}")
+            results[index] = traces
+    finally:
+        for w in workers:
+            if w.is_alive() and len(results) < procs:
+                w.terminate()
+            w.join()
+    out: List[Optional[StreamTrace]] = [None] * len(bodies)
+    for p, traces in results.items():
+        out[p::procs] = traces
+    return out
+
+
 def _sample_name(metric) -> str:
     """The name of a ServerMetrics metric on the page (a counter's sample ends in _total)."""
     family = metric.describe()[0]

@@ -47,6 +47,8 @@
 #                                       (prefill TFLOP/s, decode KV bandwidth, MTP rows; OUT/attention.json)
 #   gpu_session.sh long_context OUT     bench_e2e_throughput.py --long_context: TTFT at 512 / 2k / 6k tokens vs
 #                                       transformers' forward, 16 concurrent 6000- vs 150-token prompts
+#   gpu_session.sh serving OUT          bench_e2e_throughput.py --serving: plain / MTP K = 3 / ASD usage servers, 512 streamed
+#                                       requests each at concurrency 64 (80% GSM8K, 20% 2k-4k tokens): tok/s, TTFT, ITL
 #   gpu_session.sh steps OUT            decode step ms on the engine's graphs: batch 1 / 64, plain and MTP K = 3
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
@@ -79,7 +81,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|attention|long_context|steps|overlap|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
+job=${1:?usage: gpu_session.sh data|attention|long_context|serving|steps|overlap|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
 shift
 
 case "$job" in
@@ -131,6 +133,13 @@ long_context)
     python benchmarks/bench_e2e_throughput.py --long_context --gsm8k .data/test.jsonl --out "$out/long_context.json" \
         > "$out/long_context.log" 2>&1
     status=$?; grep -v " INFO " "$out/long_context.log" | tail -30; exit $status
+    ;;
+serving)
+    # 3 arms, each: server start, a 64-request warm-up, 512 requests (about 30-60 s); the JSON is written after every arm
+    out=${1:?OUT}; mkdir -p "$out"
+    timeout 540 python benchmarks/bench_e2e_throughput.py --serving --gsm8k .data/test.jsonl --out "$out/serving.json" \
+        > "$out/serving.log" 2>&1
+    status=$?; grep -v " INFO " "$out/serving.log" | grep -v "req/s\]" | tail -20; exit $status
     ;;
 steps)
     out=${1:?OUT}; mkdir -p "$out"

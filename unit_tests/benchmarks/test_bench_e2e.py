@@ -194,3 +194,205 @@ def test_long_context_json_and_tables():
     waves = bench.wave_rows(result, args)
     assert [(w["wave"], w["tok_s"]) for w in waves] == [("16 x 6000 tokens", 3000.0), ("16 x 150 tokens", 8000.0)]
     assert "8000.0" in render_table(waves, bench.WAVE_TABLE)
+
+
+# --serving: flags, the workload, the ITL accounting by hand, the SSE parsing (no server)
+def test_serving_flags_and_defaults():
+    args = bench.parse_args(["--serving"])
+    assert (args.num_prompts, args.concurrency, args.max_new_tokens, args.serving_long_new_tokens) == (512, 64, 256, 64)
+    assert args.serving_modes == ["plain", "mtp", "asd_usage"] and args.serving_long_lens == [2000, 4000]
+    assert args.serving_long_fraction == 0.2 and args.out == os.path.join("docs", "data", "perf", "serving.json")
+    assert not args.ignore_eos and args.warmup_requests == 64
+    smoke = bench.parse_args(["--serving", "--num_prompts", "8", "--concurrency", "4", "--serving_long_lens", "200",
+                              "300", "--max_new_tokens", "8"])
+    assert (smoke.num_prompts, smoke.serving_long_lens, smoke.serving_long_new_tokens) == (8, [200, 300], 8)
+    assert bench.parse_args(["--serving", "--serving_long_new_tokens", "32"]).serving_long_new_tokens == 32
+
+
+@pytest.mark.parametrize("argv", [["--serving", "--matrix"], ["--serving", "--long_context"],
+                                  ["--serving", "--serving_long_lens", "300", "200"],
+                                  ["--serving", "--serving_long_fraction", "1.5"], ["--serving", "--client_procs", "0"],
+                                  ["--serving", "--serving_modes", "nope"]])
+def test_serving_bad_flags(argv):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+
+
+def test_serving_modes_are_server_flags():
+    from lightllm.server.api_cli import make_argument_parser
+
+    assert bench.serving_mode_flags("plain") == []
+    assert bench.serving_mode_flags("mtp") == ["--mtp_mode", "eagle_with_att", "--mtp_step", "3"]
+    usage = bench.serving_mode_flags("asd_usage")
+    assert usage[:4] == ["--mtp_mode", "eagle_with_att", "--mtp_step", "3"] and "2.0625" in usage
+    assert bench.serving_mode_flags("plain_no_overlap") == ["--disable_overlap_schedule"]
+    parser = make_argument_parser()
+    ns = parser.parse_args(usage)
+    assert (ns.mtp_asd_regret_budget, ns.mtp_asd_local_regret_ratio, ns.mtp_asd_block_max_mismatch) == (2.0625, 0.25, 2)
+    assert parser.parse_args(bench.serving_mode_flags("plain_no_overlap")).disable_overlap_schedule
+
+
+def _server_count(tokenizer, text):
+    return len(tokenizer.encode(text, add_special_tokens=True))
+
+
+@pytest.mark.parametrize("n", [40, 150, 333])
+def test_exact_length_prompt_text_is_counted_as_the_server_does(tokenizer, n):
+    text, count = bench.exact_length_prompt_text(tokenizer, n, QUESTIONS, start=1)
+    assert count == _server_count(tokenizer, text) and n - 1 <= count <= n
+    head = chat_prompt_texts(tokenizer, [""])[0].partition("<|im_start|>user\n")[0]
+    assert text.startswith(head + "<|im_start|>user\nWeng earns") and text.endswith("<|im_start|>assistant\n")
+    assert (QUESTIONS[2] in text) == (n > 100)  # the texts from start, one after the other
+    with pytest.raises(ValueError, match="cannot hold the chat template"):
+        bench.exact_length_prompt_text(tokenizer, 10, QUESTIONS)
+
+
+def test_serving_workload_mix_lengths_and_seed(tokenizer):
+    def build(seed, n=50):
+        return bench.build_serving_workload(tokenizer, QUESTIONS, n, 0.2, (120, 200), 256, 64, seed)
+
+    work = build(0)
+    longs = [r for r in work if r.kind == bench.LONG]
+    shorts = [r for r in work if r.kind == bench.SHORT]
+    assert len(work) == 50 and len(longs) == 10 and len(shorts) == 40  # round(50 * 0.2)
+    assert all(119 <= r.prompt_tokens <= 200 and r.max_new_tokens == 64 for r in longs)  # a cut may swing by 1
+    assert len({r.prompt_tokens for r in longs}) > 1 and len({r.text for r in longs}) == 10
+    assert [r.text for r in shorts] == chat_prompt_texts(tokenizer, [QUESTIONS[i % 3] for i in range(40)])
+    assert all(r.max_new_tokens == 256 for r in shorts)
+    assert all(r.prompt_tokens == _server_count(tokenizer, r.text) for r in work)
+    assert build(0) == work  # deterministic
+    assert [r.kind for r in build(1)] != [r.kind for r in work]  # another seed: another order
+    assert [i for i, r in enumerate(work) if r.kind == bench.LONG] != list(range(10))  # interleaved
+    assert [r.kind for r in build(0, 8)].count(bench.LONG) == 2  # round(1.6)
+    assert all(r.kind == bench.SHORT for r in bench.build_serving_workload(tokenizer, QUESTIONS, 5, 0.0, (120, 200),
+                                                                           8, 8))
+    with pytest.raises(ValueError):
+        bench.build_serving_workload(tokenizer, QUESTIONS, 5, 0.2, (200, 120), 8, 8)
+
+
+def test_merge_windows_and_overlap():
+    starts, ends = bench.merge_windows([(3.0, 4.0), (0.5, 2.0), (0.0, 1.0), (3.5, 3.6)])
+    assert (starts, ends) == ([0.0, 3.0], [2.0, 4.0])
+    assert bench.overlaps_any(1.9, 2.5, starts, ends) and bench.overlaps_any(2.5, 3.1, starts, ends)
+    assert bench.overlaps_any(-1.0, 5.0, starts, ends) and bench.overlaps_any(3.2, 3.3, starts, ends)
+    # touching is not overlapping: a gap that ends as a window starts, or starts as it ends
+    assert not bench.overlaps_any(2.0, 3.0, starts, ends) and not bench.overlaps_any(-1.0, 0.0, starts, ends)
+    assert not bench.overlaps_any(4.0, 5.0, starts, ends) and not bench.overlaps_any(1.0, 2.0, [], [])
+
+
+def _trace(sent, chunks, done=None):
+    return bench.StreamTrace(sent, chunks, chunks[-1][0] if done is None else done, 10, sum(n for _, n in chunks),
+                             "length")
+
+
+def _synthetic_run():
+    """Two long requests waiting for their first token during [0, 1] and [2, 2.5] s; three short ones."""
+    req = {k: bench.ServingRequest(k, k, 10, 8) for k in (bench.SHORT, bench.LONG)}
+    requests = [req[bench.LONG], req[bench.SHORT], req[bench.LONG], req[bench.SHORT], req[bench.SHORT]]
+    traces = [
+        _trace(0.0, [(1.0, 1), (1.1, 1)]),  # long: TTFT 1000 ms, one gap of 100 ms
+        # short A, gaps and samples (ms, tagged):
+        #   0.2-0.3, 1 token: 100 T | 0.3-0.6, 3 tokens: 3 x 100 T | 0.6-1.2, 2 tokens: 2 x 300 T (overlaps [0, 1])
+        #   1.2-1.5: 300 | 1.5-1.9, 2 tokens: 2 x 200 | 1.9-2.1: 200 T (overlaps [2, 2.5])
+        _trace(0.0, [(0.2, 1), (0.3, 1), (0.6, 3), (1.2, 2), (1.5, 1), (1.9, 2), (2.1, 1)]),
+        _trace(2.0, [(2.5, 1)]),  # long: TTFT 500 ms, no gap
+        _trace(1.1, [(1.3, 2), (1.4, 1)]),  # short B: 2 tokens in its first chunk (no sample), then 100
+        # short C: 1.8-2.0 ends as [2, 2.5] starts: 200 | 2.0-2.5 inside: 500 T | 2.5-2.6 starts as it ends: 100
+        _trace(1.6, [(1.8, 1), (2.0, 1), (2.5, 1), (2.6, 1)]),
+    ]
+    return requests, traces
+
+
+def test_itl_samples_divide_a_chunks_gap_over_its_tokens():
+    requests, traces = _synthetic_run()
+    starts, ends = bench.merge_windows(bench.long_prefill_windows(requests, traces))
+    assert (starts, ends) == ([0.0, 2.0], [1.0, 2.5])
+    got = bench.itl_samples(traces[1], starts, ends)
+    assert [round(ms, 6) for ms, _ in got] == [100, 100, 100, 100, 300, 300, 300, 200, 200, 200]
+    assert [t for _, t in got] == [True] * 6 + [False] * 3 + [True]
+    assert [(round(ms, 6), t) for ms, t in bench.itl_samples(traces[3], starts, ends)] == [(100, False)]
+    assert [(round(ms, 6), t) for ms, t in bench.itl_samples(traces[4], starts, ends)] == [
+        (200, False), (500, True), (100, False)]
+    assert bench.itl_samples(traces[2]) == [] and traces[2].ttft_s == 0.5
+
+
+def test_serving_row_by_hand():
+    from lightllm.tools.client import DECODE_CLOCK, ENGINE_CLOCK
+    from lightllm.utils.server_launcher import MetricsPage
+
+    requests, traces = _synthetic_run()
+    # engine: 30 batch steps in 3 s over 600 requests, 25 of them decode steps in 2 s over 550
+    grown = MetricsPage({(name, ()): v for name, v in zip(ENGINE_CLOCK + DECODE_CLOCK, (3.0, 30, 600, 2.0, 25, 550))})
+    row = bench.serving_row("plain", requests, traces, grown)
+    approx = pytest.approx
+    assert (row["requests"], row["short_requests"], row["long_requests"]) == (5, 3, 2)
+    assert row["output_tokens"] == 21 and row["wall_s"] == approx(2.6) and row["output_tok_s"] == approx(21 / 2.6)
+    # TTFT ms: 1000, 200, 500, 200, 200
+    assert (row["ttft_ms_p50"], row["ttft_ms_p99"]) == approx((200, 980))
+    assert (row["ttft_short_ms_p50"], row["ttft_short_ms_p99"]) == approx((200, 200))
+    assert (row["ttft_long_ms_p50"], row["ttft_long_ms_p99"]) == approx((750, 995))
+    # short ITL, 14 samples: 100 x 6, 200 x 4, 300 x 3, 500 -> p50 200, p99 300 + 0.87 * 200
+    assert row["itl_short_samples"] == 14 and (row["itl_short_ms_p50"], row["itl_short_ms_p99"]) == approx((200, 474))
+    # during long prefill, 8 samples: 100 x 4, 200, 300 x 2, 500 -> p50 150, p99 300 + 0.93 * 200
+    assert row["itl_short_during_long_prefill_samples"] == 8
+    assert (row["itl_short_during_long_prefill_ms_p50"], row["itl_short_during_long_prefill_ms_p99"]) == approx(
+        (150, 486))
+    assert row["itl_short_during_long_prefill_p99_over_p50"] == approx(486 / 150)
+    # every request, 15 samples (the long one's 100 too): p50 200, p99 300 + 0.86 * 200
+    assert (row["itl_ms_p50"], row["itl_ms_p99"]) == approx((200, 472))
+    assert row["long_prefill_time_share"] == approx(1.5 / 2.6) and row["stream_token_mismatches"] == 0
+    assert row["finish_reasons"] == {"length": 5}
+    assert (row["mean_decode_batch"], row["decode_step_ms"], row["decode_steps"]) == approx((22, 80, 25))
+    assert (row["prefill_steps"], row["prefill_step_ms"], row["mean_batch"]) == approx((5, 200, 20))
+    bare = bench.serving_row("mtp", requests, traces)
+    assert bare["mean_decode_batch"] is None and bare["itl_short_ms_p50"] == row["itl_short_ms_p50"]
+    faster = dict(bare, output_tok_s=2 * row["output_tok_s"], mean_decode_batch=11.0)
+    rows = bench.add_serving_ratios([row, faster])
+    assert rows[0]["output_tok_s_vs_first"] == 1.0 and rows[1]["output_tok_s_vs_first"] == approx(2.0)
+    assert rows[1]["mean_decode_batch_vs_first"] == approx(0.5) and rows[1]["ttft_ms_p99_vs_first"] == approx(1.0)
+    lines = render_table(rows, bench.SERVING_TABLE).splitlines()
+    assert len(lines) == 4 and lines[2].startswith("plain") and "474.00" in lines[2] and "486.00" in lines[2]
+    assert json.loads(json.dumps(rows)) == rows
+    with pytest.raises(ValueError):
+        bench.serving_row("x", requests[:2], traces)
+
+
+def test_streamed_completion_chunks_are_network_reads():
+    """The SSE events of one read are one chunk (their tokens summed); an event split over reads
+    counts when it is whole; the usage event gives the counts."""
+    import asyncio
+
+    import httpx
+
+    from lightllm.tools import client as cl
+
+    def event(obj):
+        return ("data: " + json.dumps(obj) + "\n\n").encode()
+
+    def tokens(n, finish=None, **extra):
+        return event({"choices": [{"index": 0, "text": "x" * n, "finish_reason": finish,
+                                   "logprobs": {"tokens": ["x"] * n}}], **extra})
+
+    last = tokens(2, "length", mtp_accepted_token_num=3)
+    reads = [tokens(1), tokens(3) + last[:10], last[10:] + event({"choices": [], "usage": {
+        "prompt_tokens": 7, "completion_tokens": 6, "total_tokens": 13}}) + b"data: [DONE]\n\n"]
+
+    async def body():
+        for r in reads:
+            yield r
+
+    def handler(request):
+        sent = json.loads(request.content)
+        assert request.url.path == "/v1/completions" and sent["stream"] and sent["logprobs"] == 0
+        assert sent["max_tokens"] == 6 and sent["temperature"] == 0 and sent["ignore_eos"] is False
+        return httpx.Response(200, content=body())
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://x") as c:
+            return await cl._streamed(c, cl.completion_stream_body("hi", 6))
+
+    trace = asyncio.run(run())
+    assert [n for _, n in trace.chunks] == [1, 3, 2]
+    assert (trace.prompt_tokens, trace.output_tokens, trace.finish_reason, trace.mtp_accepted_token_num) == (
+        7, 6, "length", 3)
+    assert trace.sent_s <= trace.chunks[0][0] <= trace.chunks[-1][0] <= trace.done_s

@@ -133,12 +133,32 @@ class _Handler(BaseHTTPRequestHandler):
             state.in_flight -= 1
         if self.path == "/fail":
             return self._send(500, "text/plain", b"boom")
+        if self.path == "/v1/completions":  # a stream of max_tokens one-token chunks, then the usage
+            return self._completion_stream(body)
         if self.path == "/generate_stream":
             events = [{"token": {"id": 5}}, {"token": {"id": 6}},
                       {"token": None, "finished": True, "generated_text": body["inputs"] + "!", "finish_reason": "eos",
                        "details": {"prompt_tokens": 3, "mtp_accepted_token_num": 1}}]
             return self._send(200, "text/event-stream", "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode())
         return self._send(200, "application/json", json.dumps({"echo": body}).encode())
+
+    def _completion_stream(self, body):
+        n = body["max_tokens"]
+
+        def chunk(finish=None):
+            return {"choices": [{"index": 0, "text": "x", "finish_reason": finish, "logprobs": {"tokens": ["x"]}}]}
+
+        events = [chunk() for _ in range(n - 1)] + [dict(chunk("length"), mtp_accepted_token_num=n // 2)]
+        events.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
+        parts = [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-length", str(sum(map(len, parts))))
+        self.end_headers()
+        for part in parts:
+            self.wfile.write(part)
+            self.wfile.flush()
+            time.sleep(0.002)
 
     def _send(self, status, kind, data: bytes):
         self.send_response(status)
@@ -181,3 +201,16 @@ def test_send_timed_plain_and_streamed(local_server):
     [t] = timed
     assert t.streamed_tokens == 2 and t.response["generated_text"] == "a!" and 0 < t.ttft_s <= t.latency_s
     assert t.response["details"] == {"prompt_tokens": 3, "mtp_accepted_token_num": 1}
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_send_streamed_in_order_over_client_processes(local_server, procs):
+    url, state = local_server
+    bodies = [client.completion_stream_body(f"p{i:02d}", 2 + i % 3) for i in range(9)]
+    traces = client.send_streamed(url, bodies, concurrency=4, procs=procs)
+    assert [t.output_tokens for t in traces] == [2 + i % 3 for i in range(9)]  # the bodies' order
+    assert all(t.prompt_tokens == 3 and t.finish_reason == "length" for t in traces)
+    assert all(sum(n for _, n in t.chunks) == t.output_tokens for t in traces)
+    assert [t.mtp_accepted_token_num for t in traces] == [(2 + i % 3) // 2 for i in range(9)]
+    assert all(t.sent_s < t.chunks[0][0] <= t.chunks[-1][0] <= t.done_s and t.ttft_s > 0 for t in traces)
+    assert 1 <= state.most <= 4
