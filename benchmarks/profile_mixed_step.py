@@ -1,0 +1,95 @@
+"""Where a mixed step's time goes: an in-process engine (the embedded model, eagle K = 3 by default)
+serves GSM8K prompts at a fixed concurrency, so most steps mix decode rows with prompt chunks.
+Prints the wall time per mixed / decode step (CUDA synchronized around each) and the host
+profile (cProfile) of the mixed steps, and writes them as JSON.
+
+    python benchmarks/profile_mixed_step.py --gsm8k .data/test.jsonl --out mixed_profile.json
+"""
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402
+from lightllm.server.offline_engine import OfflineEngine  # noqa: E402
+from lightllm.tools.client import model_dir_or_embedded  # noqa: E402
+
+PROFILE_ROWS = 30  # functions printed
+
+
+def _timed(fn, clock, sync, profile=None):
+    def wrapper(*a, **kw):
+        sync()
+        t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        try:
+            return fn(*a, **kw)
+        finally:
+            if profile is not None:
+                profile.disable()
+            sync()
+            clock.append(time.perf_counter() - t0)
+    return wrapper
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--gsm8k", required=True)
+    p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--mtp_step", type=int, default=3)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--disable_mixed_steps", action="store_true", help="the alternating schedule, for comparison")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from lightllm.tools.prompts import chat_prompt_ids
+
+    model_dir = model_dir_or_embedded(None)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    with open(args.gsm8k) as f:
+        questions = [json.loads(line)["question"] for line in f][:args.num_prompts]
+    prompts = chat_prompt_ids(tok, questions)
+    mtp = dict(mtp_mode="eagle_with_att", mtp_step=args.mtp_step) if args.mtp_step else {}
+    start = StartArgs(running_max_req_size=args.concurrency, max_req_total_len=1024,
+                      disable_mixed_steps=args.disable_mixed_steps, **mtp)
+    eng = OfflineEngine(start, device="cuda", dtype="bfloat16")
+    sync = torch.cuda.synchronize
+    warm = [{"max_new_tokens": 8}] * min(len(prompts), args.concurrency)
+    eng.generate(prompts[:len(warm)], warm)
+    clocks = {"mixed": [], "decode": [], "prefill": []}
+    profile = cProfile.Profile()
+    b = eng.backend
+    b.mixed = _timed(b.mixed, clocks["mixed"], sync, profile)
+    b.decode = _timed(b.decode, clocks["decode"], sync)
+    b.prefill_chunks = _timed(b.prefill_chunks, clocks["prefill"], sync)
+    t0 = time.perf_counter()
+    res = eng.generate(prompts, [{"max_new_tokens": args.max_new_tokens}] * len(prompts))
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in res)
+    s = io.StringIO()
+    pstats.Stats(profile, stream=s).sort_stats("tottime").print_stats(PROFILE_ROWS)
+    summary = {k: {"steps": len(v), "ms_mean": 1000 * sum(v) / max(1, len(v))} for k, v in clocks.items()}
+    print(f"{tokens} tokens in {wall:.2f} s ({tokens / wall:.0f} tok/s); {summary}")
+    print(s.getvalue())
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "tokens": tokens, "wall_s": wall, "steps": summary,
+                       "mixed_host_profile": s.getvalue()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
