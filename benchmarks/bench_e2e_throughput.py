@@ -66,7 +66,7 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
 from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
-    DECODE_CLOCK, ENGINE_CLOCK, USAGE, StreamTrace, auto_max_req_total_len, completion_stream_body,
+    DECODE_CLOCK, ENGINE_CLOCK, MIXED_CLOCK, USAGE, StreamTrace, auto_max_req_total_len, completion_stream_body,
     free_device_memory, generate_body, model_dir_or_embedded, send_streamed, send_timed, serve, server_flags, warm_up,
     wave_server_flags)
 from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, gsm8k_path, load_gsm8k,  # noqa: E402
@@ -719,9 +719,9 @@ SERVING_DEFINITIONS = {
     "itl_short_during_long_prefill_ms": "itl_ms of the short requests whose gap overlaps a long request's "
                                         "window from its send to its first token (queued or being prefilled)",
     "long_prefill_time_share": "the union of those windows / the run's wall time",
-    "mean_decode_batch": "/metrics delta over the timed run: requests decoded / decode steps",
+    "mean_decode_batch": "/metrics delta over the timed run: requests decoded / steps that decoded (decode and mixed steps)",
     "decode_step_ms": "/metrics delta: engine seconds in decode steps / decode steps",
-    "prefill_steps": "/metrics delta: batch steps that were not decode steps",
+    "prefill_steps": "/metrics delta: batch steps that were not decode steps (mixed steps included)",
 }
 
 
@@ -843,11 +843,13 @@ def engine_clock_fields(grown: Optional[MetricsPage]) -> Dict[str, Optional[floa
     """The engine's step clock over a run from the growth of its /metrics (None: not scraped)."""
     if grown is None:
         return {k: None for k in ("mean_decode_batch", "decode_step_ms", "decode_steps", "prefill_steps",
-                                  "prefill_step_ms", "mean_batch", "engine_busy_s")}
+                                  "prefill_step_ms", "mixed_steps", "mixed_step_ms", "mean_batch", "engine_busy_s")}
     engine_s, batch_steps, batch_reqs = (grown.value(n, 0.0) for n in ENGINE_CLOCK)
     decode_s, decode_steps, decode_reqs = (grown.value(n, 0.0) for n in DECODE_CLOCK)
+    mixed_s, mixed_steps, mixed_reqs = (grown.value(n, 0.0) for n in MIXED_CLOCK)
     prefill_steps = batch_steps - decode_steps
-    return {"mean_decode_batch": ratio(decode_reqs, decode_steps),
+    return {"mean_decode_batch": ratio(decode_reqs + mixed_reqs, decode_steps + mixed_steps),
+            "mixed_steps": int(mixed_steps), "mixed_step_ms": ratio(1e3 * mixed_s, mixed_steps),
             "decode_step_ms": ratio(1e3 * decode_s, decode_steps), "decode_steps": int(decode_steps),
             "prefill_steps": int(prefill_steps),
             "prefill_step_ms": ratio(1e3 * (engine_s - decode_s), prefill_steps),

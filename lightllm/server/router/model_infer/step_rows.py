@@ -32,6 +32,7 @@ import torch
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.cuda_graph import CudaGraphSet, GraphLadder, capture_ladder
 from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, row_positions, tokens_ahead
+from lightllm.utils.host_copy import to_device
 
 # Input token of a padding row (any valid id: its outputs are never read).
 PAD_TOKEN_ID = 0
@@ -184,8 +185,7 @@ class StepRows:
         the last row of each sampled item) as indices into ``forward``'s logits."""
         if batch.size is None:  # items layout: the forward computed exactly these, in this order
             return torch.arange(batch.num_decode_rows + len(sampled_items), device=self.device)
-        rows = list(range(batch.num_decode_rows)) + [batch.last_row(i) for i in sampled_items]
-        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return to_device(list(range(batch.num_decode_rows)) + [batch.last_row(i) for i in sampled_items], self.device)
 
     # ---- forward ----
     def _inputs(self, rows: int) -> torch.Tensor:
@@ -210,7 +210,7 @@ class StepRows:
         return ModelInput(
             batch_size=len(batch.items), total_token_num=int(seq.sum()), max_len_in_batch=int(seq.max()),
             input_ids=self._inputs(batch.num_rows), mem_indexes=self.mem_indexes[:batch.num_rows],
-            b_req_idx=torch.tensor([it.req_idx for it in batch.items], dtype=torch.int32, device=dev),
+            b_req_idx=to_device([it.req_idx for it in batch.items], dev, torch.int32),
             b_seq_len=seq.to(dev), is_prefill=True, b_ready_cache_len=starts.to(dev), b_seq_len_cpu=seq,
             b_ready_cache_len_cpu=starts, logit_rows=self.logit_rows_host(batch, sampled_items).to(dev),
         )
@@ -275,8 +275,7 @@ class StepRows:
                     depths.append(d)
                     which.append(j)
         if rows:
-            self.known[torch.tensor(depths, device=dev), torch.tensor(rows, device=dev)] = \
-                first_ids[torch.tensor(which, device=dev)]
+            self.known[to_device(depths, dev), to_device(rows, dev)] = first_ids[to_device(which, dev)]
         last = [batch.last_row(i) for i in done]
         if batch.size is not None and self.graphs is not None:
             guesses = self.graphs.replay(("draft", batch.size))
@@ -286,13 +285,15 @@ class StepRows:
             need = list(range(d_rows)) + [r for i in range(len(batch.items)) if batch.items[i].tokens is not None
                                           for r in range(max(batch.last_row(i) + 1 - self.k, batch.first_row[i]),
                                                          batch.last_row(i) + 1)]
-            guesses = self._draft(mi, out, self.known[:, :batch.num_rows], torch.tensor(need, device=dev))
-        return guesses[torch.tensor(list(range(d_rows)) + last, dtype=torch.int64, device=dev)]
+            guesses = self._draft(mi, out, self.known[:, :batch.num_rows], to_device(need, dev))
+        if not last:
+            return guesses[:d_rows]
+        return torch.cat([guesses[:d_rows], guesses[to_device(last, dev)]])
 
     def propose(self, batch: RowsBatch, first_tokens) -> Optional[torch.Tensor]:
         """After ``forward`` of a prefill-only step: the K proposals [done, K] after the first tokens
         of the items in ``first_tokens`` (item -> token), in item order; None when no prompt is done."""
         done = sorted(first_tokens)
-        ids = torch.tensor([first_tokens[i] for i in done], dtype=torch.int64, device=self.device)
+        ids = to_device([first_tokens[i] for i in done], self.device)
         guesses = self.propose_after(batch, self._mi, self._out, None, done, ids)
         return guesses if done else None

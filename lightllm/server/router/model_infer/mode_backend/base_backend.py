@@ -27,6 +27,7 @@ from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, sample, token_logprobs
 from lightllm.server.router.model_infer.step_rows import RowItem, StepRows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
+from lightllm.utils.host_copy import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class ModeBackend:
             req.req_idx = -1
 
     def _to_dev(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(values, self.device, dtype)
 
     # ---- sampling ----
     def sample_rows(
@@ -298,7 +299,7 @@ class ModeBackend:
 
     def _first_tokens(self, reqs: List[InferReq], out: ModelOutput, item_ids: List[int]):
         """Sample each finished prompt's first token; returns (updates, {item: token})."""
-        sel = torch.tensor(item_ids, device=self.device)
+        sel = to_device(item_ids, self.device)
         b_req_idx = self._to_dev([r.req_idx for r in reqs], torch.int32)
         s = self.sample_rows(out.logits[sel], b_req_idx, reqs, [self._seed(r, 0) for r in reqs])
         logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
