@@ -38,6 +38,9 @@ def main():
     p.add_argument("--disable_cudagraph", action="store_true")
     p.add_argument("--enable_deterministic_inference", action="store_true")
     p.add_argument("--disable_overlap_schedule", action="store_true")
+    p.add_argument("--mtp_overlap", action="store_true",
+                   help="with MTP: launch each step before the previous one is committed (the overlap schedule, "
+                        "which the engine runs for plain decoding only), to measure it")
     p.add_argument("--model_dir", default=None)
     p.add_argument("--load_format", default="auto")
     p.add_argument("--prefill", action="store_true", help="profile one-request prefills, not decode steps")
@@ -52,6 +55,8 @@ def main():
                                   enable_deterministic_inference=a.enable_deterministic_inference,
                                   disable_overlap_schedule=a.disable_overlap_schedule, **mtp))
     router = eng.router
+    if a.mtp_overlap:
+        router.backend.overlap_schedule = True
     if a.prefill:
         return profile_prefill(router, a)
     sp = SamplingParams.from_request({"max_new_tokens": DECODE_TOKENS, "ignore_eos": True})
@@ -67,6 +72,7 @@ def main():
     graphs = "eager" if a.disable_cudagraph else "graphs"
     graphs += ", deterministic" if a.enable_deterministic_inference else ""
     graphs += ", no overlap" if a.disable_overlap_schedule else ""
+    graphs += ", MTP overlap" if a.mtp_overlap else ""
     print(f"batch {a.batch} K {a.mtp_step} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
     print_profile(lambda: router.step(), a.rows)
 
