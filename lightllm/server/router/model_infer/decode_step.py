@@ -31,6 +31,7 @@ from lightllm.models.llama.layer_infer.attention_backends import TORCH_BACKEND, 
 from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID, mtp_scatter_next_token_ids
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, token_logprobs
+from lightllm.server.router.model_infer.mtp_speculative.proposer import Proposal
 from lightllm.server.router.model_infer.mtp_speculative.utils import AsdConfig, VerifyStepRecord, verify_mtp_tokens
 
 logger = logging.getLogger(__name__)
@@ -409,7 +410,7 @@ class DecodeStep:
         rows.model_input = self.model_input(rows)
         return self.model.forward(rows.model_input)
 
-    def _propose(self, rows: DecodeRows, out: ModelOutput) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _propose(self, rows: DecodeRows, out: ModelOutput) -> Proposal:
         if self.graphs is not None and ("draft", rows.graph_size) in self.graphs:
             return self.graphs.replay(("draft", rows.graph_size))
         return self._run_draft(rows.model_input, out, rows.num_rows)
@@ -521,7 +522,8 @@ class DecodeStep:
             if self.draft.uses_accept_len:
                 self._accept_len[:n].copy_(accept_len)
                 self._accept_len[n:].fill_(1)
-            all_next, new_conf = self._propose(rows, out)
+            proposal = self._propose(rows, out)
+            all_next, new_conf = proposal.all_next, proposal.confidence
             if self.conf_width:
                 self.req_to_draft_conf[req_rows] = new_conf[:n]
             scatter = mtp_scatter_next_token_ids if next_ids.is_cuda else mtp_scatter_next_token_ids_torch

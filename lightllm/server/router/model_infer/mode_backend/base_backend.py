@@ -7,7 +7,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -25,6 +25,7 @@ from lightllm.server.router.model_infer.decode_step import (
 )
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, sample, token_logprobs
+from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds
 from lightllm.server.router.model_infer.step_rows import RowItem, StepRows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 from lightllm.utils.host_copy import to_device
@@ -110,7 +111,8 @@ class ModeBackend:
         # This rank's place among tensor / data parallel ranks (docs/parallel.md).
         self.parallel = parallel if parallel is not None else single_rank_context(device)
         self.mtp_step = args.mtp_step if args.mtp_mode else 0
-        draft_kv_layers, extra_positions = draft_cache_needs(args)
+        needs = draft_cache_needs(args)
+        draft_kv_layers, extra_positions = needs.kv_layers, needs.extra_positions
         kvargs = ModelKvArgs(
             model_dir=args.resolved_model_dir,
             # every rank schedules with the same pool size (each sized its own from free memory)
@@ -289,7 +291,7 @@ class ModeBackend:
         else:
             proposed = self.draft.propose_after_prefill(reqs, model_input, out, b_ready, first_tokens)
             if proposed is not None:
-                self._write_prefill_drafts(*proposed)
+                self._write_prefill_drafts(proposed.req_idx, proposed.drafts, proposed.confidence)
         return updates
 
     def _write_prefill_drafts(self, req_idx: torch.Tensor, drafts: torch.Tensor, conf: Optional[torch.Tensor]) -> None:
@@ -430,15 +432,13 @@ class ModeBackend:
         """Forget a step still in flight without committing it (the pools are reset after a failure)."""
 
 
-def draft_cache_needs(args: StartArgs) -> Tuple[Optional[int], int]:
-    """(KV buffers of the draft or None for one per depth, extra request-table positions):
-    a dspark draft has one buffer per draft layer and writes its block past the anchor."""
-    if args.mtp_mode != "dspark":
-        return None, 0
-    from lightllm.models.dspark.config import DSparkConfig
+def draft_cache_needs(args: StartArgs) -> DraftKvNeeds:
+    """What the draft adds to the KV pool and the request table, as its proposer reports it."""
+    if not args.mtp_mode:
+        return DraftKvNeeds(kv_layers=None, extra_positions=0)
+    from lightllm.server.router.model_infer.mtp_speculative.draft import proposer_class
 
-    cfg = DSparkConfig.load(args.mtp_draft_model_dir[0])
-    return cfg.num_hidden_layers, cfg.block_size
+    return proposer_class(args.mtp_mode).kv_needs(args.mtp_draft_model_dir, args.mtp_step)
 
 
 def graph_capable(args: StartArgs, parallel: ParallelContext) -> bool:

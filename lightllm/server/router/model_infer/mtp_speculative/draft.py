@@ -1,17 +1,17 @@
 """Draft proposals: the K draft depths after prefill and after each verify step.
 
 A proposer returns proposals; the decode step (``DecodeStep``) owns the tables they go to.
-Every proposer has the same two calls (``make_draft_proposer`` picks one per --mtp_mode):
+Every proposer has the calls of ``proposer.Proposer`` (``make_draft_proposer`` picks one per --mtp_mode):
 
-    propose(model_input, out, first_tokens, accept_len) -> (all_next [rows, K+1], conf)
-    propose_after_prefill(reqs, model_input, out, chunk_starts, first_tokens)
-        -> None or (req_idx [done], drafts [done, K], conf)
+    propose(model_input, out, first_tokens, accept_len) -> Proposal (all_next [rows, K+1], confidence)
+    propose_after_prefill(reqs, model_input, out, chunk_starts, first_tokens) -> None or PrefillProposal
+    kv_needs(draft_dirs, mtp_step) -> DraftKvNeeds (before any model loads)
 
 A proposer with ``drafts_prefill_rows`` also drafts a short prefill run as decode rows
 (``propose_rows``, see prefill_rows.py); the others draft every prefill with
 ``propose_after_prefill``.
 
-``conf`` is None or the proposals' confidences, one row per request: [requests, K] fp32.
+A confidence is None or the proposals' confidences, one row per request: [requests, K] fp32.
 """
 import itertools
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -20,6 +20,7 @@ import torch
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.models.llama_mtp.model import LlamaMTPDraftModel
+from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds, PrefillProposal, Proposal
 
 UNKNOWN_TOKEN = -1  # prefill: the next token of this position is not known yet
 
@@ -59,19 +60,24 @@ class DraftProposer:
         self.model = draft_model
         self.mtp_step = draft_model.mtp_step
 
+    @staticmethod
+    def kv_needs(draft_dirs: Sequence[str], mtp_step: int) -> DraftKvNeeds:
+        """One KV buffer per depth (with attention; none without), nothing past a request's end."""
+        return DraftKvNeeds(kv_layers=None, extra_positions=0)
+
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.argmax(self.model.target.compute_logits(hidden), dim=-1)
 
     @torch.no_grad()
     def propose(
         self, model_input: ModelInput, out: ModelOutput, first_tokens: torch.Tensor, accept_len: torch.Tensor
-    ) -> Tuple[torch.Tensor, None]:
+    ) -> Proposal:
         """The K draft depths over every decode row (no host sync, CUDA-graph safe).
 
         out: the target's rows (``LlamaMTPDraftModel.target_features`` reads them); first_tokens: [rows] int64, each
         row's verified token (padding rows: any valid id); accept_len: unused (every row drafts).
-        Returns [rows, K+1]: the verified token, then the K greedy proposals after it; the caller
-        keeps each request's last committed row."""
+        Returns all_next [rows, K+1]: the verified token, then the K greedy proposals after it; the
+        caller keeps each request's last committed row."""
         k = self.mtp_step
         hidden = self.model.target_features(out)
         all_next = torch.empty((hidden.shape[0], k + 1), dtype=torch.int64, device=hidden.device)
@@ -81,7 +87,7 @@ class DraftProposer:
             hidden = self.model.forward_depth(depth, model_input, hidden, tok)
             tok = self._greedy(hidden)
             all_next[:, depth + 1] = tok
-        return all_next, None
+        return Proposal(all_next)
 
     @torch.no_grad()
     def propose_rows(self, model_input: ModelInput, out: ModelOutput, known: torch.Tensor,
@@ -108,7 +114,7 @@ class DraftProposer:
     def propose_after_prefill(
         self, reqs, model_input: ModelInput, out: ModelOutput, chunk_starts: List[int],
         first_tokens: Dict[int, int],
-    ) -> Optional[Tuple[torch.Tensor, torch.Tensor, None]]:
+    ) -> Optional[PrefillProposal]:
         """Write draft KV for every prefilled position. For requests whose prompt is done
         (``first_tokens``: item -> token) returns their req_idx [done], K proposals after the
         first generated token [done, K] and no confidences; None when no prompt is done."""
@@ -129,14 +135,22 @@ class DraftProposer:
             return None
         last = torch.tensor([last_rows[i] - 1 for i in done], device=dev)
         req_idx = torch.tensor([reqs[i].req_idx for i in done], device=dev)
-        return req_idx, guesses[last], None  # [done, K]
+        return PrefillProposal(req_idx, guesses[last])  # [done, K]
 
-def make_draft_proposer(mtp_mode: str, draft_dirs: List[str], mtp_step: int, target, max_reqs: int):
-    """The one registry of draft modes: dspark drafts a block, the MTP modes draft depth by depth.
-    ``max_reqs``: most requests one decode step holds, padding included."""
+def proposer_class(mtp_mode: str):
+    """The one registry of draft modes: dspark drafts a block, the MTP modes draft depth by depth."""
     if mtp_mode == "dspark":
-        from lightllm.models.dspark.model import DSparkDraftModel
         from lightllm.server.router.model_infer.mtp_speculative.dspark import DSparkProposer
 
-        return DSparkProposer(DSparkDraftModel(draft_dirs[0], mtp_step, target, max_reqs))
+        return DSparkProposer
+    return DraftProposer
+
+
+def make_draft_proposer(mtp_mode: str, draft_dirs: List[str], mtp_step: int, target, max_reqs: int):
+    """The proposer of ``mtp_mode`` over ``target``. ``max_reqs``: most requests one decode step holds,
+    padding included."""
+    if mtp_mode == "dspark":
+        from lightllm.models.dspark.model import DSparkDraftModel
+
+        return proposer_class(mtp_mode)(DSparkDraftModel(draft_dirs[0], mtp_step, target, max_reqs))
     return DraftProposer(LlamaMTPDraftModel(draft_dirs, mtp_mode, mtp_step, target))

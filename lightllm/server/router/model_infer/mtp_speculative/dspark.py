@@ -3,12 +3,13 @@
 Same calls as ``DraftProposer`` (see draft.py). After every target forward (prefill chunk or
 decode rows) the context K/V of all its tokens is written; a rejected row's context is
 overwritten when its slot is reused, and no block ever reads past its anchor."""
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.models.dspark.model import DSparkDraftModel
+from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds, PrefillProposal, Proposal
 
 
 class DSparkProposer:
@@ -24,10 +25,18 @@ class DSparkProposer:
         # first decode row of every request (the layout of DecodeStep: K+1 rows per request)
         self._req_start = torch.arange(0, draft_model.max_block_reqs * k1, k1, dtype=torch.int64, device=dev)
 
+    @staticmethod
+    def kv_needs(draft_dirs: Sequence[str], mtp_step: int) -> DraftKvNeeds:
+        """One KV buffer per draft layer; its block is written past the anchor."""
+        from lightllm.models.dspark.config import DSparkConfig
+
+        cfg = DSparkConfig.load(draft_dirs[0])
+        return DraftKvNeeds(kv_layers=cfg.num_hidden_layers, extra_positions=cfg.block_size)
+
     @torch.no_grad()
     def propose(
         self, model_input: ModelInput, out: ModelOutput, first_tokens: torch.Tensor, accept_len: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> Proposal:
         """Decode: rows are K+1 per request (padding requests included, their accept_len 1).
         The anchor of request r is the token its last accepted row verified, at position
         kv_len + accept_len. Returns all_next [rows, K+1] (every row of a request holds its
@@ -46,12 +55,12 @@ class DSparkProposer:
         all_next = torch.empty((rows, k1), dtype=torch.int64, device=first_tokens.device)
         all_next[:, 0] = first_tokens
         all_next[:, 1:] = toks.repeat_interleave(k1, dim=0)
-        return all_next, conf
+        return Proposal(all_next, conf)
 
     @torch.no_grad()
     def propose_after_prefill(
         self, reqs, model_input: ModelInput, out: ModelOutput, chunk_starts: List[int], first_tokens: Dict[int, int],
-    ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    ) -> Optional[PrefillProposal]:
         """Write the context of every prefilled position; for requests whose prompt is done
         (``first_tokens``: item -> token) draft a block anchored at the first generated token."""
         self.model.fill_context(model_input, out.aux_hidden_states)
@@ -66,4 +75,4 @@ class DSparkProposer:
             torch.tensor([first_tokens[i] for i in done], dtype=torch.int64, device=dev),
             max(anchor_pos) + self.model.block_size,
         )
-        return req_idx, toks, conf
+        return PrefillProposal(req_idx, toks, conf)

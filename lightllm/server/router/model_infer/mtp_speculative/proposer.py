@@ -1,0 +1,52 @@
+"""The proposer interface: what a draft gives the decode flow, and what it needs of the KV pool.
+
+``make_draft_proposer`` (draft.py) picks one per --mtp_mode; the decode step (``DecodeStep``)
+and the backend own every table the proposals go to.
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Protocol, Sequence
+
+import torch
+
+from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
+
+
+@dataclass(frozen=True)
+class DraftKvNeeds:
+    """What a draft adds to the KV pool and the request table (sized before any model loads)."""
+
+    kv_layers: Optional[int]  # KV buffers beside the target's; None: one per MTP depth
+    extra_positions: int  # request-table positions past the longest request (a block written past its anchor)
+
+
+@dataclass
+class Proposal:
+    """Proposals after a decode step's verification."""
+
+    all_next: torch.Tensor  # [rows, K + 1] int64: each row's verified token, then the K proposals after it
+    confidence: Optional[torch.Tensor] = None  # [requests, K] fp32, drafts that report them
+
+
+@dataclass
+class PrefillProposal:
+    """The first K proposals of the prompts a prefill step finished."""
+
+    req_idx: torch.Tensor  # [done] int64
+    drafts: torch.Tensor  # [done, K] int64
+    confidence: Optional[torch.Tensor] = None  # [done, K] fp32
+
+
+class Proposer(Protocol):
+    mtp_step: int
+    has_confidence: bool  # proposals come with confidences
+    uses_accept_len: bool  # propose() reads each request's accept length
+    drafts_prefill_rows: bool  # propose_rows: a prefill's (and a mixed step's) draft pass over rows
+
+    @staticmethod
+    def kv_needs(draft_dirs: Sequence[str], mtp_step: int) -> DraftKvNeeds: ...
+
+    def propose(self, model_input: ModelInput, out: ModelOutput, first_tokens: torch.Tensor,
+                accept_len: torch.Tensor) -> Proposal: ...
+
+    def propose_after_prefill(self, reqs: list, model_input: ModelInput, out: ModelOutput, chunk_starts: List[int],
+                              first_tokens: Dict[int, int]) -> Optional[PrefillProposal]: ...
