@@ -582,10 +582,10 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             response.headers.update(CLOSE_CONNECTION)
         return response
 
-    async def _final(prompt_ids, params, request: Request) -> ReqResult:
+    async def _final(prompt_ids, params, request: Request, arrival: float) -> ReqResult:
         """Run a non-streaming request to its end (ClientDisconnected when its client hangs up)."""
         final = None
-        async for res in manager.generate(prompt_ids, params, request.is_disconnected):
+        async for res in manager.generate(prompt_ids, params, request.is_disconnected, arrival):
             final = res
         return final
 
@@ -625,8 +625,9 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
     @app.post("/generate")
     async def generate(request: Request):
+        arrival = time.monotonic()  # receipt: the serving latencies start here (RequestClock)
         prompt_ids, params = await _lightllm_request(await _json_body(request), streaming=False)
-        res = await _final(prompt_ids, params, request)
+        res = await _final(prompt_ids, params, request, arrival)
         _record(request, res.prompt_tokens, len(res.token_ids))
         if res.finish_reason == "error":
             return _error(500, None, _worker_failed_message(res))
@@ -643,12 +644,13 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
     @app.post("/generate_stream")
     async def generate_stream(request: Request):
+        arrival = time.monotonic()
         prompt_ids, params = await _lightllm_request(await _json_body(request), streaming=True)
 
         async def events():
             sent = 0  # token events sent
             try:
-                async for res in manager.generate(prompt_ids, params):
+                async for res in manager.generate(prompt_ids, params, arrival=arrival):
                     done = res.finish_reason is not None
                     _record(request, res.prompt_tokens, len(res.token_ids))
                     if res.finish_reason == "error":
@@ -707,11 +709,12 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         return {"tokens": tokens, "token_logprobs": [_finite(x) for x in res.logprobs[lo:hi]],
                 "top_logprobs": [None] * len(tokens), "text_offset": offsets}
 
-    async def _results(prompt_ids, choice_params: List[SamplingParams], request: Request) -> List[ReqResult]:
+    async def _results(prompt_ids, choice_params: List[SamplingParams], request: Request,
+                       arrival: float) -> List[ReqResult]:
         """Every choice run to its end, together (ClientDisconnected when the client hangs up:
         the other choices are aborted too)."""
         if len(choice_params) == 1:
-            return [await _final(prompt_ids, choice_params[0], request)]
+            return [await _final(prompt_ids, choice_params[0], request, arrival)]
         gone = False
         lock = asyncio.Lock()
 
@@ -723,7 +726,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
         async def final(p: SamplingParams) -> ReqResult:
             res = None
-            async for res in manager.generate(prompt_ids, p, is_disconnected):
+            async for res in manager.generate(prompt_ids, p, is_disconnected, arrival):
                 pass
             return res
 
@@ -735,18 +738,19 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # their aborts are sent
 
-    async def _updates(prompt_ids, choice_params: List[SamplingParams]) -> AsyncIterator[Tuple[int, ReqResult]]:
+    async def _updates(prompt_ids, choice_params: List[SamplingParams],
+                       arrival: float) -> AsyncIterator[Tuple[int, ReqResult]]:
         """(choice index, its result so far) as the choices' updates arrive; each choice's last
         one has finish_reason set and none of it comes after. Leaving early aborts them all."""
         if len(choice_params) == 1:
-            async for res in manager.generate(prompt_ids, choice_params[0]):
+            async for res in manager.generate(prompt_ids, choice_params[0], arrival=arrival):
                 yield 0, res
             return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, p: SamplingParams) -> None:
             try:
-                async for res in manager.generate(prompt_ids, p):
+                async for res in manager.generate(prompt_ids, p, arrival=arrival):
                     q.put_nowait((i, res, None))
             except Unavailable as e:
                 q.put_nowait((i, None, e))
@@ -768,6 +772,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                 t.cancel()
 
     async def _openai(request: Request, chat: bool):
+        arrival = time.monotonic()
         body = await _json_body(request)
         prompt_field = "messages" if chat else "prompt"
         try:  # everything cheap first, then tokenize
@@ -809,7 +814,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             return _chat_logprobs(res, lo, hi) if chat else _completion_logprobs(res, lo, hi, offset)
 
         if not stream:
-            results = await _results(prompt_ids, choice_params, request)
+            results = await _results(prompt_ids, choice_params, request, arrival)
             _record(request, len(prompt_ids), sum(len(r.token_ids) for r in results))
             failed = next((r for r in results if r.finish_reason == "error"), None)
             if failed is not None:
@@ -826,7 +831,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             text_offset = [0] * n  # completions: text_offset of the next token
             final: List[Optional[ReqResult]] = [None] * n
             try:
-                async with aclosing(_updates(prompt_ids, choice_params)) as updates:
+                async with aclosing(_updates(prompt_ids, choice_params, arrival)) as updates:
                     async for i, res in updates:
                         done = res.finish_reason is not None
                         if res.finish_reason == "error":

@@ -268,12 +268,20 @@ def _signals_ignored(signals: Sequence[int]):
     return signal_handlers(signals, signal.SIG_IGN)
 
 
+def _router_worker(*args) -> None:
+    """The rank processes' entry: ``router_worker_main``, imported in the child only, so the
+    process that starts the workers (the HTTP server) never imports the engine."""
+    from lightllm.server.router.manager import router_worker_main
+
+    router_worker_main(*args)
+
+
 def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[str] = None):
     """Start this node's ranks (``--tp / --nnodes`` processes, each a router + model worker).
 
     Returns (workers, in_q, out_q, ready_info). On node 0 rank 0 owns the queues and this
     waits for its WorkerReady; on other nodes the queues and ready_info are None."""
-    from lightllm.server.router.manager import WorkerError, router_worker_main
+    from lightllm.server.core.objs.messages import WorkerError
     from lightllm.utils.dist_utils import local_ranks
 
     d, t = resolve_device_and_dtype(args)
@@ -297,7 +305,7 @@ def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[
     with _signals_ignored(WORKER_IGNORED_SIGNALS):
         for rank in ranks:
             queues = (in_q, out_q) if rank == 0 else (None, None)
-            proc = ctx.Process(target=router_worker_main, args=(args, device, dtype, *queues, rank), daemon=True)
+            proc = ctx.Process(target=_router_worker, args=(args, device, dtype, *queues, rank), daemon=True)
             proc.start()
             procs.append(proc)
     workers = WorkerProcesses(procs)

@@ -12,6 +12,15 @@ THROUGHPUT_LOG_INTERVAL_S = 5.0
 # accept_len of one request in one verify step is 1..MTP_TABLE_WIDTH (drafts + 1)
 ACCEPT_LEN_BUCKETS = tuple(range(1, MTP_TABLE_WIDTH + 1))
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# The serving latency histograms take vLLM's buckets (vllm/v1/metrics/loggers.py), with finer
+# ones where an H200 lands below vLLM's smallest (a decode step of a few ms; an idle queue).
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+QUEUE_TIME_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2) + REQUEST_LATENCY_BUCKETS_S
 # Label of the decode clock by batch size: the CUDA graph ladder size the step's decoded requests
 # pad to (their exact count on CPU, or above the ladder), so at most the ladder's sizes or
 # --running_max_req_size values.
@@ -37,11 +46,32 @@ class ServerMetrics:
         )
         self.asd_relaxed = Counter("lightllm_asd_relaxed_tokens", "Draft tokens committed by ASD despite a mismatch", registry=r)
         self.asd_regret = Counter("lightllm_asd_regret_spent", "ASD regret spent by finished requests", registry=r)
-        self.request_latency = Histogram(
-            "lightllm_request_duration_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS_S, registry=r
-        )
+        # Serving latencies of each request (RequestClock feeds them; README "HTTP API" says what each measures)
         self.ttft = Histogram(
-            "lightllm_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS_S, registry=r
+            "lightllm_time_to_first_token_seconds",
+            "Time from the request's receipt by the HTTP server to its first output token arriving from the router",
+            buckets=TTFT_BUCKETS_S, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "lightllm_inter_token_latency_seconds",
+            "Router time between two consecutive output-token updates of one request (one observation per "
+            "update: an MTP step's several tokens count once, as vLLM counts a step)",
+            buckets=INTER_TOKEN_LATENCY_BUCKETS_S, registry=r
+        )
+        self.queue_time = Histogram(
+            "lightllm_request_queue_time_seconds",
+            "Time from the router receiving a request to its admission into the running batch",
+            buckets=QUEUE_TIME_BUCKETS_S, registry=r
+        )
+        self.e2e_latency = Histogram(
+            "lightllm_e2e_request_latency_seconds",
+            "Time from the request's receipt by the HTTP server to its last output (finished requests)",
+            buckets=REQUEST_LATENCY_BUCKETS_S, registry=r
+        )
+        self.request_latency = Histogram(
+            "lightllm_request_duration_seconds",
+            "End-to-end request latency (the same observations as lightllm_e2e_request_latency_seconds, "
+            "in coarser buckets; kept for existing dashboards)", buckets=LATENCY_BUCKETS_S, registry=r
         )
         self.kv_used_tokens = Gauge("lightllm_kv_used_tokens", "KV cache slots in use", registry=r)
         self.running_reqs = Gauge("lightllm_running_requests", "Requests being served", registry=r)
@@ -125,6 +155,51 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestClock:
+    """The serving latencies of one request, measured as vLLM v1 measures them (its
+    ``IterationStats``), each against one clock only:
+
+    - time to first token: HTTP receipt (``arrival``) to the HTTP process reading the update with
+      the first token off the worker queue, both on the HTTP process's ``time.monotonic()``;
+    - inter-token latency: between two consecutive updates of the request that carry tokens, the
+      router's send timestamps (``WorkerStats.sent_at``, the router's clock; vLLM: the engine
+      core's timestamp of the outputs). One observation per update, however many tokens it
+      carries: an MTP step that commits 3 tokens is one gap, as vLLM observes one gap per
+      iteration of a speculative step. Without MTP that is one per output token after the first
+      (count = generation tokens - requests); with MTP, (generation tokens - requests) / count is
+      the mean tokens a decode step gave one request;
+    - queue time: the router's own measure (``ReqStepUpdate.queue_time_s``), once per request;
+    - end to end: HTTP receipt to the finished result (``finished``), on the HTTP clock.
+    """
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self._queued = False  # queue time observed
+        self._last_sent_at: Optional[float] = None  # router timestamp of the last update with tokens
+
+    def on_update(self, u, sent_at: float, received: float) -> None:
+        """One of the request's updates: sent by the router at ``sent_at`` (its clock), read by the
+        HTTP process at ``received`` (this clock)."""
+        if u.queue_time_s is not None and not self._queued:
+            self._queued = True
+            self.metrics.queue_time.observe(max(u.queue_time_s, 0.0))
+        if not u.token_ids:
+            return
+        if self._last_sent_at is None:
+            self.metrics.ttft.observe(max(received - self.arrival, 0.0))
+        else:
+            self.metrics.inter_token_latency.observe(max(sent_at - self._last_sent_at, 0.0))
+        self._last_sent_at = sent_at
+
+    def finished(self, now: float) -> float:
+        """The request finished (any finish reason) at ``now`` (this clock); returns its latency."""
+        latency = max(now - self.arrival, 0.0)
+        self.metrics.e2e_latency.observe(latency)
+        self.metrics.request_latency.observe(latency)
+        return latency
 
 
 class ThroughputLog:

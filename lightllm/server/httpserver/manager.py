@@ -14,10 +14,10 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
+from lightllm.server.core.objs.messages import AbortReq, AddReq
 from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError
 from lightllm.server.httpserver.detokenize import REPLACEMENT_CHAR, DetokenizerVocab, IncrementalDetokenizer
-from lightllm.server.metrics import ServerMetrics, ThroughputLog
-from lightllm.server.router.manager import AbortReq, AddReq
+from lightllm.server.metrics import RequestClock, ServerMetrics, ThroughputLog
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,7 @@ class HttpServerManager:
                                                                             mtp=args.mtp_mode is not None)
         self._ids = itertools.count(1)
         self._streams: Dict[int, asyncio.Queue] = {}
+        self._clocks: Dict[int, RequestClock] = {}  # the serving latencies of the requests in flight
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._reader: Optional[threading.Thread] = None
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
@@ -197,15 +198,20 @@ class HttpServerManager:
             msg = self.out_q.get()
             if msg is None:
                 return
-            self._loop.call_soon_threadsafe(self._dispatch, *msg)
+            # when the tokens reached this process (time to first token), not when the loop gets to them
+            self._loop.call_soon_threadsafe(self._dispatch, *msg, time.monotonic())
 
-    def _dispatch(self, updates, stats) -> None:
+    def _dispatch(self, updates, stats, received: Optional[float] = None) -> None:
+        received = time.monotonic() if received is None else received
         self.metrics.observe_worker(stats)
         if self.throughput is not None:
             self.throughput.observe(updates, stats)
         for u in updates:
             if u.accept_len:
                 self.metrics.observe_step(u.accept_len, u.draft_confidence)
+            clock = self._clocks.get(u.req_id)
+            if clock is not None:
+                clock.on_update(u, stats.sent_at, received)
             q = self._streams.get(u.req_id)
             if q is not None:
                 q.put_nowait(u)
@@ -335,12 +341,16 @@ class HttpServerManager:
         stops = [self.tokenizer.encode(s, add_special_tokens=False) for s in params.stop_sequences]
         return replace(params, stop_token_ids=stops)
 
-    async def generate(self, prompt_ids: List[int], params: SamplingParams, is_disconnected=None) -> AsyncIterator[ReqResult]:
+    async def generate(self, prompt_ids: List[int], params: SamplingParams, is_disconnected=None,
+                       arrival: Optional[float] = None) -> AsyncIterator[ReqResult]:
         """Yield the growing result after each worker update; the last one has finish_reason set.
 
         ``is_disconnected`` (an async callable) is polled every DISCONNECT_POLL_S, also while
         tokens flow: when it says so the request is aborted and ClientDisconnected raised.
-        Streams pass None: Starlette cancels their generator when the client goes."""
+        Streams pass None: Starlette cancels their generator when the client goes.
+        ``arrival``: the ``time.monotonic()`` the HTTP server received the request (before its body
+        was read and tokenized), where its time to first token and end-to-end latency start; now
+        when None."""
         if not self.worker_alive():
             raise self._worker_died()
         if self._refusing:
@@ -348,10 +358,9 @@ class HttpServerManager:
         req_id = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = q
+        self._clocks[req_id] = clock = RequestClock(self.metrics, time.monotonic() if arrival is None else arrival)
         res = ReqResult(prompt_tokens=len(prompt_ids))
         detok = IncrementalDetokenizer(self.detokenizer_vocab)
-        start = time.time()
-        first = True
         finished = False
         budget = params.asd_budget(self.args.mtp_asd_regret_budget)
         self.in_q.put(AddReq(req_id, prompt_ids, self._worker_params(params), self.eos_token_ids, budget))
@@ -378,9 +387,6 @@ class HttpServerManager:
                         raise self._worker_died()
                     if u is None:
                         continue
-                if first and u.token_ids:
-                    self.metrics.ttft.observe(time.time() - start)
-                    first = False
                 res.token_ids.extend(u.token_ids)
                 res.logprobs.extend(u.logprobs)
                 u.copy_totals_to(res)
@@ -389,7 +395,8 @@ class HttpServerManager:
                     finished = True
                     if u.finish_reason is None:  # a stop string the worker could not see in ids
                         self.in_q.put(AbortReq(req_id))
-                    self._record_finished(res, time.time() - start)
+                    clock.finished(time.monotonic())
+                    self._record_finished(res)
                     yield res
                     return
                 yield res
@@ -405,6 +412,7 @@ class HttpServerManager:
             raise
         finally:
             self._streams.pop(req_id, None)
+            self._clocks.pop(req_id, None)
 
     def _decode(self, token_ids: List[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -457,7 +465,7 @@ class HttpServerManager:
                 hi = mid - 1
         return lo
 
-    def _record_finished(self, res: ReqResult, latency: float) -> None:
+    def _record_finished(self, res: ReqResult) -> None:
         m = self.metrics
         m.requests.labels(finish_reason=res.finish_reason).inc()
         m.prompt_tokens.inc(res.prompt_tokens)
@@ -465,7 +473,6 @@ class HttpServerManager:
         m.mtp_accepted.inc(res.mtp_accepted_token_num)
         m.asd_relaxed.inc(res.asd_relaxed_token_num)
         m.asd_regret.inc(res.asd_regret_spent)
-        m.request_latency.observe(latency)
 
     def shutdown(self) -> None:
         """Tell the worker to exit and stop reading its queue (once; the worker may be gone)."""

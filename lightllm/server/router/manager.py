@@ -18,14 +18,17 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional
 
-from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.common.req_manager import ReqParamsError
-from lightllm.server.core.objs.sampling_params import SamplingParams
+# the messages to and from the HTTP process (re-exported here for older imports)
+from lightllm.server.core.objs.messages import (  # noqa: F401
+    AbortReq, AddReq, BatchClock, ReqStepUpdate, StepTiming, WorkerError, WorkerReady, WorkerStats,
+    decode_batch_bucket,
+)
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
-from lightllm.server.router.model_infer.mode_backend.base_backend import ReqStepUpdate, StepResult
+from lightllm.server.router.model_infer.mode_backend.base_backend import StepResult
 from lightllm.server.router.req_queue import ReqQueue
 from lightllm.utils.dist_utils import NUM_OVERLAP_MICROBATCHES, ParallelContext, init_parallel, single_rank_context
 
@@ -39,101 +42,6 @@ PARENT_CHECK_INTERVAL_S = 0.5  # how often a worker process checks that its pare
 GAUGE_REFRESH_S = 0.25  # how often the driver re-sends its gauges while a step runs (when they changed)
 PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal this process gets when its parent dies
 ORPHAN_EXIT_CODE = 1  # exit status of a worker whose parent (the API server) died
-
-
-@dataclass
-class AddReq:
-    req_id: int
-    prompt_ids: List[int]
-    params: SamplingParams
-    eos_token_ids: List[int]
-    asd_budget: float
-
-
-@dataclass
-class AbortReq:
-    req_id: int
-
-
-@dataclass
-class WorkerReady:
-    vocab_size: int
-    max_total_token_num: int
-    device: str
-    data_type: str
-
-
-@dataclass
-class BatchClock:
-    """Decode steps of one decode batch size."""
-
-    seconds: float = 0.0
-    steps: int = 0
-    reqs: int = 0  # decoded requests summed over those steps
-
-
-def decode_batch_bucket(decoded_reqs: int, ladder: Optional[GraphLadder]) -> int:
-    """The decode batch size a step is filed under: the CUDA graph ladder size its requests pad
-    to, or their exact count (no ladder: CPU; or more requests than the ladder's largest size)."""
-    size = ladder.bucket_size(decoded_reqs) if ladder is not None else None
-    return decoded_reqs if size is None else size
-
-
-@dataclass
-class StepTiming:
-    """Batch steps the driver ran since its last report: the engine's own clock."""
-
-    seconds: float = 0.0  # wall time inside steps (admission, forward, verify, draft)
-    steps: int = 0
-    batch_reqs: int = 0  # sum over those steps of the running requests
-    # the same for decode steps only (prefill steps alternate with them while prompts arrive)
-    decode_seconds: float = 0.0
-    decode_steps: int = 0
-    decode_batch_reqs: int = 0
-    # decode steps by decode batch size (decode_batch_bucket of the requests they decoded)
-    decode_by_batch: Dict[int, BatchClock] = field(default_factory=dict)
-    # mixed steps: decode rows and prompt chunks in one forward (decoded requests summed)
-    mixed_seconds: float = 0.0
-    mixed_steps: int = 0
-    mixed_decode_reqs: int = 0
-
-    def add(self, seconds: float, batch_reqs: int, decode: bool, decoded_reqs: int = 0,
-            ladder: Optional[GraphLadder] = None, steps: int = 1) -> None:
-        """One step; a decode step that decoded ``decoded_reqs`` requests is also filed by batch size,
-        a step that prefilled beside decoding is a mixed step.
-        ``steps`` 0: a call that only finished a step launched by an earlier one (overlap): its
-        time belongs to that step, which was already counted."""
-        self.seconds += seconds
-        self.steps += steps
-        self.batch_reqs += batch_reqs * steps
-        if decode:
-            self.decode_seconds += seconds
-            self.decode_steps += steps
-            self.decode_batch_reqs += batch_reqs * steps
-            if decoded_reqs:
-                clock = self.decode_by_batch.setdefault(decode_batch_bucket(decoded_reqs, ladder), BatchClock())
-                clock.seconds += seconds
-                clock.steps += steps
-                clock.reqs += decoded_reqs * steps
-        elif decoded_reqs:
-            self.mixed_seconds += seconds
-            self.mixed_steps += steps
-            self.mixed_decode_reqs += decoded_reqs * steps
-
-
-@dataclass
-class WorkerStats:
-    """Sent with every batch of updates: the worker's load."""
-
-    kv_used_tokens: int
-    running_reqs: int
-    waiting_reqs: int
-    timing: StepTiming
-
-
-@dataclass
-class WorkerError:
-    message: str
 
 
 @dataclass(frozen=True)
@@ -307,6 +215,7 @@ class RouterManager:
                 self._finish(req)
                 failed.append(self._fail(req, f"the worker cannot serve this request: {type(e).__name__}: {e}"))
                 continue
+            req.queue_time_s = time.monotonic() - req.queued_at
             self.running.append(req)
         return failed
 

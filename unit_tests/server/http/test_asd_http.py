@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from lightllm.utils.embedded_model import default_draft_dir_for, get_default_model_dir
-from lightllm.utils.server_launcher import launch_server
+from lightllm.utils.server_launcher import launch_server, scrape
 from unit_tests.data_paths import require_gsm8k
 
 NUM_QUESTIONS = 4
@@ -121,3 +121,20 @@ def test_metrics_export_asd_totals(servers, prompts):
     assert asd.metric("lightllm_asd_relaxed_tokens_total") > 0
     assert asd.metric("lightllm_asd_regret_spent_total") > 0
     assert asd.metric("lightllm_mtp_mean_tokens_per_step") > 1
+
+
+def test_inter_token_latency_counts_an_mtp_step_once(servers):
+    """An MTP verify step commits several tokens in one update: the inter-token latency histogram
+    observes its gap once (vLLM's semantics), so it counts the request's verify steps."""
+    strict, _ = servers
+    before = scrape(strict.url)
+    out = _gen(strict, "<|im_start|>user\nCount from one to thirty.<|im_end|>\n<|im_start|>assistant\n",
+               ignore_eos=True)
+    grown = scrape(strict.url) - before
+    tokens = out["count_output_tokens"]
+    assert tokens == MAX_NEW_TOKENS
+    steps = grown.value("lightllm_mtp_accept_len_count")
+    assert grown.value("lightllm_mtp_accept_len_sum") == tokens - 1  # the first token comes from the prefill
+    assert grown.value("lightllm_inter_token_latency_seconds_count") == steps < tokens - 1  # drafts were accepted
+    assert grown.value("lightllm_time_to_first_token_seconds_count") == 1
+    assert grown.value("lightllm_inter_token_latency_seconds_sum") > 0

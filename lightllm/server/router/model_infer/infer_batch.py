@@ -1,4 +1,5 @@
 """Request state inside the model worker."""
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -33,6 +34,10 @@ class InferReq:
     asd_relaxed_token_num: int = 0
     asd_regret_spent: float = 0.0
     decode_steps: int = 0
+    # the router's time.monotonic() when it received the request, and the seconds it then waited
+    # for admission (set by RouterManager._admit; ReqStepUpdate.queue_time_s)
+    queued_at: float = field(default_factory=time.monotonic, compare=False, repr=False)
+    queue_time_s: Optional[float] = field(default=None, compare=False)
 
     @property
     def prompt_len(self) -> int:

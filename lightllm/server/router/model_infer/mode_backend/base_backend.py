@@ -18,6 +18,7 @@ from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID
 from lightllm.common.constants import MTP_TABLE_WIDTH
 from lightllm.common.req_manager import ReqSamplingParamsManager
 from lightllm.models.registry import load_model
+from lightllm.server.core.objs.messages import ReqStepUpdate  # noqa: F401 (its home; re-exported here)
 from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.router.model_infer.decode_step import (
@@ -35,31 +36,6 @@ logger = logging.getLogger(__name__)
 # torch.Generator.manual_seed takes [-2**63, 2**64): a request's per-position seed is taken
 # modulo 2**64, which keeps every seed that fits unchanged (negative ones draw the same).
 SEED_MODULUS = 2**64
-
-
-@dataclass
-class ReqStepUpdate:
-    """What one step produced for one request (sent to the HTTP server)."""
-
-    req_id: int
-    token_ids: List[int]
-    logprobs: List[float]
-    finish_reason: Optional[str]
-    prompt_tokens: int
-    mtp_accepted_token_num: int
-    asd_relaxed_token_num: int
-    asd_regret_spent: float
-    accept_len: int = 0  # 0 for prefill steps
-    draft_confidence: Optional[List[float]] = None  # [K] confidences of the drafts verified this step
-    error: Optional[str] = None  # set with finish_reason "error": why the worker failed the request
-
-    def copy_totals_to(self, target) -> None:
-        """The request's state after this step (finish reason, error, running totals) onto ``target``."""
-        target.finish_reason = self.finish_reason
-        target.error = self.error
-        target.mtp_accepted_token_num = self.mtp_accepted_token_num
-        target.asd_relaxed_token_num = self.asd_relaxed_token_num
-        target.asd_regret_spent = self.asd_regret_spent
 
 
 @dataclass
@@ -333,6 +309,7 @@ class ModeBackend:
             accept_len=accept_len,
             draft_confidence=draft_confidence,
             error=req.error,
+            queue_time_s=req.queue_time_s,
         )
 
     def _update_penalties(self, reqs: List[InferReq], committed: List[List[int]]) -> None:

@@ -1,0 +1,154 @@
+"""The messages between the HTTP process and the router worker (through two multiprocessing
+queues), and nothing else: no torch, Triton, model or router code, so the HTTP process can
+import them without importing the engine (``unit_tests/server/test_process_boundary.py``).
+
+HTTP -> router (``in_q``): ``AddReq``, ``AbortReq``; ``None`` tells the worker to exit.
+Router -> HTTP (``out_q``): ``WorkerReady`` or ``WorkerError`` once at start-up, then
+``(List[ReqStepUpdate], WorkerStats)`` after every step (and gauge-only refreshes with no
+updates).
+
+The router re-exports them (``lightllm.server.router.manager``, ``...base_backend``), so older
+imports keep working.
+"""
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol
+
+from lightllm.server.core.objs.sampling_params import SamplingParams
+
+
+# ---- HTTP -> router ----
+@dataclass
+class AddReq:
+    req_id: int
+    prompt_ids: List[int]
+    params: SamplingParams
+    eos_token_ids: List[int]
+    asd_budget: float
+
+
+@dataclass
+class AbortReq:
+    req_id: int
+
+
+# ---- router -> HTTP: start-up ----
+@dataclass
+class WorkerReady:
+    vocab_size: int
+    max_total_token_num: int
+    device: str
+    data_type: str
+
+
+@dataclass
+class WorkerError:
+    message: str
+
+
+# ---- router -> HTTP: after every step ----
+@dataclass
+class ReqStepUpdate:
+    """What one step produced for one request (sent to the HTTP server)."""
+
+    req_id: int
+    token_ids: List[int]
+    logprobs: List[float]
+    finish_reason: Optional[str]
+    prompt_tokens: int
+    mtp_accepted_token_num: int
+    asd_relaxed_token_num: int
+    asd_regret_spent: float
+    accept_len: int = 0  # 0 for prefill steps
+    draft_confidence: Optional[List[float]] = None  # [K] confidences of the drafts verified this step
+    error: Optional[str] = None  # set with finish_reason "error": why the worker failed the request
+    # Seconds from the router receiving the request to its admission into the running batch (its
+    # first scheduled step); set on every update once admitted, None before (a request refused or
+    # failed before admission never has one). /metrics: lightllm_request_queue_time_seconds.
+    queue_time_s: Optional[float] = field(default=None, compare=False)
+
+    def copy_totals_to(self, target) -> None:
+        """The request's state after this step (finish reason, error, running totals) onto ``target``."""
+        target.finish_reason = self.finish_reason
+        target.error = self.error
+        target.mtp_accepted_token_num = self.mtp_accepted_token_num
+        target.asd_relaxed_token_num = self.asd_relaxed_token_num
+        target.asd_regret_spent = self.asd_regret_spent
+
+
+class BatchLadder(Protocol):
+    """What decode_batch_bucket needs of a CUDA graph ladder
+    (``lightllm.common.basemodel.cuda_graph.GraphLadder``)."""
+
+    def bucket_size(self, n: int) -> Optional[int]: ...
+
+
+def decode_batch_bucket(decoded_reqs: int, ladder: Optional[BatchLadder]) -> int:
+    """The decode batch size a step is filed under: the CUDA graph ladder size its requests pad
+    to, or their exact count (no ladder: CPU; or more requests than the ladder's largest size)."""
+    size = ladder.bucket_size(decoded_reqs) if ladder is not None else None
+    return decoded_reqs if size is None else size
+
+
+@dataclass
+class BatchClock:
+    """Decode steps of one decode batch size."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    reqs: int = 0  # decoded requests summed over those steps
+
+
+@dataclass
+class StepTiming:
+    """Batch steps the driver ran since its last report: the engine's own clock."""
+
+    seconds: float = 0.0  # wall time inside steps (admission, forward, verify, draft)
+    steps: int = 0
+    batch_reqs: int = 0  # sum over those steps of the running requests
+    # the same for decode steps only (prefill steps alternate with them while prompts arrive)
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_batch_reqs: int = 0
+    # decode steps by decode batch size (decode_batch_bucket of the requests they decoded)
+    decode_by_batch: Dict[int, BatchClock] = field(default_factory=dict)
+    # mixed steps: decode rows and prompt chunks in one forward (decoded requests summed)
+    mixed_seconds: float = 0.0
+    mixed_steps: int = 0
+    mixed_decode_reqs: int = 0
+
+    def add(self, seconds: float, batch_reqs: int, decode: bool, decoded_reqs: int = 0,
+            ladder: Optional[BatchLadder] = None, steps: int = 1) -> None:
+        """One step; a decode step that decoded ``decoded_reqs`` requests is also filed by batch size,
+        a step that prefilled beside decoding is a mixed step. ``steps`` 0: a call that only finished a step launched by an earlier one (overlap): its
+        time belongs to that step, which was already counted."""
+        self.seconds += seconds
+        self.steps += steps
+        self.batch_reqs += batch_reqs * steps
+        if decode:
+            self.decode_seconds += seconds
+            self.decode_steps += steps
+            self.decode_batch_reqs += batch_reqs * steps
+            if decoded_reqs:
+                clock = self.decode_by_batch.setdefault(decode_batch_bucket(decoded_reqs, ladder), BatchClock())
+                clock.seconds += seconds
+                clock.steps += steps
+                clock.reqs += decoded_reqs * steps
+        elif decoded_reqs:
+            self.mixed_seconds += seconds
+            self.mixed_steps += steps
+            self.mixed_decode_reqs += decoded_reqs * steps
+
+
+@dataclass
+class WorkerStats:
+    """Sent with every batch of updates: the worker's load."""
+
+    kv_used_tokens: int
+    running_reqs: int
+    waiting_reqs: int
+    timing: StepTiming
+    # The router's time.monotonic() when it sent the message (built right before it is put): the
+    # engine-side timestamp of the updates' tokens. Only differences of two of them are used (the
+    # inter-token latency of one request), never compared with the HTTP process's clock.
+    sent_at: float = field(default_factory=time.monotonic)
