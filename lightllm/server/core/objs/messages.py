@@ -120,8 +120,8 @@ class StepTiming:
     def add(self, seconds: float, batch_reqs: int, decode: bool, decoded_reqs: int = 0,
             ladder: Optional[BatchLadder] = None, steps: int = 1) -> None:
         """One step; a decode step that decoded ``decoded_reqs`` requests is also filed by batch size,
-        a step that prefilled beside decoding is a mixed step. ``steps`` 0: a call that only finished a step launched by an earlier one (overlap): its
-        time belongs to that step, which was already counted."""
+        a step that prefilled beside decoding is a mixed step. ``steps`` 0: a call that only finished
+        a step launched by an earlier one (overlap): its time belongs to that step, counted already."""
         self.seconds += seconds
         self.steps += steps
         self.batch_reqs += batch_reqs * steps
