@@ -63,6 +63,9 @@ class RowsBatch:
     first_row: List[int]  # per item
     num_decode_rows: int  # rows of the decode items (the first items)
     num_rows: int  # real rows
+    # the target forward's input and output (set by ``forward``; the draft pass reads them)
+    model_input: Optional[ModelInput] = None
+    output: Optional[ModelOutput] = None
 
     def last_row(self, item: int) -> int:
         return self.first_row[item] + self.items[item].n - 1
@@ -247,7 +250,7 @@ class StepRows:
         """A prefill-only step's output as the prefill forward gives it (each item's last-token
         logits, every new token's hidden states). The slot table must map every new position."""
         mi, out = self.forward_rows(batch, range(len(batch.items)))
-        self._mi, self._out = mi, out  # for propose
+        batch.model_input, batch.output = mi, out
         t = batch.num_rows
         logits = out.logits if batch.size is None else out.logits[self.logit_rows(batch, range(len(batch.items)))]
         aux = out.aux_hidden_states
@@ -295,5 +298,5 @@ class StepRows:
         of the items in ``first_tokens`` (item -> token), in item order; None when no prompt is done."""
         done = sorted(first_tokens)
         ids = to_device([first_tokens[i] for i in done], self.device)
-        guesses = self.propose_after(batch, self._mi, self._out, None, done, ids)
+        guesses = self.propose_after(batch, batch.model_input, batch.output, None, done, ids)
         return guesses if done else None
