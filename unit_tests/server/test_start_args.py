@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightllm.server.api_start import StartArgsError, validate_start_args
-from lightllm.server.core.objs.start_args_type import StartArgs
+from lightllm.server.core.objs.start_args_type import DEFAULT_BATCH_MAX_TOKENS, StartArgs
 from unit_tests.data_paths import REPO_ROOT
 from unit_tests.server.start_args_util import fake_model_dir
 
@@ -32,7 +32,10 @@ def test_bad_flag_is_a_clear_error(tmp_path, kwargs, flag):
 def test_good_flags_resolve_defaults(tmp_path):
     args = validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), max_req_total_len=64))
     assert args.resolved_model_dir == args.model_dir
-    assert args.batch_max_tokens == 64
+    assert args.batch_max_tokens == DEFAULT_BATCH_MAX_TOKENS == 2048  # short steps whatever the request length
+    # none: one step may prefill a whole request
+    unset = validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), max_req_total_len=64, batch_max_tokens=None))
+    assert unset.batch_max_tokens == 64
 
 
 @pytest.mark.parametrize(
