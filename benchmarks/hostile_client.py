@@ -411,7 +411,7 @@ def _probes(body_timeout_s: float, log_path: Optional[str]) -> List[Probe]:
         _refusal("8", "100k-deep JSON", "/generate", raw=deep, field_name="body"),
         ("9", "max_completion_tokens", "200; conflict 400", _max_completion_tokens),
         ("9", "stream_options.include_usage", "usage in a last chunk", _include_usage),
-        _refusal("9", "logprobs 1", "/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs"),
+        _refusal("9", "logprobs 21", "/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
         _refusal("9", "echo true", "/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
         _refusal("9", "best_of 2", "/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
         _refusal("9", "role 'bogus'", "/v1/chat/completions", {"messages": [{"role": "bogus", "content": "hi"}]},

@@ -12,6 +12,7 @@ from typing import List
 import torch
 
 from lightllm.common.kv_cache_mem_manager import MemoryManager
+from lightllm.server.core.objs.sampling_params import MAX_TOP_LOGPROBS
 from lightllm.utils.numbers import is_number
 
 
@@ -114,6 +115,9 @@ class ReqSamplingParamsManager:
             _check_fp32("asd_regret_budget", req.asd_budget)
         if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool)):
             raise ReqParamsError(f"seed: must be an integer, got {p.seed!r}")
+        k = p.top_logprobs
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ReqParamsError(f"top_logprobs: must be an integer in 0..{MAX_TOP_LOGPROBS}, got {k!r}")
         _check_token_ids("inputs", req.prompt_ids, self.vocab_size)
         _check_token_ids("logit_bias", list(p.logit_bias), self.vocab_size)
         bad_bias = next((v for v in p.logit_bias.values() if not is_number(v) or math.isnan(v)), None)

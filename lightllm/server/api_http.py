@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from lightllm.server.core.objs.sampling_params import (MAX_SEED, SamplingParams, SamplingParamsError, is_utf8_text,
-                                                       quote)
+from lightllm.server.core.objs.sampling_params import (MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError,
+                                                       is_utf8_text, quote)
 from lightllm.server.httpserver.manager import (ClientDisconnected, HttpServerManager, ReqResult, ShuttingDown,
                                                 Unavailable)
 from lightllm.server.metrics import THROUGHPUT_LOG_INTERVAL_S
@@ -294,12 +294,10 @@ OPENAI_DEFAULT_ONLY = {
 OPENAI_DEFAULT_MAX_TOKENS = 16
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 OPENAI_MAX_N = 128  # OpenAI's own bound on n
-# OpenAI's bounds on top-k alternatives (chat top_logprobs / completions logprobs); only 0 is served:
-# alternatives need the decode step to keep the top-k of every row it scores
-OPENAI_MAX_TOP_LOGPROBS = 20
-OPENAI_MAX_COMPLETION_LOGPROBS = 5
-TOP_LOGPROBS_NOT_SUPPORTED = ("top-k alternative log-probs are not supported yet: only 0 (the log-prob of each "
-                              "returned token)")
+# Bounds on top-k alternatives: OpenAI's chat top_logprobs 0..20; completions logprobs 0..20 as vLLM
+# (OpenAI itself stops at 5), the most the engine keeps per token (MAX_TOP_LOGPROBS)
+OPENAI_MAX_TOP_LOGPROBS = MAX_TOP_LOGPROBS
+OPENAI_MAX_COMPLETION_LOGPROBS = MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -307,7 +305,8 @@ class OpenAIChoices:
     """How many choices a request asks for and what each carries (besides its text)."""
 
     n: int = 1
-    logprobs: bool = False  # the log-prob of each returned token (top_logprobs / logprobs 0)
+    logprobs: bool = False  # the log-prob of each returned token
+    top_logprobs: int = 0  # and its most likely alternatives (chat top_logprobs, completions logprobs N)
 
 
 class ModelNotFound(Exception):
@@ -346,16 +345,12 @@ def _openai_choices(body: Dict[str, Any], chat: bool, served_model: str) -> Open
         top = _int_field(body, "top_logprobs", 0, OPENAI_MAX_TOP_LOGPROBS)
         if top is not None and not logprobs:
             raise SamplingParamsError("top_logprobs", "needs logprobs true")
-        if top:
-            raise SamplingParamsError("top_logprobs", f"{TOP_LOGPROBS_NOT_SUPPORTED}, got {top}")
-        return OpenAIChoices(n, bool(logprobs))
+        return OpenAIChoices(n, bool(logprobs), top or 0)
     logprobs = body.get("logprobs")
     if logprobs is False:  # what some clients send for "none"
         logprobs = None
     logprobs = _int_field({"logprobs": logprobs}, "logprobs", 0, OPENAI_MAX_COMPLETION_LOGPROBS)
-    if logprobs:
-        raise SamplingParamsError("logprobs", f"{TOP_LOGPROBS_NOT_SUPPORTED}, got {logprobs}")
-    return OpenAIChoices(n, logprobs is not None)
+    return OpenAIChoices(n, logprobs is not None, logprobs or 0)
 
 
 def _choice_params(params: SamplingParams, n: int) -> List[SamplingParams]:
@@ -617,8 +612,12 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
     def _token(res: ReqResult, i: int) -> Dict[str, Any]:
         t = res.token_ids[i]
-        return {"id": t, "text": manager.tokenizer.decode([t]), "logprob": _finite(res.logprobs[i]),
-                "special": t in manager.eos_token_ids}
+        out = {"id": t, "text": manager.tokenizer.decode([t]), "logprob": _finite(res.logprobs[i]),
+               "special": t in manager.eos_token_ids}
+        if res.top_logprobs:  # parameters.top_logprobs > 0: the most likely alternatives
+            out["top_logprobs"] = [{"id": a, "text": manager.tokenizer.decode([a]), "logprob": _finite(lp)}
+                                   for a, lp in res.top_logprobs[i]]
+        return out
 
     def _details(res: ReqResult) -> Dict[str, Any]:
         return {**_asd_fields(res), "prompt_tokens": res.prompt_tokens, "count_output_tokens": len(res.token_ids)}
@@ -690,13 +689,29 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         return manager.tokenizer.decode([token_id])
 
     def _chat_logprobs(res: ReqResult, lo: int, hi: int) -> Dict[str, Any]:
-        """OpenAI chat log-probs of tokens [lo, hi): each token's text, log-prob and UTF-8 bytes."""
+        """OpenAI chat log-probs of tokens [lo, hi): each token's text, log-prob and UTF-8 bytes, and
+        its ``top_logprobs`` most likely alternatives in the same shape (an empty list when 0)."""
+        def entry(token_id: int, logprob: float) -> Dict[str, Any]:
+            text = _token_text(token_id)
+            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
         content = []
         for i in range(lo, hi):
-            text = _token_text(res.token_ids[i])
-            content.append({"token": text, "logprob": _finite(res.logprobs[i]), "bytes": list(text.encode("utf-8")),
-                            "top_logprobs": []})
+            top = res.top_logprobs[i] if res.top_logprobs else []
+            content.append({**entry(res.token_ids[i], res.logprobs[i]),
+                            "top_logprobs": [entry(t, lp) for t, lp in top]})
         return {"content": content}
+
+    def _completion_top(res: ReqResult, i: int) -> Optional[Dict[str, Optional[float]]]:
+        """Legacy completions' alternatives of token i: {text: log-prob}, most likely first, plus the
+        returned token when it is not among them (OpenAI: up to logprobs + 1 entries). Tokens of the
+        same text keep the likelier one's log-prob. None when the request asked 0."""
+        if not res.top_logprobs:
+            return None
+        top: Dict[str, Optional[float]] = {}
+        for t, lp in res.top_logprobs[i] + [(res.token_ids[i], res.logprobs[i])]:
+            top.setdefault(_token_text(t), _finite(lp))
+        return top
 
     def _completion_logprobs(res: ReqResult, lo: int, hi: int, offset: int) -> Dict[str, Any]:
         """OpenAI (legacy) completion log-probs of tokens [lo, hi); ``offset``: text_offset of token lo.
@@ -707,7 +722,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             offsets.append(offset)
             offset += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": [_finite(x) for x in res.logprobs[lo:hi]],
-                "top_logprobs": [None] * len(tokens), "text_offset": offsets}
+                "top_logprobs": [_completion_top(res, i) for i in range(lo, hi)], "text_offset": offsets}
 
     async def _results(prompt_ids, choice_params: List[SamplingParams], request: Request,
                        arrival: float) -> List[ReqResult]:
@@ -778,6 +793,8 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         try:  # everything cheap first, then tokenize
             params = _openai_params(body, prompt_field)
             choices = _openai_choices(body, chat, manager.model_name)
+            if choices.top_logprobs:  # the engine keeps each token's alternatives only for requests that ask
+                params = replace(params, top_logprobs=choices.top_logprobs)
             choice_params = _choice_params(params, choices.n)
             stream, include_usage = _openai_stream_flags(body)
             if chat:

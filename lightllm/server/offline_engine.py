@@ -5,7 +5,7 @@ processes as the server (``start_worker``), driven through rank 0's queues.
 """
 import queue
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
@@ -22,6 +22,8 @@ WORKER_IDLE_TIMEOUT_S = 600  # worker processes: seconds without any update befo
 class GenResult:
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
+    # per token, its (id, log-prob) alternatives: only for a request with top_logprobs > 0
+    top_logprobs: List[List[Tuple[int, float]]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     accept_lens: List[int] = field(default_factory=list)  # committed tokens per decode step
     # per decode step, the confidences of the K drafts it verified (drafts that report them)
@@ -106,6 +108,8 @@ class OfflineEngine:
                 r = results[ids[u.req_id]]
                 r.token_ids.extend(u.token_ids)
                 r.logprobs.extend(u.logprobs)
+                if u.top_logprobs is not None:
+                    r.top_logprobs.extend(u.top_logprobs)
                 if u.accept_len:
                     r.accept_lens.append(u.accept_len)
                 if u.draft_confidence is not None:

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import AsyncIterator, Dict, List, Optional, Sequence
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
@@ -108,6 +108,9 @@ class ReqResult:
     prompt_tokens: int
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
+    # per token, its (id, log-prob) alternatives, most likely first: only when the request asked
+    # for top_logprobs > 0 (else empty)
+    top_logprobs: List[List[Tuple[int, float]]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     mtp_accepted_token_num: int = 0
     asd_relaxed_token_num: int = 0
@@ -389,6 +392,9 @@ class HttpServerManager:
                         continue
                 res.token_ids.extend(u.token_ids)
                 res.logprobs.extend(u.logprobs)
+                if params.top_logprobs:
+                    tops = u.top_logprobs if u.top_logprobs is not None else [[] for _ in u.token_ids]
+                    res.top_logprobs.extend(tops)
                 u.copy_totals_to(res)
                 self._update_text(res, params, detok)
                 if res.finish_reason is not None:
@@ -427,7 +433,7 @@ class HttpServerManager:
             res.text = text[:cut]
             res.finish_reason = "stop"
             keep = self._tokens_covering(res.token_ids, res.text)
-            del res.token_ids[keep:], res.logprobs[keep:]
+            del res.token_ids[keep:], res.logprobs[keep:], res.top_logprobs[keep:]
         else:
             res.text = text
         if res.finish_reason is not None:

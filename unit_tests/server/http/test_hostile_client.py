@@ -235,7 +235,7 @@ def test_openai_max_completion_tokens_usage_chunk_and_unsupported_fields(server)
                 assert all("usage" not in ch for ch in content)
             assert content[-1]["choices"][0]["finish_reason"] == "length"
 
-        for field, value in [("logprobs", 1), ("logprobs", True), ("echo", True), ("best_of", 2), ("suffix", "x"),
+        for field, value in [("logprobs", 21), ("logprobs", True), ("echo", True), ("best_of", 2), ("suffix", "x"),
                              ("n", True)]:
             r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value})
             assert r.status_code == 400 and r.json()["field"] == field, (field, value, r.text)

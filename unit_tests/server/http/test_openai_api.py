@@ -133,6 +133,92 @@ def test_logprobs_equal_transformers_forward(servers, tiny, tok, name, chat):
         assert out["mtp_accepted_token_num"] >= 0 and out["asd_regret_spent"] is not None
 
 
+def _reference_top(hf, prompt_ids, out_ids, k):
+    """(values [n, k + 1], ids [n, k + 1]): transformers' top k + 1 log-probs at each returned position."""
+    ids = torch.tensor([prompt_ids + out_ids])
+    with torch.no_grad():
+        logits = hf(ids).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
+    return torch.topk(lp, k + 1, dim=-1)
+
+
+TOP_K = {True: 5, False: 3}  # chat top_logprobs, completions logprobs
+
+
+@pytest.mark.parametrize("name", ["plain", "mtp", "asd"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_top_logprobs_equal_transformers_forward(servers, tiny, tok, name, chat):
+    """Each returned token's alternatives are the top k of transformers' log-softmax at its position
+    (ASD: the target's, also where the committed token is a relaxed draft), streamed and not."""
+    server, k = servers[name], TOP_K[chat]
+    if chat:
+        path, body = "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": k}
+    else:
+        path, body = "/v1/completions", {"prompt": PROMPT, "logprobs": k}
+    body.update(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    out = _post(server, path, body)
+    ids = _engine_ids(server, tok, chat)
+    prompt_ids = _prompt_ids(tok, chat)
+    ref_vals, ref_ids = _reference_top(tiny.hf, prompt_ids, ids, k)
+    chosen = _reference_logprobs(tiny.hf, prompt_ids, ids)
+    lp = out["choices"][0]["logprobs"]
+    text = lambda t: tok.decode([t])
+    clear_ranks = 0  # ranks whose text is compared (not in a near tie)
+    for pos in range(MAX_TOKENS):
+        vals, alt = ref_vals[pos].tolist(), [text(int(t)) for t in ref_ids[pos]]
+        # ranks whose order rounding cannot swap (neighbours more than 2 tolerances apart)
+        clear = [j for j in range(k) if (j == 0 or vals[j - 1] - vals[j] > 2 * LOGPROB_TOL)
+                 and vals[j] - vals[j + 1] > 2 * LOGPROB_TOL]
+        if chat:
+            entry = lp["content"][pos]
+            assert entry["token"] == text(ids[pos]) and entry["logprob"] == pytest.approx(chosen[pos], abs=LOGPROB_TOL)
+            top = entry["top_logprobs"]
+            assert len(top) == k and all(set(e) == {"token", "logprob", "bytes"} for e in top)
+            assert all(e["bytes"] == list(e["token"].encode("utf-8")) for e in top)
+            assert [e["logprob"] for e in top] == pytest.approx(vals[:k], abs=LOGPROB_TOL)
+            assert all(top[j]["token"] == alt[j] for j in clear), (pos, top, alt)
+            clear_ranks += len(clear)
+        else:
+            assert lp["token_logprobs"][pos] == pytest.approx(chosen[pos], abs=LOGPROB_TOL)
+            got = lp["top_logprobs"][pos]
+            want = {}
+            for t, v in zip(alt[:k] + [text(ids[pos])], vals[:k] + [chosen[pos]]):
+                want.setdefault(t, v)  # same text: the likelier one's
+            if vals[k - 1] - vals[k] > 2 * LOGPROB_TOL:  # the k-th and the next are not a near tie
+                assert list(got) == list(want), (pos, got, want)
+                clear_ranks += k
+            assert len(got) <= k + 1
+            for t, v in got.items():
+                if t in want:
+                    assert v == pytest.approx(want[t], abs=LOGPROB_TOL), (pos, t, got, want)
+    assert clear_ranks >= MAX_TOKENS * k // 2  # the ties skipped are few
+    if name == "asd":  # some committed tokens are relaxed drafts: their lists are still the target's
+        assert out["asd_relaxed_token_num"] > 0
+        assert any(ids[pos] != int(ref_ids[pos, 0]) for pos in range(MAX_TOKENS))
+    # streamed: the chunks' alternatives, in order, are the same
+    streamed = []
+    for c in _stream(server, path, body):
+        if c["choices"] and c["choices"][0]["logprobs"] is not None:
+            part = c["choices"][0]["logprobs"]
+            streamed += [e["top_logprobs"] for e in part["content"]] if chat else part["top_logprobs"]
+    assert streamed == ([e["top_logprobs"] for e in lp["content"]] if chat else lp["top_logprobs"])
+
+
+def test_generate_details_top_logprobs(servers, tiny, tok):
+    """/generate: parameters.top_logprobs adds each token's alternatives (ids, text, log-prob) to its details."""
+    out = _post(servers["plain"], "/generate", {"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 4, "ignore_eos": True, "return_details": True, "top_logprobs": 2}})
+    ids = [t["id"] for t in out["tokens"]]
+    ref_vals, ref_ids = _reference_top(tiny.hf, tok.encode(PROMPT, add_special_tokens=True), ids, 2)
+    for pos, t in enumerate(out["tokens"]):
+        alts = t["top_logprobs"]
+        assert [a["logprob"] for a in alts] == pytest.approx(ref_vals[pos, :2].tolist(), abs=LOGPROB_TOL)
+        assert alts[0]["id"] == t["id"] == int(ref_ids[pos, 0]) and alts[0]["text"] == tok.decode([t["id"]])
+    plain = _post(servers["plain"], "/generate", {"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 2, "return_details": True}})
+    assert all("top_logprobs" not in t for t in plain["tokens"])
+
+
 def test_no_logprobs_unless_asked(servers):
     out = _post(servers["plain"], "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0})
     assert out["choices"][0]["logprobs"] is None
@@ -141,10 +227,13 @@ def test_no_logprobs_unless_asked(servers):
 
 
 @pytest.mark.parametrize("path,body,field", [
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 0}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"top_logprobs": 21}}, "top_logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "top_logprobs": 0}, "top_logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
     ("/v1/completions", {"prompt": PROMPT, "n": 2, "best_of": 3}, "best_of"),
@@ -157,10 +246,19 @@ def test_refusals_name_the_field(servers, path, body, field):
     r = httpx.post(servers["plain"].url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["field"] == field and r.json()["error"].startswith(field + ":")
-    if body.get("top_logprobs") or (path == "/v1/completions" and body.get("logprobs")):
-        assert "not supported yet" in r.json()["error"]
     if field == "max_tokens":
         assert "max_model_len 256" in r.json()["error"]
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs: must be an integer in 0..20, got 21"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs: must be an integer in 0..20, got 21"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"top_logprobs": 21}}, "top_logprobs: must be <= 20, got 21"),
+])
+def test_top_logprobs_over_20_is_a_clear_400(servers, path, body, message):
+    r = httpx.post(servers["mtp"].url + path, json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"] == message, r.text
 
 
 def test_model_name_404_and_models_list(servers, tiny):

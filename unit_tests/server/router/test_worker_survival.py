@@ -105,6 +105,7 @@ POISONS = {
     "top_p": ({"do_sample": True}, dict(top_p=float("nan"))),
     "logit_bias": ({}, dict(logit_bias={10**6: 1.0})),
     "max_new_tokens": ({}, dict(max_new_tokens=10**6)),
+    "top_logprobs": ({}, dict(top_logprobs=10**6)),
 }
 
 

@@ -12,7 +12,7 @@ imports keep working.
 """
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol
+from typing import Dict, List, Optional, Protocol, Tuple
 
 from lightllm.server.core.objs.sampling_params import SamplingParams
 
@@ -61,6 +61,10 @@ class ReqStepUpdate:
     asd_regret_spent: float
     accept_len: int = 0  # 0 for prefill steps
     draft_confidence: Optional[List[float]] = None  # [K] confidences of the drafts verified this step
+    # Per token of token_ids: the request's top_logprobs most likely tokens of the row that chose
+    # it, as (token id, log-prob) in descending order, under the same processed logits as
+    # logprobs (ASD: the target's, also for a relaxed row's draft token). None when it asked 0.
+    top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
     error: Optional[str] = None  # set with finish_reason "error": why the worker failed the request
     # Seconds from the router receiving the request to its admission into the running batch (its
     # first scheduled step); set on every update once admitted, None before (a request refused or

@@ -37,6 +37,9 @@ MAX_ABS_FREQUENCY_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range; +-100 already forces or bans a token
 MAX_LOGIT_BIAS_ENTRIES = 1024  # biases are applied per row per step on the host
 MAX_ASD_REGRET_BUDGET = 1e6  # stored in fp32; far above any useful budget
+# Most top log-probs a request may ask for per token (OpenAI's chat bound; vLLM's default
+# max_logprobs): the decode step keeps the top-k of a step's rows only when one asks.
+MAX_TOP_LOGPROBS = 20
 
 # How much of a bad value an error message quotes
 _QUOTE = reprlib.Repr()
@@ -97,6 +100,8 @@ class SamplingParams:
     seed: Optional[int] = None
     logit_bias: Dict[int, float] = field(default_factory=dict)
     asd_regret_budget: Optional[float] = None  # ASD: this request's budget (None: the server's)
+    # the most likely alternatives (token id, log-prob) to return for every generated token
+    top_logprobs: int = 0
     return_details: bool = False
     # Token ids of each stop sequence, set by the HTTP server (clients cannot send them)
     stop_token_ids: List[List[int]] = field(default_factory=list)
@@ -159,6 +164,7 @@ class SamplingParams:
                 raise SamplingParamsError(name, f"must be true or false, got {quote(getattr(self, name))}")
 
         need_int("max_new_tokens", lo=1, hi=INT32_MAX)
+        need_int("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
         need_bool("do_sample")
         need_bool("ignore_eos")
         need_bool("return_details")

@@ -30,7 +30,10 @@ from lightllm.common.basemodel.mtp_verify_torch import mtp_scatter_next_token_id
 from lightllm.models.llama.layer_infer.attention_backends import TORCH_BACKEND, resolve_attention_backend
 from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID, mtp_scatter_next_token_ids
 from lightllm.server.router.model_infer.infer_batch import InferReq
-from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, token_logprobs
+from lightllm.server.core.objs.sampling_params import MAX_TOP_LOGPROBS
+from lightllm.server.router.model_infer.mode_backend.generic_post_process import (
+    SampleOutput, max_top_logprobs, token_logprobs, top_logprobs,
+)
 from lightllm.server.router.model_infer.mtp_speculative.proposer import Proposal
 from lightllm.server.router.model_infer.mtp_speculative.utils import AsdConfig, VerifyStepRecord, verify_mtp_tokens
 
@@ -94,18 +97,25 @@ class HostStepResult:
     relaxed: Optional[List[bool]] = None  # [real rows], ASD only
     spent: Optional[List[float]] = None  # [num_reqs] ASD ledger after the step, ASD only
     confidence: Optional[List[List[float]]] = None  # [num_reqs][K] the verified drafts' confidences
+    # [real rows][k_max] each row's most likely tokens and their log-probs, descending; only
+    # when some request of the step asks for top log-probs (k_max > 0)
+    top_ids: Optional[List[List[int]]] = None
+    top_logprobs: Optional[List[List[float]]] = None
 
     @staticmethod
-    def pack(ids, logprobs, accept_len, relaxed=None, spent=None, confidence=None) -> torch.Tensor:
-        """One float64 tensor (exact for token ids, fp32 values and flags)."""
+    def pack(ids, logprobs, accept_len, relaxed=None, spent=None, confidence=None, top=None) -> torch.Tensor:
+        """One float64 tensor (exact for token ids, fp32 values and flags). ``top``: ([rows, k]
+        ids, [rows, k] log-probs) of every row, or None (k_max 0: nothing appended)."""
         parts = [ids, logprobs, accept_len] + ([relaxed, spent] if relaxed is not None else [])
         parts += [confidence] if confidence is not None else []
+        parts += list(top) if top is not None else []
         return torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
 
     @classmethod
     def unpack(cls, packed: torch.Tensor, num_rows: int, num_reqs: int, asd: bool,
-               conf_width: int = 0) -> "HostStepResult":
-        """``conf_width``: K when the draft reports confidences, else 0."""
+               conf_width: int = 0, top_width: int = 0) -> "HostStepResult":
+        """``conf_width``: K when the draft reports confidences, else 0; ``top_width``: k_max, the
+        top log-probs per row the step kept (0: none)."""
         v = packed.tolist()
         ids = [int(x) for x in v[:num_rows]]
         lps = v[num_rows:2 * num_rows]
@@ -117,11 +127,22 @@ class HostStepResult:
             end += num_rows + num_reqs
         if conf_width:
             out.confidence = [v[end + r * conf_width:end + (r + 1) * conf_width] for r in range(num_reqs)]
+            end += num_reqs * conf_width
+        if top_width:
+            w = top_width
+            out.top_ids = [[int(x) for x in v[end + r * w:end + (r + 1) * w]] for r in range(num_rows)]
+            end += num_rows * w
+            out.top_logprobs = [v[end + r * w:end + (r + 1) * w] for r in range(num_rows)]
         return out
 
     @staticmethod
-    def packed_size(num_rows: int, num_reqs: int, asd: bool, conf_width: int = 0) -> int:
-        return 2 * num_rows + num_reqs + ((num_rows + num_reqs) if asd else 0) + num_reqs * conf_width
+    def packed_size(num_rows: int, num_reqs: int, asd: bool, conf_width: int = 0, top_width: int = 0) -> int:
+        return (2 * num_rows + num_reqs + ((num_rows + num_reqs) if asd else 0) + num_reqs * conf_width
+                + 2 * num_rows * top_width)
+
+    def row_top_logprobs(self, row: int, k: int) -> List[Tuple[int, float]]:
+        """Row ``row``'s ``k`` most likely tokens as (id, log-prob) (k <= the step's k_max)."""
+        return list(zip(self.top_ids[row][:k], self.top_logprobs[row][:k]))
 
 
 @dataclass
@@ -134,6 +155,7 @@ class PendingResult:
     num_reqs: int
     asd: bool
     accept_len: torch.Tensor  # [num_reqs] int32 device: what a successor step's KV lengths add
+    top_width: int = 0  # k_max: top log-probs per row in the packed result (0: none)
 
 
 @dataclass
@@ -155,6 +177,8 @@ class ReqCommit:
     tokens: List[int]
     logprobs: List[float]
     draft_confidence: Optional[List[float]] = None  # [K] confidences of the drafts verified this step
+    # per token: the request's top_logprobs (id, log-prob) of the row that chose it; None when it asked 0
+    top_logprobs: Optional[List[List[Tuple[int, float]]]] = None
 
 
 def commit_step(
@@ -188,7 +212,9 @@ def commit_step(
         req.slots.extend(slots[start:start + kept])
         free_slots.extend(slots[start + kept:start + k1])
         conf = host.confidence[r] if host.confidence is not None else None
-        commits.append(ReqCommit(host.ids[start:start + kept], host.logprobs[start:start + kept], conf))
+        k = req.params.top_logprobs
+        top = [host.row_top_logprobs(start + j, k) for j in range(kept)] if k else None
+        commits.append(ReqCommit(host.ids[start:start + kept], host.logprobs[start:start + kept], conf, top))
     return commits, free_slots
 
 
@@ -251,7 +277,9 @@ class DecodeStep:
         )
         # ASD verify's relaxed-row output (strict verification has none)
         self._relaxed_mask = torch.zeros((self.max_rows,), dtype=torch.int32, device=dev) if asd is not None else None
-        max_packed = HostStepResult.packed_size(self.max_rows, max_reqs, asd is not None, self.conf_width)
+        # room for the top log-probs of every row (only filled in steps where a request asks)
+        max_packed = HostStepResult.packed_size(self.max_rows, max_reqs, asd is not None, self.conf_width,
+                                                MAX_TOP_LOGPROBS)
         self._packed_hosts = [torch.zeros((max_packed,), dtype=torch.float64, pin_memory=on_gpu)
                               for _ in range(HOST_BUFFERS)]
         self._copies_done = [torch.cuda.Event() if on_gpu else None for _ in range(HOST_BUFFERS)]
@@ -451,7 +479,8 @@ class DecodeStep:
         """Wait for a launched step's packed result and unpack it."""
         if pending.done is not None:
             pending.done.synchronize()
-        return HostStepResult.unpack(pending.host, pending.num_rows, pending.num_reqs, pending.asd, self.conf_width)
+        return HostStepResult.unpack(pending.host, pending.num_rows, pending.num_reqs, pending.asd, self.conf_width,
+                                     pending.top_width)
 
     def launch_finish(
         self, rows: DecodeRows, out: ModelOutput, sampler: Sampler, seed_of: SeedFn,
@@ -459,7 +488,9 @@ class DecodeStep:
     ) -> PendingResult:
         """sample -> verify -> pack + async host copy -> draft -> scatter, all queued; no host wait.
         ``firsts``: prompts finishing in the same forward (a mixed step), sampled beside the rows;
-        their tokens and log-probs follow the rows' in the packed result."""
+        their tokens and log-probs follow the rows' in the packed result. When a request of the
+        step asks for top log-probs, the top k_max of every sampled row join the same copy (a step
+        where none asks runs no top-k)."""
         k1 = rows.rows_per_req
         real = rows.num_real_rows
         n = len(rows.reqs)
@@ -494,13 +525,18 @@ class DecodeStep:
             self.verify_observer(self._verify_record(rows, target_ids, next_ids, s.processed_logits[:real], accept_len))
         # Log-probs after verification: a relaxed row reports the token it commits.
         logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
+        # k_max from the requests' parameters on the host: 0 (nobody asks) adds no device work
+        top_width = min(max(max_top_logprobs(rows.reqs), max_top_logprobs(firsts.reqs) if m else 0),
+                        s.processed_logits.shape[-1])
+        top = top_logprobs(s.processed_logits, top_width) if top_width else None
         with_asd = self.mtp_step > 0 and asd is not None
         req_rows = b_req_idx[::k1].long() if with_asd or self.conf_width else None  # [n]
         spent = self.params_manager.req_to_asd_cum_regret[req_rows] if with_asd else None
         conf = self.req_to_draft_conf[req_rows] if self.conf_width else None  # drafts verified now
         if with_asd and m:  # a first token is never relaxed
             relaxed = torch.cat([relaxed, torch.zeros(m, dtype=relaxed.dtype, device=relaxed.device)])
-        packed = HostStepResult.pack(s.next_token_ids, logprobs, accept_len, relaxed if with_asd else None, spent, conf)
+        packed = HostStepResult.pack(s.next_token_ids, logprobs, accept_len, relaxed if with_asd else None, spent, conf,
+                                     top)
         turn = self._packed_turn
         self._packed_turn = (turn + 1) % HOST_BUFFERS
         host, done = self._packed_hosts[turn][:packed.shape[0]], self._copies_done[turn]
@@ -532,7 +568,7 @@ class DecodeStep:
             self.req_to_next_token_ids[b_req_idx.long(), 0] = next_ids
             if m:
                 self.req_to_next_token_ids[firsts.req_idx.long(), 0] = first_ids
-        return PendingResult(host, done, real + m, n, with_asd, accept_len)
+        return PendingResult(host, done, real + m, n, with_asd, accept_len, top_width)
 
     def _verify_record(self, rows, target_ids, next_ids, logits, accept_len) -> VerifyStepRecord:
         k, real = rows.mtp_step, rows.num_real_rows

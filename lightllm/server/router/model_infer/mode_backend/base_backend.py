@@ -25,7 +25,9 @@ from lightllm.server.router.model_infer.decode_step import (
     PAD_TOKEN_ID, DecodeRows, DecodeStep, FirstTokens, HostStepResult, PendingResult, commit_step,
 )
 from lightllm.server.router.model_infer.infer_batch import InferReq
-from lightllm.server.router.model_infer.mode_backend.generic_post_process import SampleOutput, sample, token_logprobs
+from lightllm.server.router.model_infer.mode_backend.generic_post_process import (
+    SampleOutput, max_top_logprobs, sample, token_logprobs, top_logprobs,
+)
 from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds
 from lightllm.server.router.model_infer.step_rows import RowItem, StepRows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
@@ -283,10 +285,16 @@ class ModeBackend:
         logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
         self.req_to_next_token_ids[b_req_idx.long(), 0] = s.next_token_ids
         ids_cpu, lp_cpu = s.next_token_ids.tolist(), logprobs.tolist()
+        top_width = min(max_top_logprobs(reqs), s.processed_logits.shape[-1])
+        tops = [None] * len(reqs)
+        if top_width:  # only when one of them asks
+            top_ids, top_lps = (t.tolist() for t in top_logprobs(s.processed_logits, top_width))
+            tops = [list(zip(i[:r.params.top_logprobs], v[:r.params.top_logprobs])) if r.params.top_logprobs else None
+                    for r, i, v in zip(reqs, top_ids, top_lps)]
         updates = []
-        for req, tok, lp in zip(reqs, ids_cpu, lp_cpu):
+        for req, tok, lp, top in zip(reqs, ids_cpu, lp_cpu, tops):
             req.append_token(tok, lp)
-            updates.append(self._update(req, [tok], [lp], accept_len=0))
+            updates.append(self._update(req, [tok], [lp], accept_len=0, top_logprobs=None if top is None else [top]))
         self._update_penalties(reqs, [[t] for t in ids_cpu])
         return updates, dict(zip(item_ids, ids_cpu))
 
@@ -296,7 +304,12 @@ class ModeBackend:
             return None
         return (req.params.seed + len(req.output_ids) + mtp_index) % SEED_MODULUS
 
-    def _update(self, req: InferReq, toks, lps, accept_len: int, draft_confidence=None) -> ReqStepUpdate:
+    def _update(self, req: InferReq, toks, lps, accept_len: int, draft_confidence=None,
+                top_logprobs=None) -> ReqStepUpdate:
+        """``top_logprobs``: per token of ``toks``, its (id, log-prob) alternatives; a request that
+        asks for them gets a list (empty without tokens), one that asks 0 None."""
+        if req.params.top_logprobs and top_logprobs is None:
+            top_logprobs = [[] for _ in toks]
         return ReqStepUpdate(
             req_id=req.req_id,
             token_ids=toks,
@@ -308,6 +321,7 @@ class ModeBackend:
             asd_regret_spent=req.asd_regret_spent,
             accept_len=accept_len,
             draft_confidence=draft_confidence,
+            top_logprobs=top_logprobs if req.params.top_logprobs else None,
             error=req.error,
             queue_time_s=req.queue_time_s,
         )
@@ -358,9 +372,11 @@ class ModeBackend:
         host = self.decode_step.finish(rows, out, self.sample_rows, self._seed, firsts)
         updates = self.commit_decode(rows, host)
         first = [(host.ids[real + j], host.logprobs[real + j]) for j in range(len(done))]
-        for req, (tok, lp) in zip(done, first):
+        for j, (req, (tok, lp)) in enumerate(zip(done, first)):
             req.append_token(tok, lp)
-            updates.append(self._update(req, [tok], [lp], accept_len=0))
+            k = req.params.top_logprobs
+            top = [host.row_top_logprobs(real + j, k)] if k else None
+            updates.append(self._update(req, [tok], [lp], accept_len=0, top_logprobs=top))
         self._update_penalties(done, [[tok] for tok, _ in first])
         return updates
 
@@ -399,7 +415,8 @@ class ModeBackend:
             self.mem_manager.free(free_slots)
         kept = [(req, c) for req, c in zip(rows.reqs, commits) if c is not None]
         self._update_penalties([req for req, _ in kept], [c.tokens for _, c in kept])
-        return [self._update(req, c.tokens, c.logprobs, len(c.tokens), c.draft_confidence) for req, c in kept]
+        return [self._update(req, c.tokens, c.logprobs, len(c.tokens), c.draft_confidence, c.top_logprobs)
+                for req, c in kept]
 
     def flush_decode(self) -> List[ReqStepUpdate]:
         """Commit a decode step still in flight (overlap); the base backend never leaves one."""

@@ -127,3 +127,15 @@ def token_logprobs(processed_logits: torch.Tensor, token_ids: torch.Tensor) -> t
     """log p(token) under the processed logits: [rows, vocab], [rows] -> [rows] fp32."""
     logz = torch.logsumexp(processed_logits, dim=-1)
     return processed_logits.gather(1, token_ids.long().unsqueeze(1)).squeeze(1) - logz
+
+
+def top_logprobs(processed_logits: torch.Tensor, k: int):
+    """The k most likely tokens of each row under the processed logits (the distribution
+    ``token_logprobs`` reads): ([rows, k] int64 ids, [rows, k] fp32 log-probs), descending."""
+    values, ids = torch.topk(torch.log_softmax(processed_logits.float(), dim=-1), k, dim=-1)
+    return ids, values
+
+
+def max_top_logprobs(reqs) -> int:
+    """The most top log-probs any of ``reqs`` asks for (host-side: no device work)."""
+    return max((r.params.top_logprobs for r in reqs), default=0)
