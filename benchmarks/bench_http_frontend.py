@@ -834,6 +834,7 @@ def summarize(arm: str, args, client: List[dict], worker: dict, probe: dict, cpu
 def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False) -> dict:
     name = f"{arm}{'_profile' if profile else ''}"
     stack = start_stack(args, workload, profile, tmp, name)
+    ok = False
     try:
         warm = min(args.concurrency * 2, args.num_requests)
         run_client(arm, stack.url, workload, warm, args.concurrency, WARMUP_MAX_NEW_TOKENS, WARMUP_SEED_BASE,
@@ -848,8 +849,12 @@ def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False)
         probe_path = os.path.join(tmp, f"{name}.probe.json")
         stack.proc.send_signal(signal.SIGUSR2)
         probe = _wait_file(probe_path, stack.proc, DUMP_TIMEOUT_S)
+        ok = True
     finally:
         stop_stack(stack)
+        if not ok:
+            with open(stack.log_path) as f:
+                print(f"--- the HTTP process's log ({stack.log_path}), its end:\n{f.read()[-6000:]}", file=sys.stderr)
     worker = _wait_file(os.path.join(tmp, f"{name}.worker.json"), None, DUMP_TIMEOUT_S)
     names = {int(k): v for k, v in probe["threads"].items()}
     names.setdefault(stack.proc.pid, "MainThread")
@@ -938,6 +943,19 @@ def _git_commit() -> str:
     return head + ("-dirty" if dirty else "")
 
 
+class _Kept:
+    """A folder used as TemporaryDirectory is, but kept (--keep_tmp)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self) -> str:
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 def default_client_procs() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
@@ -962,6 +980,7 @@ def parse_args(argv=None):
                    help="client processes of the stream arm (default: cores / 4, 1..4)")
     p.add_argument("--gsm8k", default=None, help="GSM8K test.jsonl (default: the shared copy; else a built-in prompt)")
     p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--keep_tmp", default=None, help="keep the processes' logs and records in this folder")
     p.add_argument("--_serve", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -979,7 +998,10 @@ def main(argv=None) -> None:
 
     workload = build_workload(get_default_model_dir(), args.num_requests, args.max_new_tokens, args.gsm8k)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench_http_frontend_") as tmp:
+    keep = args.keep_tmp is not None
+    if keep:
+        os.makedirs(args.keep_tmp, exist_ok=True)
+    with (tempfile.TemporaryDirectory(prefix="bench_http_frontend_") if not keep else _Kept(args.keep_tmp)) as tmp:
         for arm in arms:
             print(f"arm {arm}: {args.num_requests} requests, concurrency {args.concurrency}, "
                   f"{args.max_new_tokens} new tokens, step {args.step_ms} ms x {args.tokens_per_step} tokens",
