@@ -612,10 +612,10 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
     def _token(res: ReqResult, i: int) -> Dict[str, Any]:
         t = res.token_ids[i]
-        out = {"id": t, "text": manager.tokenizer.decode([t]), "logprob": _finite(res.logprobs[i]),
+        out = {"id": t, "text": manager.token_text(t), "logprob": _finite(res.logprobs[i]),
                "special": t in manager.eos_token_ids}
         if res.top_logprobs:  # parameters.top_logprobs > 0: the most likely alternatives
-            out["top_logprobs"] = [{"id": a, "text": manager.tokenizer.decode([a]), "logprob": _finite(lp)}
+            out["top_logprobs"] = [{"id": a, "text": manager.token_text(a), "logprob": _finite(lp)}
                                    for a, lp in res.top_logprobs[i]]
         return out
 
@@ -686,7 +686,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         return {k: sum(f[k] for f in fields) if all(f[k] is not None for f in fields) else None for k in fields[0]}
 
     def _token_text(token_id: int) -> str:
-        return manager.tokenizer.decode([token_id])
+        return manager.token_text(token_id)
 
     def _chat_logprobs(res: ReqResult, lo: int, hi: int) -> Dict[str, Any]:
         """OpenAI chat log-probs of tokens [lo, hi): each token's text, log-prob and UTF-8 bytes, and

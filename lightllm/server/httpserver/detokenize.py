@@ -28,7 +28,7 @@ import bisect
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, FrozenSet, List, Sequence
+from typing import Any, FrozenSet, List, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,8 @@ BYTE_FALLBACK_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 BYTE_FALLBACK_PREFIX = "<0x"
 # Text whose decode changes when spaces before punctuation are cleaned up
 CLEANUP_PROBE = "a . b , c ? d ! e n't f 's g 're"
+# More text for the backend check (multi-byte characters, spaces and newlines)
+BACKEND_PROBE = " Hello  world\n\n\t x = 1 + 2; caf\u00e9 \u4f60\u597d \U0001f600 end."
 
 
 def _decodes_locally(tokenizer) -> bool:
@@ -46,6 +48,27 @@ def _decodes_locally(tokenizer) -> bool:
     ids = tokenizer.encode(CLEANUP_PROBE, add_special_tokens=False)
     cleaned = tokenizer.decode(ids, skip_special_tokens=True)
     return cleaned == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _backend_decoder(tokenizer) -> Optional[Any]:
+    """The ``tokenizers`` object behind a fast transformers tokenizer when its decode is the same
+    as the tokenizer's (which then only adds Python overhead: about 5x the Rust decode of a short
+    window, twice per update), else None. transformers' fast decode is the backend's decode
+    followed, when enabled, by a clean-up of spaces before punctuation, which would change
+    CLEANUP_PROBE: so equal decodes of the probes mean no clean-up, hence equal decodes of any ids."""
+    from transformers import PreTrainedTokenizerBase
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(tokenizer, PreTrainedTokenizerBase) or backend is None:
+        return None
+    try:
+        ids = tokenizer.encode(CLEANUP_PROBE + BACKEND_PROBE, add_special_tokens=False)
+        ids = ids + sorted(tokenizer.all_special_ids) + ids[:3]
+        same = all(tokenizer.decode(x, skip_special_tokens=True) == backend.decode(x, skip_special_tokens=True)
+                   for x in (ids, ids[1:], ids[:1], []))
+    except Exception:  # a backend that does not decode plain id lists
+        return None
+    return backend if same else None
 
 
 @dataclass(frozen=True)
@@ -57,15 +80,21 @@ class DetokenizerVocab:
     unsafe_boundary_ids: FrozenSet[int]
     # False: decode() is not local (see the module docstring); requests never commit
     local: bool
+    # What decode() calls: the tokenizer's ``tokenizers`` backend where it decodes the same, else None
+    backend: Optional[Any] = None
 
     @classmethod
     def of(cls, tokenizer) -> "DetokenizerVocab":
         unsafe = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
         unsafe.update(i for tok, i in tokenizer.get_vocab().items()
                       if tok.startswith(BYTE_FALLBACK_PREFIX) and BYTE_FALLBACK_TOKEN.fullmatch(tok))
-        return cls(tokenizer=tokenizer, unsafe_boundary_ids=frozenset(unsafe), local=_decodes_locally(tokenizer))
+        return cls(tokenizer=tokenizer, unsafe_boundary_ids=frozenset(unsafe), local=_decodes_locally(tokenizer),
+                   backend=_backend_decoder(tokenizer))
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        """``tokenizer.decode(token_ids, skip_special_tokens=True)``."""
+        if self.backend is not None:
+            return self.backend.decode(token_ids, skip_special_tokens=True)
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 

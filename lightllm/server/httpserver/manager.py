@@ -1,5 +1,6 @@
 """HTTP-side request manager: tokenize, send to the worker, stream updates back, detokenize."""
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -38,6 +39,12 @@ READER_EXIT_TIMEOUT_S = 2.0
 # Put in every waiting request's queue when the worker died / when shutdown stops waiting
 WORKER_DIED = object()
 SHUTTING_DOWN = object()
+# Put in every waiting request's queue every DISCONNECT_POLL_S (one timer for all requests): time
+# to check that its client is still connected and the worker alive. A timeout on each wait instead
+# (asyncio.wait_for) cost a task and a timer per worker update, per request.
+POLL = object()
+# Texts of single tokens kept (log-prob entries and stream token events decode one token each)
+TOKEN_TEXT_CACHE_SIZE = 1 << 18
 
 
 class ClientDisconnected(Exception):
@@ -188,6 +195,11 @@ class HttpServerManager:
         self._fail_timer: Optional[asyncio.TimerHandle] = None
         self._refusing = False  # past the shutdown bound: new requests fail at once
         self._shut_down = False
+        # The timer that puts POLL in every waiting request's queue, and its event loop
+        self._poll_timer: Optional[asyncio.TimerHandle] = None
+        self._poll_loop: Optional[asyncio.AbstractEventLoop] = None
+        # The text of one token id on its own (tokenizer.decode([id])): decoded once per id
+        self.token_text = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE_SIZE)(self._decode_one)
 
     # ---- worker link ----
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -227,6 +239,25 @@ class HttpServerManager:
 
     def _worker_died(self) -> "WorkerDied":
         return WorkerDied(f"the model worker exited (code {self.worker_exit_code()})")
+
+    def _schedule_poll(self) -> None:
+        """Make sure the POLL timer runs on this event loop (started by the first request, again
+        after an idle spell or on a new loop)."""
+        loop = asyncio.get_running_loop()
+        if self._poll_timer is not None and self._poll_loop is loop:
+            return
+        self._poll_loop = loop
+        self._poll_timer = loop.call_later(DISCONNECT_POLL_S, self._poll_tick, loop)
+
+    def _poll_tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._poll_loop:  # a timer of a loop this manager no longer serves
+            return
+        self._poll_timer = None
+        if not self._streams:  # idle: the next request starts the timer again
+            return
+        for q in self._streams.values():
+            q.put_nowait(POLL)
+        self._poll_timer = loop.call_later(DISCONNECT_POLL_S, self._poll_tick, loop)
 
     def fail_pending(self, reason: object = WORKER_DIED) -> int:
         """Wake every waiting request with ``reason`` (WORKER_DIED: WorkerDied, SHUTTING_DOWN:
@@ -348,9 +379,9 @@ class HttpServerManager:
                        arrival: Optional[float] = None) -> AsyncIterator[ReqResult]:
         """Yield the growing result after each worker update; the last one has finish_reason set.
 
-        ``is_disconnected`` (an async callable) is polled every DISCONNECT_POLL_S, also while
-        tokens flow: when it says so the request is aborted and ClientDisconnected raised.
-        Streams pass None: Starlette cancels their generator when the client goes.
+        ``is_disconnected`` (an async callable) is polled every DISCONNECT_POLL_S (at each POLL),
+        also while tokens flow: when it says so the request is aborted and ClientDisconnected
+        raised. Streams pass None: Starlette cancels their generator when the client goes.
         ``arrival``: the ``time.monotonic()`` the HTTP server received the request (before its body
         was read and tokenized), where its time to first token and end-to-end latency start; now
         when None."""
@@ -369,27 +400,21 @@ class HttpServerManager:
         self.in_q.put(AddReq(req_id, prompt_ids, self._worker_params(params), self.eos_token_ids, budget))
         if self.throughput is not None:
             self.throughput.add_prompt(len(prompt_ids))
+        self._schedule_poll()
         try:
-            next_check = time.monotonic() + DISCONNECT_POLL_S
             while True:
-                try:
-                    u = await asyncio.wait_for(q.get(), timeout=DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    u = None
+                u = await q.get()
                 if u is WORKER_DIED:
                     raise self._worker_died()
                 if u is SHUTTING_DOWN:
                     raise ShuttingDown(f"the server is shutting down: this request did not finish in time "
                                        f"(--timeout_graceful_shutdown {self.args.timeout_graceful_shutdown:g} s)")
-                now = time.monotonic()
-                if u is None or now >= next_check:
-                    next_check = now + DISCONNECT_POLL_S
+                if u is POLL:
                     if is_disconnected is not None and await is_disconnected():
                         raise ClientDisconnected()
                     if not self.worker_alive():
                         raise self._worker_died()
-                    if u is None:
-                        continue
+                    continue
                 res.token_ids.extend(u.token_ids)
                 res.logprobs.extend(u.logprobs)
                 if params.top_logprobs:
@@ -422,6 +447,9 @@ class HttpServerManager:
 
     def _decode(self, token_ids: List[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _update_text(self, res: ReqResult, params: SamplingParams, detok: IncrementalDetokenizer) -> None:
         """Decode the new tokens, cut at the first stop string and end the tokens there; set what a
@@ -485,6 +513,9 @@ class HttpServerManager:
         if self._shut_down:
             return
         self._shut_down = True
+        if self._poll_timer is not None:
+            self._poll_timer.cancel()
+            self._poll_timer = None
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         for q in (self.in_q, self.out_q):  # the worker's stop, our reader's
             try:

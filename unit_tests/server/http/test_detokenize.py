@@ -266,6 +266,25 @@ def test_window_that_does_not_extend_its_prefix_falls_back_to_full_decodes():
     assert all(detok.prefix_text_len(ids, m) == len(tok.decode(ids[:m])) for m in range(len(ids) + 1))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_backend_decodes_only_where_it_equals_the_tokenizer(load_tokenizer, kind):
+    """The fast path: transformers' decode wrapper cost about 5x the Rust decode of a short window
+    (twice per update). The tokenizers backend is used only where it gives the tokenizer's text:
+    not for the WordPiece tokenizer whose decode cleans up spaces."""
+    tok = load_tokenizer(kind)
+    vocab = DetokenizerVocab.of(tok)
+    if kind == "smollm2":
+        assert vocab.backend is not None
+    if kind == "wordpiece_cleanup":
+        assert vocab.backend is None
+    rng = random.Random(7)
+    for _ in range(NUM_SEQUENCES):
+        ids = _random_ids(tok, rng)
+        for start in range(0, len(ids) + 1, 3):
+            assert vocab.decode(ids[start:]) == tok.decode(ids[start:], skip_special_tokens=True), ids[start:]
+    assert DetokenizerVocab.of(CountingTokenizer(tok)).backend is None  # not a transformers tokenizer
+
+
 # ---------------------------------------------------------------- the manager, against the old implementation
 
 def old_update_text(decode: Callable[[List[int]], str], res: ReqResult, params: SamplingParams) -> None:

@@ -456,6 +456,22 @@ def test_abandoned_non_streaming_request_is_aborted_within_a_second(tok, caplog)
                 or "CancelledError" in r.getMessage()]
 
 
+def test_abandoned_request_the_worker_does_not_answer_is_aborted_within_a_second(tok):
+    """The disconnect poll also runs while no update comes (one timer wakes every waiting request
+    each DISCONNECT_POLL_S, instead of a timeout on each wait for an update)."""
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    with scripted(Script(ids, interval_s=5.0)) as app:  # one update per message, then 5 s of silence
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(app.url + "/generate", timeout=0.5,
+                       json={"inputs": "Q", "parameters": {"max_new_tokens": 200, "ignore_eos": True}})
+        hung_up = time.monotonic()
+        while not app.worker.aborts and time.monotonic() - hung_up < 3:
+            time.sleep(0.05)
+        assert app.worker.aborts, "the request was never aborted"
+        assert app.worker.aborts[0][1] - hung_up < 1.2
+        assert app.manager.token_text(ids[0]) == tok.decode([ids[0]])
+
+
 def test_non_finite_logprobs_are_sent_as_null(tok):
     """Before: /generate answered 500 (JSON has no NaN) and /generate_stream sent "logprob": NaN."""
     ids = tok.encode(TEXT, add_special_tokens=False)
