@@ -75,6 +75,7 @@ READY_TIMEOUT_S = 300.0
 DUMP_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
 PROFILE_TOP = 35
+ARM_ATTEMPTS = 2
 FALLBACK_PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
                    "How many clips did Natalia sell altogether in April and May?")
 FALLBACK_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
@@ -514,6 +515,8 @@ def serve_main(config_path: str) -> None:
                    max_req_total_len=cfg["max_req_total_len"], running_max_req_size=cfg["running_max_req_size"],
                    mtp_mode="eagle_with_att" if cfg["tokens_per_step"] > 1 else None,
                    mtp_step=max(0, cfg["tokens_per_step"] - 1))
+    if cfg.get("timeout_request_header"):
+        args = replace(args, timeout_request_header=cfg["timeout_request_header"])
     sock = bind_socket(args.host, args.port, args.backlog)
     ctx = mp.get_context("spawn")
     in_q, out_q = ctx.Queue(), ctx.Queue()
@@ -643,6 +646,7 @@ def start_stack(args, workload: Workload, profile: bool, tmp: str, name: str) ->
            "worker_record_path": os.path.join(tmp, f"{name}.worker.json"),
            "probe_path": os.path.join(tmp, f"{name}.probe.json"),
            "ready_path": os.path.join(tmp, f"{name}.ready.json"),
+           "timeout_request_header": args.timeout_request_header,
            "profile": profile, "profile_cpu_clock": args.profile_clock == "cpu",
            "pstats_path": os.path.abspath(args.profile_pstats) if profile and args.profile_pstats else None}
     cfg_path = os.path.join(tmp, f"{name}.config.json")
@@ -833,6 +837,7 @@ def summarize(arm: str, args, client: List[dict], worker: dict, probe: dict, cpu
 
 def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False) -> dict:
     name = f"{arm}{'_profile' if profile else ''}"
+    os.makedirs(tmp, exist_ok=True)
     stack = start_stack(args, workload, profile, tmp, name)
     ok = False
     try:
@@ -864,6 +869,23 @@ def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False)
     row["loop"] = stack.loop
     row["profiled"] = profile
     return row
+
+
+def run_arm_retrying(arm: str, args, workload: Workload, tmp: str, profile: bool = False) -> dict:
+    """run_arm, once more after a connection error (seen now and then on a saturated 2-core host:
+    a client read of response headers fails; the row's ``attempts`` says it happened)."""
+    import httpx
+
+    for attempt in range(1, ARM_ATTEMPTS + 1):
+        try:
+            row = run_arm(arm, args, workload, os.path.join(tmp, f"attempt{attempt}"), profile)
+            row["attempts"] = attempt
+            return row
+        except (httpx.TransportError, RuntimeError) as e:
+            if attempt == ARM_ATTEMPTS:
+                raise
+            print(f"arm {arm}: attempt {attempt} failed ({type(e).__name__}: {e}); once more", file=sys.stderr,
+                  flush=True)
 
 
 # ---------------------------------------------------------------- report
@@ -981,6 +1003,8 @@ def parse_args(argv=None):
     p.add_argument("--gsm8k", default=None, help="GSM8K test.jsonl (default: the shared copy; else a built-in prompt)")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--keep_tmp", default=None, help="keep the processes' logs and records in this folder")
+    p.add_argument("--timeout_request_header", type=float, default=None,
+                   help="the HTTP process's --timeout_request_header (default: StartArgs')")
     p.add_argument("--_serve", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -1006,11 +1030,11 @@ def main(argv=None) -> None:
             print(f"arm {arm}: {args.num_requests} requests, concurrency {args.concurrency}, "
                   f"{args.max_new_tokens} new tokens, step {args.step_ms} ms x {args.tokens_per_step} tokens",
                   flush=True)
-            rows.append(run_arm(arm, args, workload, tmp))
+            rows.append(run_arm_retrying(arm, args, workload, tmp))
         if args.profile != "none":
             print(f"arm {args.profile} under cProfile", flush=True)
             profiled = argparse.Namespace(**{**vars(args), "num_requests": min(args.num_requests, args.profile_requests)})
-            rows.append(run_arm(args.profile, profiled, workload, tmp, profile=True))
+            rows.append(run_arm_retrying(args.profile, profiled, workload, tmp, profile=True))
     print()
     print_report(rows)
     meta = {"cpu_count": os.cpu_count(), "python": sys.version.split()[0],
