@@ -97,6 +97,8 @@ DEFINITIONS = {
     "itl_ms": "stream: per token after the first chunk, a chunk of n tokens g ms after the previous gives n "
               "samples of g / n (as the serving benchmark)",
     "loop_lag_ms": "how late the HTTP process's event loop woke from a 5 ms sleep",
+    "client_loop_lag_ms": "the same for the client's event loop (one client process); a client that lags "
+                          "holds pooled connections idle, which the server then closes (keep-alive, 5 s)",
     "cpu_cores": "CPU seconds / wall seconds over the timed window (psutil): the HTTP process in all, each of "
                  "its threads, the worker process, the client processes",
     "http_cpu_us_per_token": "the HTTP process's CPU microseconds per output token (all threads; main: the event "
@@ -494,6 +496,29 @@ def top_functions(stats, n: int = PROFILE_TOP) -> List[dict]:
     return rows[:n]
 
 
+def _log_server_closes(log) -> None:
+    """Log each connection the server closes on a timer (header deadline, keep-alive), and whether a
+    request was in flight on it then (a client would see a ReadError)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from lightllm.server.httpserver.serving import HeaderDeadlineProtocol
+
+    def wrap(cls, name: str, what: str) -> None:
+        original = getattr(cls, name)
+
+        def closing(self, *a, **kw):
+            cycle = getattr(self, "cycle", None)
+            busy = cycle is not None and not cycle.response_complete
+            log.warning("server closes a connection: %s (a request in flight: %s, %s)", what, busy,
+                        getattr(self, "client", None))
+            return original(self, *a, **kw)
+
+        setattr(cls, name, closing)
+
+    wrap(HeaderDeadlineProtocol, "_header_deadline_passed", "header deadline")
+    wrap(H11Protocol, "timeout_keep_alive_handler", "keep-alive timeout")
+
+
 def serve_main(config_path: str) -> None:
     """The HTTP process: api_start._launch_subprocesses with the fake worker."""
     with open(config_path) as f:
@@ -515,8 +540,9 @@ def serve_main(config_path: str) -> None:
                    max_req_total_len=cfg["max_req_total_len"], running_max_req_size=cfg["running_max_req_size"],
                    mtp_mode="eagle_with_att" if cfg["tokens_per_step"] > 1 else None,
                    mtp_step=max(0, cfg["tokens_per_step"] - 1))
-    if cfg.get("timeout_request_header"):
-        args = replace(args, timeout_request_header=cfg["timeout_request_header"])
+    for flag in ("timeout_request_header", "timeout_keep_alive"):
+        if cfg.get(flag):
+            args = replace(args, **{flag: cfg[flag]})
     sock = bind_socket(args.host, args.port, args.backlog)
     ctx = mp.get_context("spawn")
     in_q, out_q = ctx.Queue(), ctx.Queue()
@@ -537,6 +563,7 @@ def serve_main(config_path: str) -> None:
             super()._dispatch(updates, stats)
             probe.dispatches.append((t0, time.time() - t0))
 
+    _log_server_closes(log)
     manager = TimedManager(args, TimedInQueue(in_q, probe), TimedOutQueue(out_q, probe), ready, worker=workers)
     app = create_app(manager)
     server = make_server(app, manager, args)
@@ -646,7 +673,7 @@ def start_stack(args, workload: Workload, profile: bool, tmp: str, name: str) ->
            "worker_record_path": os.path.join(tmp, f"{name}.worker.json"),
            "probe_path": os.path.join(tmp, f"{name}.probe.json"),
            "ready_path": os.path.join(tmp, f"{name}.ready.json"),
-           "timeout_request_header": args.timeout_request_header,
+           "timeout_request_header": args.timeout_request_header, "timeout_keep_alive": args.timeout_keep_alive,
            "profile": profile, "profile_cpu_clock": args.profile_clock == "cpu",
            "pstats_path": os.path.abspath(args.profile_pstats) if profile and args.profile_pstats else None}
     cfg_path = os.path.join(tmp, f"{name}.config.json")
@@ -743,20 +770,42 @@ async def _generate_one(client, item) -> dict:
     return {"i": i, "sent": sent, "done": time.time(), "tokens": out["count_output_tokens"], "chunks": None}
 
 
-def run_client(arm: str, url: str, workload: Workload, n: int, concurrency: int, max_new_tokens: int,
-               seed_base: int, client_procs: int) -> List[dict]:
-    """n requests closed-loop at ``concurrency``; per request (by index): sent, done, tokens,
-    chunks [(time, tokens)] (stream), all on time.time()."""
-    from lightllm.tools.client import _bounded, completion_stream_body, generate_body, send_streamed
+async def _with_lag_probe(coro, lag: List[Tuple[float, float]]):
+    """Await ``coro`` while sampling this event loop's lag (as the HTTP process's) into ``lag``."""
+    async def probe():
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LAG_PROBE_S)
+            lag.append((time.time(), loop.time() - t - LAG_PROBE_S))
 
+    task = asyncio.ensure_future(probe())
+    try:
+        return await coro
+    finally:
+        task.cancel()
+
+
+def run_client(arm: str, url: str, workload: Workload, n: int, concurrency: int, max_new_tokens: int,
+               seed_base: int, client_procs: int, lag: Optional[List[Tuple[float, float]]] = None) -> List[dict]:
+    """n requests closed-loop at ``concurrency``; per request (by index): sent, done, tokens,
+    chunks [(time, tokens)] (stream), all on time.time(). ``lag``: the client loop's lag samples
+    (one client process only: send_streamed's own loop for one process, as it runs it)."""
+    from lightllm.tools.client import _bounded, _streamed, completion_stream_body, generate_body, send_streamed
+
+    lag = [] if lag is None else lag
     texts = workload.prompts[:n] if len(workload.prompts) >= n else [workload.prompts[i % len(workload.prompts)]
                                                                      for i in range(n)]
     if arm == "generate":
         bodies = [generate_body(t, max_new_tokens, seed=seed_base + i) for i, t in enumerate(texts)]
-        return asyncio.run(_bounded(url, list(enumerate(bodies)), concurrency, None, _generate_one))
+        return asyncio.run(_with_lag_probe(_bounded(url, list(enumerate(bodies)), concurrency, None, _generate_one),
+                                           lag))
     bodies = [completion_stream_body(t, max_new_tokens, seed=seed_base + i) for i, t in enumerate(texts)]
     offset = time.time() - time.perf_counter()  # perf_counter is CLOCK_MONOTONIC, one clock for all processes
-    traces = send_streamed(url, bodies, concurrency, procs=client_procs)
+    if client_procs <= 1:  # send_streamed's one-process path, with the probe
+        traces = asyncio.run(_with_lag_probe(_bounded(url, bodies, concurrency, None, _streamed), lag))
+    else:
+        traces = send_streamed(url, bodies, concurrency, procs=client_procs)
     return [{"i": i, "sent": tr.sent_s + offset, "done": tr.done_s + offset, "tokens": tr.output_tokens,
              "chunks": [(a + offset, k) for a, k in tr.chunks]} for i, tr in enumerate(traces)]
 
@@ -848,8 +897,9 @@ def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False)
         stack.proc.send_signal(signal.SIGUSR1)
         time.sleep(0.2)  # the handler runs (and the profiles' base snapshot is taken) before the run
         before = clock.read()
+        client_lag: List[Tuple[float, float]] = []
         client = run_client(arm, stack.url, workload, args.num_requests, args.concurrency, args.max_new_tokens, 0,
-                            args.client_procs)
+                            args.client_procs, client_lag)
         after = clock.read()
         probe_path = os.path.join(tmp, f"{name}.probe.json")
         stack.proc.send_signal(signal.SIGUSR2)
@@ -866,6 +916,7 @@ def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False)
     names = {k: thread_group(v) for k, v in names.items()}
     cpu = CpuClock.cores(before, after, names)
     row = summarize(arm, args, client, worker, probe, cpu)
+    row.update(percentiles("client_loop_lag_ms", [x for _, x in client_lag], (50, 99, 100), scale=1e3))
     row["loop"] = stack.loop
     row["profiled"] = profile
     return row
@@ -908,6 +959,8 @@ COLUMNS = [
     Column("egress_handover_ms_p50", "handover p50", ".2f"),
     Column("egress_loop_to_client_ms_p50", "loop->client p50", ".1f"),
     Column("loop_lag_ms_p99", "lag p99", ".1f"),
+    Column("client_loop_lag_ms_p99", "client lag p99", ".1f"),
+    Column("client_loop_lag_ms_p100", "max", ".0f"),
     Column("http_cores", "HTTP cores", ".2f"),
     Column("http_cpu_us_per_token", "HTTP us/tok", ".0f"),
     Column("http_main_cpu_us_per_token", "loop us/tok", ".0f"),
@@ -1005,6 +1058,8 @@ def parse_args(argv=None):
     p.add_argument("--keep_tmp", default=None, help="keep the processes' logs and records in this folder")
     p.add_argument("--timeout_request_header", type=float, default=None,
                    help="the HTTP process's --timeout_request_header (default: StartArgs')")
+    p.add_argument("--timeout_keep_alive", type=float, default=None,
+                   help="the HTTP process's --timeout_keep_alive (default: StartArgs')")
     p.add_argument("--_serve", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
