@@ -70,6 +70,10 @@ class RowsBatch:
     def last_row(self, item: int) -> int:
         return self.first_row[item] + self.items[item].n - 1
 
+    def sampled_rows(self, sampled_items: Sequence[int]) -> List[int]:
+        """The rows a step samples: every decode row, then the last row of each sampled item."""
+        return list(range(self.num_decode_rows)) + [self.last_row(i) for i in sampled_items]
+
 
 def token_ladder(max_tokens: int) -> GraphLadder:
     """Powers of two below ``max_tokens``, then ``max_tokens``."""
@@ -188,7 +192,7 @@ class StepRows:
         the last row of each sampled item) as indices into ``forward``'s logits."""
         if batch.size is None:  # items layout: the forward computed exactly these, in this order
             return torch.arange(batch.num_decode_rows + len(sampled_items), device=self.device)
-        return to_device(list(range(batch.num_decode_rows)) + [batch.last_row(i) for i in sampled_items], self.device)
+        return to_device(batch.sampled_rows(sampled_items), self.device)
 
     # ---- forward ----
     def _inputs(self, rows: int) -> torch.Tensor:
@@ -215,13 +219,8 @@ class StepRows:
             input_ids=self._inputs(batch.num_rows), mem_indexes=self.mem_indexes[:batch.num_rows],
             b_req_idx=to_device([it.req_idx for it in batch.items], dev, torch.int32),
             b_seq_len=seq.to(dev), is_prefill=True, b_ready_cache_len=starts.to(dev), b_seq_len_cpu=seq,
-            b_ready_cache_len_cpu=starts, logit_rows=self.logit_rows_host(batch, sampled_items).to(dev),
+            b_ready_cache_len_cpu=starts, logit_rows=to_device(batch.sampled_rows(sampled_items), dev),
         )
-
-    @staticmethod
-    def logit_rows_host(batch: RowsBatch, sampled_items: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(range(batch.num_decode_rows)) + [batch.last_row(i) for i in sampled_items],
-                            dtype=torch.int64)
 
     def _capture_one(self, size: int) -> None:
         self.stage([], torch.zeros(0, dtype=torch.int64), size)

@@ -107,7 +107,7 @@ def test_stage_lays_out_decode_rows_then_chunks_hand_computed(tiny):
     assert rows.b_mtp_index[:9].tolist() == [0, 1, 2, 0, 1, 2, 0, 0, 0]  # prefill rows: staged inputs
     assert rows.staged_ids[:9].tolist() == [GATHER_INPUT] * 6 + [15, 16, 17]
     assert rows.mem_indexes[:9].tolist() == list(range(100, 109))
-    assert rows.logit_rows_host(batch, [2]).tolist() == [0, 1, 2, 3, 4, 5, 8]
+    assert batch.sampled_rows([2]) == [0, 1, 2, 3, 4, 5, 8]
     with pytest.raises(ValueError, match="decode items come before"):
         rows.stage([RowItem(1, 4, 3, prompt), RowItem(0, 5, 3)], torch.arange(6))
 
