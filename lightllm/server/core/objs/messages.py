@@ -70,6 +70,9 @@ class ReqStepUpdate:
     # first scheduled step); set on every update once admitted, None before (a request refused or
     # failed before admission never has one). /metrics: lightllm_request_queue_time_seconds.
     queue_time_s: Optional[float] = field(default=None, compare=False)
+    # Prompt tokens whose KV came from the prompt cache (not prefilled); 0 with the cache off.
+    # The OpenAI responses' usage.prompt_tokens_details.cached_tokens.
+    prompt_cached_tokens: int = 0
 
     def copy_totals_to(self, target) -> None:
         """The request's state after this step (finish reason, error, running totals) onto ``target``."""
@@ -144,6 +147,22 @@ class StepTiming:
             self.mixed_decode_reqs += decoded_reqs * steps
 
 
+@dataclass(frozen=True)
+class PromptCacheStats:
+    """The prompt cache (radix tree) of the driver rank: its size now and counts since start."""
+
+    cached_tokens: int  # tokens the tree holds now (each shared slot once)
+    hit_tokens_total: int  # prompt tokens admitted requests took from the tree
+    computed_tokens_total: int  # prompt tokens admitted requests had to prefill
+    evicted_tokens_total: int  # tokens evicted to make room in the KV pool
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from the cache (0 before any admission)."""
+        total = self.hit_tokens_total + self.computed_tokens_total
+        return self.hit_tokens_total / total if total else 0.0
+
+
 @dataclass
 class WorkerStats:
     """Sent with every batch of updates: the worker's load."""
@@ -152,6 +171,7 @@ class WorkerStats:
     running_reqs: int
     waiting_reqs: int
     timing: StepTiming
+    prompt_cache: Optional[PromptCacheStats] = None  # None: --disable_dynamic_prompt_cache
     # The router's time.monotonic() when it sent the message (built right before it is put): the
     # engine-side timestamp of the updates' tokens. Only differences of two of them are used (the
     # inter-token latency of one request), never compared with the HTTP process's clock.
