@@ -36,9 +36,35 @@ waits for its first token: SERVING_DEFINITIONS), and the engine's decode clock f
 (mean decode batch, ms per decode step). Ratios are to the first arm. Writes
 ``docs/data/perf/serving.json`` by default.
 
+``--prefix_cache``: the radix prompt cache (``run_prefix_cache``; the workloads, client and rows are
+``benchmarks/prefix_cache_workloads.py``). Two arms, cache on (the default server) and cache off
+(``--disable_dynamic_prompt_cache``), each its own server with the section's flags, then
+``--server_args``, then the arm's flag; ``--rounds`` rounds of on, off (``--prefix_arms``), so drift
+shows between rounds. Every request is greedy with ``ignore_eos`` (the same lengths in both arms) and
+streamed; TTFT is the first read that brings text. Per round and arm one server runs, one after the
+other: (1) chat: ``--conversations`` (32) conversations at once, ``--turns`` (8) turns each, a
+``--system_tokens`` (1000) system prompt (GSM8K train text cut to the count), each user message a
+GSM8K test question, each reply (``--prefix_new_tokens``, 64) the history of the next turn, via
+``/v1/chat/completions``: TTFT p50/p99 of turn 1 and of turns 2.., output tok/s, hit rates (usage
+``cached_tokens`` / ``prompt_tokens``, and /metrics ``lightllm_prompt_cache_hit_tokens_total`` over
+hit + computed), on/off ratios and the targets (TTFT p50 of turns 2.. <= 25% of off's; tok/s >= 1.5x);
+(2) doc: ``--doc_questions`` (64) questions after one ``--doc_tokens`` (3000) document at
+``--doc_concurrency`` (16); (3) resend: a ``--resend_tokens`` (6000) prompt sent once, then
+``--resend_times`` (5) times with ``--resend_new_tokens`` (50) different tokens appended, 1 new token
+each, one at a time via ``/v1/completions``: the resends' median TTFT beside the first send's (target
+<= 15 ms). The server's ``--max_req_total_len`` is set to fit the longest request. Then (4) pressure,
+on servers of their own: ``--pressure_conversations`` (128) conversations of ``--pressure_turns`` (3)
+turns and ``--pressure_new_tokens`` (16) replies in a KV pool of ``--pressure_kv_tokens`` (default:
+a tenth of the pool these servers get by default, running_max_req_size x (max_req_total_len +
+mtp_step)): every request must succeed in both arms, the reply texts equal turn by turn, and the
+cache-on arm evict (``lightllm_prompt_cache_evicted_tokens_total`` > 0). Writes
+``docs/data/perf/prefix_cache.json`` by default.
+
     python benchmarks/bench_e2e_throughput.py --long_context
 
     python benchmarks/bench_e2e_throughput.py --serving --gsm8k .data/test.jsonl
+
+    python benchmarks/bench_e2e_throughput.py --prefix_cache --rounds 2
 
     python benchmarks/bench_e2e_throughput.py --ignore_eos --out e2e.json \\
         --configs "plain=;mtp_k3=--mtp_mode eagle_with_att --mtp_step 3"
