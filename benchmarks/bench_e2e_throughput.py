@@ -1056,7 +1056,8 @@ def _resend(url: str, work: pcw.PrefixWorkloads, desc: str) -> Tuple[List[List[p
     return [first + rest], w0 + w1
 
 
-def prefix_warm_texts(tok, texts: Sequence[str], questions: Sequence[str], lens: Sequence[int], short: int) -> List[str]:
+def prefix_warm_texts(tok, texts: Sequence[str], questions: Sequence[str], lens: Sequence[int],
+                      short: int) -> List[str]:
     """Untimed prompts: one per workload length (each its own GSM8K train text, sharing no prefix
     with the workloads or each other past the template's first tokens), then ``short`` GSM8K questions."""
     out = [exact_length_prompt_text(tok, n, texts, pcw.WARM_START + 300 * j)[0] for j, n in enumerate(lens)]
@@ -1101,7 +1102,8 @@ def run_prefix_cache(args) -> Dict[str, object]:
             "pressure": pcw.conversation_max_len(tok, work.system_tokens, work.pressure_turns,
                                                  args.pressure_new_tokens) + args.pressure_new_tokens}
     main_len = auto_max_req_total_len([need[w] for w in main_workloads] or [1], 0)
-    main_flags = wave_server_flags(None, max(args.conversations, args.doc_concurrency), main_len) + list(shared)
+    running = max([args.conversations if "chat" in selected else 1, args.doc_concurrency if "doc" in selected else 1])
+    main_flags = wave_server_flags(None, running, main_len) + list(shared)
     pressure_len = auto_max_req_total_len([need["pressure"]], 0)
     pressure_flags = wave_server_flags(None, args.pressure_conversations, pressure_len) + list(shared)
     ns = parser.parse_args(pressure_flags)  # --server_args may change the running size, lengths, MTP

@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -220,7 +221,8 @@ def cache_counters(grown: Optional[MetricsPage]) -> Dict[str, Optional[float]]:
 
 
 def cache_gauges(page: Optional[MetricsPage]) -> Dict[str, Optional[float]]:
-    return {name: (page.samples.get((name, ())) if page is not None else None) for name in (CACHE_TOKENS, CACHE_HIT_RATE)}
+    return {name: (page.samples.get((name, ())) if page is not None else None)
+            for name in (CACHE_TOKENS, CACHE_HIT_RATE)}
 
 
 def kv_pool_from_log(log_text: str) -> Optional[int]:
@@ -261,19 +263,19 @@ def arm_row(name: str, runs: Sequence[ArmRun]) -> Dict[str, object]:
         return ratio(float(sum(r.cached_tokens or 0 for r in chosen)), float(sum(r.prompt_tokens for r in chosen)))
 
     hit, computed, evicted = (_sum_known([run.counters.get(n) for run in runs]) for n in CACHE_COUNTERS)
-    later = ttfts(lambda t: t >= 1)
+    first, later = ttfts(lambda t: t == 0), ttfts(lambda t: t >= 1)
     row: Dict[str, object] = {
         "arm": name, "rounds": len(runs), "requests": len(flat), "failed": len(flat) - len(ok),
-        "finish_reasons": dict(sorted({str(r.finish_reason): 0 for _, r in flat}.items())),
-        "http_statuses": {}, "wall_s": wall, "output_tokens": out_tokens,
+        "finish_reasons": dict(sorted(Counter(str(r.finish_reason) for _, r in flat).items())),
+        "http_statuses": dict(sorted(Counter(str(r.status) for _, r in flat).items())),
+        "wall_s": wall, "output_tokens": out_tokens,
         "output_tok_s": out_tokens / wall if wall > 0 else None,
         "prompt_tokens": sum(r.prompt_tokens for _, r in ok),
         "cached_tokens": sum(r.cached_tokens or 0 for _, r in ok),
         **percentile_fields("ttft_ms", ttfts(lambda t: True)),
-        **percentile_fields("ttft_turn1_ms", ttfts(lambda t: t == 0)),
-        **percentile_fields("ttft_later_ms", later),
+        **percentile_fields("ttft_turn1_ms", first), **percentile_fields("ttft_later_ms", later),
+        "ttft_turn1_ms_median": float(np.median(first)) if first else None,
         "ttft_later_ms_median": float(np.median(later)) if later else None,
-        "ttft_turn1_ms_median": (float(np.median(ttfts(lambda t: t == 0))) if ttfts(lambda t: t == 0) else None),
         "usage_hit_rate": hit_rate(lambda t: True), "usage_hit_rate_later": hit_rate(lambda t: t >= 1),
         "metrics_hit_tokens": hit, "metrics_computed_tokens": computed, "metrics_evicted_tokens": evicted,
         "metrics_hit_rate": ratio(hit, (hit or 0) + (computed or 0)) if hit is not None else None,
@@ -281,9 +283,6 @@ def arm_row(name: str, runs: Sequence[ArmRun]) -> Dict[str, object]:
         "metrics_hit_rate_gauge_after": runs[-1].gauges.get(CACHE_HIT_RATE),
         "errors": sorted({r.error for _, r in flat if r.error})[:5],
     }
-    for _, r in flat:
-        row["finish_reasons"][str(r.finish_reason)] += 1
-        row["http_statuses"][str(r.status)] = row["http_statuses"].get(str(r.status), 0) + 1
     return row
 
 

@@ -8,7 +8,6 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from lightllm.tools.prompts import chat_prompt_texts
 from lightllm.tools.report import render_table
 from lightllm.utils.server_launcher import MetricsPage
 
@@ -149,7 +148,8 @@ def test_streamed_chat_reply_text_usage_and_cached_tokens():
     assert not refused.ok and refused.status == 400 and "bad max_tokens" in refused.error
 
     def failing(request):
-        return httpx.Response(200, content=_sse({"error": {"message": "worker died", "code": 500}}) + b"data: [DONE]\n\n")
+        return httpx.Response(200, content=_sse({"error": {"message": "worker died", "code": 500}})
+                              + b"data: [DONE]\n\n")
 
     failed = asyncio.run(run(failing, pcw.COMPLETIONS_PATH, pcw.completion_body("hi", 1)))
     assert not failed.ok and failed.error == "worker died" and failed.ttft_s is None
