@@ -283,6 +283,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--prompt_cache", action="store_true",
+                   help="keep the server's prompt cache on (off by default: the interleaved arms resend the same "
+                        "questions, so later arms would skip their prefills)")
     p.add_argument("--server_args", default="", help="more server flags (one string, shell-quoted), e.g. "
                    "--disable_mixed_steps for the alternating schedule")
     a = p.parse_args(argv)
@@ -307,6 +310,8 @@ def main(argv=None) -> int:
     asd = AsdSetting(BASELINE_BUDGET, args.local_ratio, args.max_mismatch)
     flags = (wave_server_flags(model_dir, args.concurrency, max_len)
              + server_flags(mtp_mode=args.mtp_mode, mtp_step=args.mtp_step, **asd.start_args())
+             # the arms resend the same questions: without this, later arms would prefill from the cache
+             + ([] if args.prompt_cache else ["--disable_dynamic_prompt_cache"])
              + shlex.split(args.server_args))
     log = os.path.join(tempfile.mkdtemp(prefix="bench_asd_budgets_"), "server.log")
     print(f"{len(prompts)} questions, budgets {args.budgets}, {args.rounds} rounds; server log {log}", flush=True)

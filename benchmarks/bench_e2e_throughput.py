@@ -469,7 +469,7 @@ def run_matrix(args) -> List[dict]:
                 continue
             eng = OfflineEngine(StartArgs(model_dir=model_dir, load_format=load_format, **MATRIX_MODES[mode],
                                           running_max_req_size=max(batches), max_req_total_len=1024,
-                                          disable_cudagraph=args.disable_cudagraph))
+                                          disable_cudagraph=args.disable_cudagraph, disable_dynamic_prompt_cache=True))
             for batch in batches:
                 def wave_prompts(w: int) -> List[List[int]]:  # wave w's own slice of the prompts
                     return [all_prompts[(w * batch + i) % len(all_prompts)] for i in range(batch)]
@@ -688,7 +688,9 @@ def run_long_context(args) -> Dict[str, object]:
         eng = OfflineEngine(StartArgs(model_dir=model_dir, load_format=load_format,
                                       running_max_req_size=LONG_WAVE_REQUESTS if with_waves else 1,
                                       max_req_total_len=auto_max_req_total_len(lens + wave_lens, args.max_new_tokens),
-                                      disable_cudagraph=args.disable_cudagraph))
+                                      disable_cudagraph=args.disable_cudagraph,
+                                      # prefill speed: every prompt from token 0 (repeats are not served from cache)
+                                      disable_dynamic_prompt_cache=True))
         engine_args[model] = {"max_req_total_len": eng.args.max_req_total_len,
                               "batch_max_tokens": eng.args.batch_max_tokens}
         first_token = _engine_first_token(eng)

@@ -52,6 +52,7 @@ def main():
                                   max_req_total_len=a.prompt_len + LEN_HEADROOM,
                                   batch_max_tokens=max(65536, a.prompt_len + LEN_HEADROOM),
                                   disable_cudagraph=a.disable_cudagraph, graph_max_prefill_tokens=a.graph_max_prefill_tokens,
+                                  disable_dynamic_prompt_cache=True,
                                   enable_deterministic_inference=a.enable_deterministic_inference,
                                   disable_overlap_schedule=a.disable_overlap_schedule, **mtp))
     router = eng.router

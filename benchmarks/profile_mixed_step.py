@@ -64,7 +64,9 @@ def main(argv=None) -> int:
     prompts = chat_prompt_ids(tok, questions)
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=args.mtp_step) if args.mtp_step else {}
     start = StartArgs(running_max_req_size=args.concurrency, max_req_total_len=1024,
-                      disable_mixed_steps=args.disable_mixed_steps, **mtp)
+                      disable_mixed_steps=args.disable_mixed_steps,
+                      disable_dynamic_prompt_cache=True,  # the rounds resend the same prompts: prefill them all
+                      **mtp)
     eng = OfflineEngine(start, device="cuda", dtype="bfloat16")
     sync = torch.cuda.synchronize
     warm = [{"max_new_tokens": 8}] * min(len(prompts), args.concurrency)

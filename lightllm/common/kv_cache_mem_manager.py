@@ -8,8 +8,11 @@ Vocabulary:
   nothing real is ever read back from it.
 
 The free list lives on the host, so alloc/free never synchronize with the GPU.
+
+A reclaimer (the prompt cache, ``Reclaimer``) may hold slots it can give back: ``alloc`` asks it for
+room before it fails, so every allocation site sees cached slots as free ones.
 """
-from typing import List, Union
+from typing import Callable, List, Optional, Protocol, Union
 
 import torch
 
@@ -19,6 +22,15 @@ NUM_HOLD_SLOTS = 1
 
 class KvCacheOutOfMemory(RuntimeError):
     """Raised when more slots are asked for than are free."""
+
+
+class Reclaimer(Protocol):
+    """Holds slots it can free on demand (``RadixCache``)."""
+
+    @property
+    def evictable_tokens(self) -> int: ...
+
+    def evict(self, num_tokens: int, free_fn: Callable[[torch.Tensor], None]) -> int: ...
 
 
 class MemoryManager:
@@ -36,6 +48,7 @@ class MemoryManager:
         buffer_shape = (layer_num, size + NUM_HOLD_SLOTS, head_num, head_dim)
         self.k_buffer = torch.zeros(buffer_shape, dtype=dtype, device=self.device)
         self.v_buffer = torch.zeros(buffer_shape, dtype=dtype, device=self.device)
+        self.reclaimer: Optional[Reclaimer] = None  # set by the prompt cache
         self._init_free_list()
 
     def _init_free_list(self) -> None:
@@ -47,12 +60,21 @@ class MemoryManager:
 
     @property
     def can_use_mem_size(self) -> int:
+        """Slots free now."""
         return self.size - self._num_used
+
+    @property
+    def available_size(self) -> int:
+        """Slots an ``alloc`` can hand out: free ones and those the reclaimer can give back."""
+        extra = self.reclaimer.evictable_tokens if self.reclaimer is not None else 0
+        return self.can_use_mem_size + extra
 
     def alloc(self, need_size: int) -> torch.Tensor:
         """Returns ``need_size`` distinct free slots, int64 on the CPU."""
         if need_size < 0:
             raise ValueError(f"need_size must be >= 0, got {need_size}")
+        if need_size > self.can_use_mem_size and self.reclaimer is not None:
+            self.reclaimer.evict(need_size - self.can_use_mem_size, self.free)
         if need_size > self.can_use_mem_size:
             raise KvCacheOutOfMemory(
                 f"KV cache out of memory: need {need_size} slots, {self.can_use_mem_size} of {self.size} free"

@@ -226,6 +226,14 @@ class RadixCache:
         self._push_if_evictable(node)
         return cached
 
+    def insert_request(self, tokens: Tokens, slots: Slots, owned_from: int) -> torch.Tensor:
+        """``insert`` for a request that is done: ``slots[:owned_from]`` are the tree's own (its
+        locked match), the rest its own. Returns the own slots the tree did not take (duplicates of
+        KV another request cached meanwhile): the caller frees them."""
+        values = _as_slots(slots)
+        cached = self.insert(tokens, values)
+        return values[owned_from:max(cached, owned_from)].clone()
+
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut ``node`` after its first ``at`` tokens (0 < at < len); returns the new upper half.
 
@@ -261,6 +269,15 @@ class RadixCache:
                 self._locked_tokens += len(walk.key)
             walk.ref_count += 1
             walk = walk.parent
+
+    def lock_cost(self, node: TreeNode) -> int:
+        """Tokens ``inc_ref(node)`` would add to ``locked_tokens`` (those of unlocked nodes on its path)."""
+        cost, walk = 0, node
+        while walk is not None:
+            if walk.ref_count == 0:
+                cost += len(walk.key)
+            walk = walk.parent
+        return cost
 
     def dec_ref(self, node: TreeNode) -> None:
         """Undo one ``inc_ref(node)``. Raises, changing nothing, when ``node`` holds no lock."""

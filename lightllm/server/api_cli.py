@@ -95,6 +95,11 @@ def make_argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable_mixed_steps", action="store_true", default=d.disable_mixed_steps,
                    help="Run prefill chunks in steps of their own, alternating with decode steps, instead of in "
                         "the same forward as every running request's decode rows (docs/decode_step.md).")
+    p.add_argument("--disable_dynamic_prompt_cache", action="store_true", default=d.disable_dynamic_prompt_cache,
+                   help="Prefill every prompt from token 0. By default the KV of prompts (and outputs) already "
+                        "seen is kept in a radix tree and a new prompt prefills only what follows its longest "
+                        "cached prefix (LightLLM's dynamic prompt cache; off with --dp above 1; "
+                        "docs/prompt_cache.md).")
     p.add_argument("--disable_overlap_schedule", action="store_true", default=d.disable_overlap_schedule,
                    help="One rank, decoding without MTP: launch each decode step only after the host has "
                         "committed the previous one. By default the next step of the same requests is launched "

@@ -620,7 +620,8 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         return out
 
     def _details(res: ReqResult) -> Dict[str, Any]:
-        return {**_asd_fields(res), "prompt_tokens": res.prompt_tokens, "count_output_tokens": len(res.token_ids)}
+        return {**_asd_fields(res), "prompt_tokens": res.prompt_tokens, "prompt_cached_tokens": res.prompt_cached_tokens,
+                "count_output_tokens": len(res.token_ids)}
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -635,6 +636,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             "count_output_tokens": len(res.token_ids),
             "finish_reason": res.finish_reason,
             "prompt_tokens": res.prompt_tokens,
+            "prompt_cached_tokens": res.prompt_cached_tokens,
             **_asd_fields(res),
         }
         if params.return_details:
@@ -676,10 +678,16 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def _usage(results: List[ReqResult]) -> Dict[str, int]:
-        """OpenAI usage: the prompt once, the completion tokens of every choice."""
+    def _usage(results: List[ReqResult]) -> Dict[str, Any]:
+        """OpenAI usage: the prompt once, the completion tokens of every choice, and of the prompt
+        the tokens served from the prompt cache (OpenAI's prompt_tokens_details.cached_tokens)."""
         prompt, n = results[0].prompt_tokens, sum(len(r.token_ids) for r in results)
-        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+        # The prompt counts once, as prompt_tokens: each choice is its own engine request and may
+        # find a different share of it cached (the later ones often the first one's prefill), so
+        # the fewest any choice found, the same whatever order the choices were admitted in.
+        cached = min(r.prompt_cached_tokens for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _asd_total(results: List[ReqResult]) -> Dict[str, Any]:
         fields = [_asd_fields(r) for r in results]

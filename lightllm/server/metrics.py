@@ -1,6 +1,7 @@
 """Prometheus metrics of the HTTP server (one registry per server), and the periodic throughput
 line of the log (``ThroughputLog``)."""
 import time
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,6 +29,27 @@ DECODE_BATCH_LABEL = "batch"
 # Draft depth (1..K) of a proposal, for drafts that report a confidence per proposal (dspark).
 DEPTH_LABEL = "depth"
 CONFIDENCE_BUCKETS = tuple(i / 10 for i in range(1, 11))
+
+
+@dataclass(frozen=True)
+class PromptCacheTotals:
+    """The cumulative totals of one ``PromptCacheStats`` (all 0 before the first)."""
+
+    hit: int = 0
+    computed: int = 0
+    evicted: int = 0
+
+    @classmethod
+    def of(cls, cache) -> "PromptCacheTotals":
+        return cls(cache.hit_tokens_total, cache.computed_tokens_total, cache.evicted_tokens_total)
+
+
+def increase(last: int, total: int) -> int:
+    """How much a worker's cumulative ``total`` grew since ``last``. A total below the last one
+    means the worker started counting again (a reset): all of it is new, as Prometheus' rate()
+    treats a counter reset, so a counter fed with this never goes backwards (nor raises on a
+    nonsensical negative total)."""
+    return total - last if total >= last else max(total, 0)
 
 
 class ServerMetrics:
@@ -120,6 +142,25 @@ class ServerMetrics:
             "lightllm_mtp_draft_depth_accepted", "Verified draft tokens that were committed, by depth "
             "(acceptance = this / lightllm_mtp_draft_confidence_count)", [DEPTH_LABEL], registry=r
         )
+        # The prompt cache (radix tree) of the driver rank. Registered whatever the flags, as the MTP
+        # and ASD series are: the page has the same names on every server (dashboards, the client's
+        # name table); with --disable_dynamic_prompt_cache they stay 0.
+        self.prompt_cache_tokens = Gauge("lightllm_prompt_cache_tokens", "Tokens the prompt cache holds", registry=r)
+        self.prompt_cache_hit_tokens = Counter(
+            "lightllm_prompt_cache_hit_tokens", "Prompt tokens taken from the prompt cache", registry=r
+        )
+        self.prompt_tokens_computed = Counter(
+            "lightllm_prompt_tokens_computed", "Prompt tokens prefilled (not found in the prompt cache)", registry=r
+        )
+        self.prompt_cache_evicted_tokens = Counter(
+            "lightllm_prompt_cache_evicted_tokens", "Tokens evicted from the prompt cache", registry=r
+        )
+        self.prompt_cache_hit_rate = Gauge(
+            "lightllm_prompt_cache_hit_rate", "Share of admitted prompt tokens taken from the prompt cache "
+            "(the worker's, since its start)", registry=r
+        )
+        # the worker's cumulative totals at its last stats message: the counters advance by the increase
+        self._cache_totals = PromptCacheTotals()
         self._steps = 0
         self._step_tokens = 0
 
@@ -152,6 +193,17 @@ class ServerMetrics:
         self.mixed_step_seconds.inc(stats.timing.mixed_seconds)
         self.mixed_steps.inc(stats.timing.mixed_steps)
         self.mixed_step_decode_requests.inc(stats.timing.mixed_decode_reqs)
+        if stats.prompt_cache is not None:  # None: the cache is off, its series stay 0
+            self.observe_prompt_cache(stats.prompt_cache)
+
+    def observe_prompt_cache(self, cache) -> None:
+        """One ``PromptCacheStats``: the gauges take its values, the counters its totals' increase."""
+        self.prompt_cache_tokens.set(cache.cached_tokens)
+        self.prompt_cache_hit_rate.set(cache.hit_rate)
+        last, self._cache_totals = self._cache_totals, PromptCacheTotals.of(cache)
+        self.prompt_cache_hit_tokens.inc(increase(last.hit, self._cache_totals.hit))
+        self.prompt_tokens_computed.inc(increase(last.computed, self._cache_totals.computed))
+        self.prompt_cache_evicted_tokens.inc(increase(last.evicted, self._cache_totals.evicted))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

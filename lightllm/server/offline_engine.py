@@ -32,6 +32,7 @@ class GenResult:
     asd_relaxed_token_num: int = 0
     asd_regret_spent: float = 0.0
     error: Optional[str] = None  # set with finish_reason "error": why the worker failed the request
+    prompt_cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
 
 
 class OfflineEngine:
@@ -115,6 +116,7 @@ class OfflineEngine:
                 if u.draft_confidence is not None:
                     r.draft_confidences.append(u.draft_confidence)
                 u.copy_totals_to(r)
+                r.prompt_cached_tokens = u.prompt_cached_tokens
                 if u.finish_reason is not None:
                     bar.update(1)
             if on_step is not None:

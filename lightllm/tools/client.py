@@ -352,6 +352,12 @@ MTP_ACCEPT_LEN = _sample_name(_NAMES.mtp_accept_len)  # a histogram
 REQUEST_COUNT = _sample_name(_NAMES.requests)  # label: finish_reason
 RUNNING_REQUESTS = _sample_name(_NAMES.running_reqs)
 KV_USED_TOKENS = _sample_name(_NAMES.kv_used_tokens)
+# the prompt cache: tokens held now, hit / prefilled / evicted tokens since start, the worker's hit rate
+PROMPT_CACHE_TOKENS = _sample_name(_NAMES.prompt_cache_tokens)
+PROMPT_CACHE_HIT_TOKENS = _sample_name(_NAMES.prompt_cache_hit_tokens)
+PROMPT_TOKENS_COMPUTED = _sample_name(_NAMES.prompt_tokens_computed)
+PROMPT_CACHE_EVICTED_TOKENS = _sample_name(_NAMES.prompt_cache_evicted_tokens)
+PROMPT_CACHE_HIT_RATE = _sample_name(_NAMES.prompt_cache_hit_rate)
 
 
 def free_device_memory() -> None:

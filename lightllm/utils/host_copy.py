@@ -11,8 +11,9 @@ import torch
 
 
 def to_device(values: Sequence, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``values`` as a ``dtype`` tensor on ``device``, queued on the current stream (CUDA: via pinned memory)."""
-    host = torch.tensor(values, dtype=dtype)
+    """``values`` (a sequence or a host tensor) as a ``dtype`` tensor on ``device``, queued on the current
+    stream (CUDA: via pinned memory)."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -113,6 +113,9 @@ class ReqResult:
     """Everything a finished (or streaming) request has produced so far."""
 
     prompt_tokens: int
+    # prompt tokens whose KV came from the prompt cache, as the latest update says (0 before
+    # admission and with the cache off)
+    prompt_cached_tokens: int = 0
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     # per token, its (id, log-prob) alternatives, most likely first: only when the request asked
@@ -421,6 +424,7 @@ class HttpServerManager:
                     tops = u.top_logprobs if u.top_logprobs is not None else [[] for _ in u.token_ids]
                     res.top_logprobs.extend(tops)
                 u.copy_totals_to(res)
+                res.prompt_cached_tokens = u.prompt_cached_tokens
                 self._update_text(res, params, detok)
                 if res.finish_reason is not None:
                     finished = True

@@ -24,7 +24,7 @@ from typing import Callable, List, Optional
 from lightllm.common.req_manager import ReqParamsError
 # the messages to and from the HTTP process (re-exported here for older imports)
 from lightllm.server.core.objs.messages import (  # noqa: F401
-    AbortReq, AddReq, BatchClock, ReqStepUpdate, StepTiming, WorkerError, WorkerReady, WorkerStats,
+    AbortReq, AddReq, BatchClock, PromptCacheStats, ReqStepUpdate, StepTiming, WorkerError, WorkerReady, WorkerStats,
     decode_batch_bucket,
 )
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
@@ -51,9 +51,10 @@ class Gauges:
     kv_used_tokens: int
     running_reqs: int
     waiting_reqs: int
+    prompt_cache: Optional[PromptCacheStats] = None
 
     def stats(self, timing: StepTiming) -> WorkerStats:
-        return WorkerStats(self.kv_used_tokens, self.running_reqs, self.waiting_reqs, timing)
+        return WorkerStats(self.kv_used_tokens, self.running_reqs, self.waiting_reqs, timing, self.prompt_cache)
 
     def same_counts(self, other: Optional["Gauges"]) -> bool:
         return other is not None and (self.running_reqs, self.waiting_reqs) == (other.running_reqs, other.waiting_reqs)
@@ -77,8 +78,9 @@ class GaugePublisher:
         self._thread: Optional[threading.Thread] = None
 
     def _gauges(self) -> Gauges:
-        mem, router = self.router.backend.mem_manager, self.router
-        return Gauges(mem.size - mem.can_use_mem_size, len(router.running), len(router.queue.waiting))
+        mem, router, cache = self.router.backend.mem_manager, self.router, self.router.backend.prompt_cache
+        return Gauges(mem.size - mem.can_use_mem_size, len(router.running), len(router.queue.waiting),
+                      cache.stats() if cache is not None else None)
 
     def send(self, updates: List[ReqStepUpdate]) -> None:
         """A step's updates with the gauges now and the step timing since the last send."""
@@ -118,7 +120,8 @@ class RouterManager:
     def __init__(self, backend):
         self.backend = backend
         self.queue = ReqQueue(
-            backend.mem_manager.size, backend.args.running_max_req_size, backend.mtp_step, backend.parallel.dp_size
+            backend.mem_manager.size, backend.args.running_max_req_size, backend.mtp_step, backend.parallel.dp_size,
+            backend.prompt_cache,
         )
         self.running: List[InferReq] = []
         self.mean_tokens_per_step = 0.0
@@ -226,10 +229,9 @@ class RouterManager:
         failed, self.running = self.running, []
         self.backend.drop_inflight()
         for req in failed:
-            req.slots, req.req_idx = [], -1
+            req.slots, req.req_idx, req.prefix = [], -1, None
             self.queue.release(req)
-        self.backend.mem_manager.free_all()
-        self.backend.req_manager.free_all()
+        self.backend.reset_pools()
         error = f"the worker failed a batch step: {type(e).__name__}: {e}"
         return [self._fail(req, error) for req in failed]
 

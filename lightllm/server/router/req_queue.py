@@ -3,24 +3,36 @@
 With ``--dp M`` every DP group has its own req_idx rows and KV pool; a request is admitted
 into the group with the fewest running requests among those it fits (then the lowest
 reservation, then the lowest index), and ``req.dp_rank`` records the choice.
+
+With a prompt cache (one group) a request's cached prefix is not its to reserve: it reserves the
+rest, and the tree's locked tokens (shared by every request that matched them) count once. The
+tree's unlocked tokens are free for the budget: the pool evicts them before an allocation fails.
 """
 from collections import deque
-from typing import Deque, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Deque, List, Optional, Sequence, Union
 
 from lightllm.server.router.model_infer.infer_batch import InferReq
 
+if TYPE_CHECKING:
+    from lightllm.server.router.model_infer.prompt_cache import PromptCache
 
-def kv_reservation(req: InferReq, mtp_step: int) -> int:
-    """KV slots a request may hold at most: prompt + generated tokens + one step's draft rows."""
-    return req.prompt_len + req.params.max_new_tokens + mtp_step
+
+def kv_reservation(req: InferReq, mtp_step: int, cached: int = 0) -> int:
+    """KV slots a request may hold at most: prompt (less its ``cached`` prefix) + generated tokens +
+    one step's draft rows."""
+    return req.prompt_len - cached + req.params.max_new_tokens + mtp_step
 
 
 class ReqQueue:
-    def __init__(self, max_total_token_num: int, running_max_req_size: int, mtp_step: int, dp_size: int = 1):
+    def __init__(self, max_total_token_num: int, running_max_req_size: int, mtp_step: int, dp_size: int = 1,
+                 prompt_cache: Optional["PromptCache"] = None):
+        if prompt_cache is not None and dp_size != 1:
+            raise ValueError("the prompt cache serves one DP group")
         self.max_total_token_num = max_total_token_num  # per DP group
         self.running_max_req_size = running_max_req_size  # per DP group
         self.mtp_step = mtp_step
         self.dp_size = dp_size
+        self.prompt_cache = prompt_cache
         self.waiting: Deque[InferReq] = deque()
         self.reserved_per_group = [0] * dp_size  # sum of reservations of running requests
 
@@ -47,22 +59,30 @@ class ReqQueue:
         if len(running) != self.dp_size:
             raise ValueError(f"num_running has {len(running)} group(s), expected {self.dp_size}")
         admitted = []
+        cache = self.prompt_cache
         while self.waiting:
-            need = kv_reservation(self.waiting[0], self.mtp_step)
+            req = self.waiting[0]
+            match = cache.match(req) if cache is not None else None
+            need = kv_reservation(req, self.mtp_step, match.length if match is not None else 0)
+            locked = cache.locked_tokens + match.lock_cost if match is not None else 0
             fits = [
                 g for g in range(self.dp_size)
                 if running[g] < self.running_max_req_size
-                and self.reserved_per_group[g] + need <= self.max_total_token_num
+                and self.reserved_per_group[g] + need + locked <= self.max_total_token_num
             ]
             if not fits:
                 break
             g = min(fits, key=lambda g: (running[g], self.reserved_per_group[g], g))
-            req = self.waiting.popleft()
+            self.waiting.popleft()
+            if match is not None:
+                cache.lock(req, match)
             req.dp_rank = g
+            req.kv_reserved = need
             running[g] += 1
             self.reserved_per_group[g] += need
             admitted.append(req)
         return admitted
 
     def release(self, req: InferReq) -> None:
-        self.reserved_per_group[req.dp_rank] -= kv_reservation(req, self.mtp_step)
+        self.reserved_per_group[req.dp_rank] -= req.kv_reserved
+        req.kv_reserved = 0

@@ -24,7 +24,7 @@ def test_many_concurrent_requests_match_transformers(tiny):
     for i, p in enumerate(prompts):
         assert res[i].token_ids == hf_greedy(hf, p, lens[i]), f"request {i}"
         assert res[i].finish_reason == "length"
-    assert eng.backend.mem_manager.can_use_mem_size == eng.backend.mem_manager.size
+    assert eng.backend.mem_manager.available_size == eng.backend.mem_manager.size
 
 
 def test_chunked_prefill_of_a_long_prompt(tiny):
@@ -73,7 +73,7 @@ def test_abort_frees_kv_at_once(tiny):
     assert [u.finish_reason for u in ups if u.finish_reason] == ["abort", "abort"]
     # the decode step in flight at the first abort (overlap) is committed for the other request
     assert all(u.req_id == 2 and u.token_ids for u in ups if u.finish_reason is None)
-    assert mem.can_use_mem_size == mem.size and not router.has_work
+    assert mem.available_size == mem.size and not router.has_work
     assert router.queue.reserved_tokens == 0
 
 

@@ -91,7 +91,7 @@ def _msgs(prompts, params, first_id: int = 0, asd_budgets=None) -> List[AddReq]:
 
 def _assert_pools_whole(router: RouterManager) -> None:
     backend = router.backend
-    assert backend.mem_manager.can_use_mem_size == backend.mem_manager.size
+    assert backend.mem_manager.available_size == backend.mem_manager.size
     assert backend.req_manager.can_alloc_num == backend.req_manager.max_request_num
     assert router.queue.reserved_tokens == 0 and not router.running
 

@@ -42,6 +42,7 @@ class StartArgs:
     graph_grow_step_size: int = 16
     disable_cudagraph: bool = False  # eager decode (same padding, the bit-exact reference)
     disable_mixed_steps: bool = False  # alternate prefill and decode steps instead of mixing them
+    disable_dynamic_prompt_cache: bool = False  # prefill every prompt from token 0 (no radix prompt cache)
     graph_max_prefill_tokens: int = 512  # CUDA: prefills up to this many tokens run as graph rows (0: never)
     disable_overlap_schedule: bool = False  # plain decoding: commit each step before launching the next
     enable_deterministic_inference: bool = False  # batch-invariant kernels (CUDA): same tokens in any batch

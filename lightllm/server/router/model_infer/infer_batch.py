@@ -1,7 +1,7 @@
 """Request state inside the model worker."""
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from lightllm.server.core.objs.sampling_params import SamplingParams
 
@@ -38,6 +38,11 @@ class InferReq:
     # for admission (set by RouterManager._admit; ReqStepUpdate.queue_time_s)
     queued_at: float = field(default_factory=time.monotonic, compare=False, repr=False)
     queue_time_s: Optional[float] = field(default=None, compare=False)
+    kv_reserved: int = 0  # KV slots the admission queue reserved for it (ReqQueue.release gives them back)
+    # The prompt cache (prompt_cache.py): the first prompt_cached_len positions use the slots of the
+    # locked match ``prefix`` (a PrefixMatch); ``slots`` are the positions after them.
+    prompt_cached_len: int = 0
+    prefix: Optional[Any] = field(default=None, compare=False, repr=False)
 
     @property
     def prompt_len(self) -> int:

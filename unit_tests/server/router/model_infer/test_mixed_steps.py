@@ -58,7 +58,7 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", **kw):
     eng.backend.mixed = spy
     params = [{"max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
     res = eng.generate(prompts, params)
-    assert eng.backend.mem_manager.can_use_mem_size == eng.backend.mem_manager.size  # every slot back
+    assert eng.backend.mem_manager.available_size == eng.backend.mem_manager.size  # every slot back
     return res, calls
 
 

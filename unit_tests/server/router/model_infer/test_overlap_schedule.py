@@ -171,7 +171,7 @@ def _drive(router, groups: List[List[Upd]], after_step: Optional[Callable] = Non
 def _finished_run(eng, groups: List[List[Upd]], before) -> Run:
     backend = eng.backend
     mem, reqm = backend.mem_manager, backend.req_manager
-    freed = mem.can_use_mem_size == mem.size and reqm.can_alloc_num == reqm.max_request_num
+    freed = mem.available_size == mem.size and reqm.can_alloc_num == reqm.max_request_num
     return Run(groups, backend, freed, changed_hold_rows(backend, before))
 
 
@@ -435,7 +435,9 @@ def test_abort_flushes_the_step_in_flight(models):
     assert all(len(u.token_ids) == 1 and u.finish_reason is None for u in flushed)
     mem, reqm = backend.mem_manager, backend.req_manager
     assert [r.req_id for r in router.running] == survivors
-    assert mem.can_use_mem_size == mem.size - sum(len(r.slots) for r in router.running)  # nothing else held
+    cached = backend.prompt_cache.stats().cached_tokens if backend.prompt_cache is not None else 0
+    # nothing else held: the running requests' own slots, the prompt cache's, the free ones
+    assert mem.can_use_mem_size + cached == mem.size - sum(len(r.slots) for r in router.running)
     assert reqm.can_alloc_num == reqm.max_request_num - len(survivors)
     groups.append([_upd(u) for u in ups])
     _drive(router, groups)

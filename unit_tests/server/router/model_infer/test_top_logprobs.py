@@ -75,7 +75,7 @@ def _run(model_dir: str, prompts, ask: bool, monkeypatch, **kw):
     with monkeypatch.context() as mp:
         mp.setattr(torch, "topk", counting_topk)
         res = eng.generate(prompts, _params(ask))
-    assert eng.backend.mem_manager.can_use_mem_size == eng.backend.mem_manager.size
+    assert eng.backend.mem_manager.available_size == eng.backend.mem_manager.size
     return eng, res, updates, mixed_calls, len(topk_calls)
 
 

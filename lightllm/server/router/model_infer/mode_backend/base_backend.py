@@ -29,6 +29,7 @@ from lightllm.server.router.model_infer.mode_backend.generic_post_process import
     SampleOutput, max_top_logprobs, sample, token_logprobs, top_logprobs,
 )
 from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds
+from lightllm.server.router.model_infer.prompt_cache import make_prompt_cache
 from lightllm.server.router.model_infer.step_rows import RowItem, StepRows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 from lightllm.utils.host_copy import to_device
@@ -128,6 +129,8 @@ class ModeBackend:
                                              max_step_reqs)
         # padding rows gather their input token from the HOLD row
         self.req_to_next_token_ids[self.req_manager.HOLD_REQUEST_ID] = PAD_TOKEN_ID
+        # the KV of prompts seen before (None: off); the router's admission queue matches with it
+        self.prompt_cache = make_prompt_cache(args, self.mem_manager, self.parallel.dp_size, self.draft)
         self.asd_config = None
         if args.asd_enabled:
             from lightllm.server.router.model_infer.mtp_speculative.utils import AsdConfig
@@ -172,14 +175,27 @@ class ModeBackend:
         req.req_idx = self.req_manager.alloc()
         self.params_manager.init_req_sampling_params(req)
         self.req_to_next_token_ids[req.req_idx].fill_(NO_DRAFT_TOKEN_ID)
+        n = req.prompt_cached_len
+        if n:  # its cached prefix (matched at admission): prefill starts after it
+            self.req_manager.req_to_token_indexs[req.req_idx, :n] = to_device(req.prefix.slots, self.device)
+            req.kv_len = n
 
     def free_req(self, req: InferReq) -> None:
-        if req.slots:
+        if self.prompt_cache is not None:
+            self.prompt_cache.release(req)  # caches its tokens, frees its slots
+        elif req.slots:
             self.mem_manager.free(req.slots)
             req.slots = []
         if req.req_idx >= 0:
             self.req_manager.free(req.req_idx)
             req.req_idx = -1
+
+    def reset_pools(self) -> None:
+        """Every KV slot and req_idx row back (after a failed step: no request holds any)."""
+        self.mem_manager.free_all()
+        self.req_manager.free_all()
+        if self.prompt_cache is not None:
+            self.prompt_cache.reset()
 
     def _to_dev(self, values, dtype) -> torch.Tensor:
         return to_device(values, self.device, dtype)
@@ -324,6 +340,7 @@ class ModeBackend:
             top_logprobs=top_logprobs if req.params.top_logprobs else None,
             error=req.error,
             queue_time_s=req.queue_time_s,
+            prompt_cached_tokens=req.prompt_cached_len,
         )
 
     def _update_penalties(self, reqs: List[InferReq], committed: List[List[int]]) -> None:

@@ -20,7 +20,9 @@ import torch
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.models.llama_mtp.model import LlamaMTPDraftModel
-from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds, PrefillProposal, Proposal
+from lightllm.server.router.model_infer.mtp_speculative.proposer import (
+    DraftKvNeeds, PrefillProposal, PrefixCacheRule, Proposal,
+)
 
 UNKNOWN_TOKEN = -1  # prefill: the next token of this position is not known yet
 
@@ -64,6 +66,14 @@ class DraftProposer:
     def kv_needs(draft_dirs: Sequence[str], mtp_step: int) -> DraftKvNeeds:
         """One KV buffer per depth (with attention; none without), nothing past a request's end."""
         return DraftKvNeeds(kv_layers=None, extra_positions=0)
+
+    def prefix_cache_rule(self) -> PrefixCacheRule:
+        """With attention, depth d's KV at position s is computed from the token at s + d + 1: a
+        window of K tokens, and a decoded position's KV came from the draft's own guesses (not
+        cached). Without attention the draft keeps no state per position."""
+        if self.model.with_att:
+            return PrefixCacheRule(draft_window=self.mtp_step, cache_decoded=False)
+        return PrefixCacheRule()
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.argmax(self.model.target.compute_logits(hidden), dim=-1)

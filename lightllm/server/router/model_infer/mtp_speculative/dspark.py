@@ -9,7 +9,9 @@ import torch
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.models.dspark.model import DSparkDraftModel
-from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds, PrefillProposal, Proposal
+from lightllm.server.router.model_infer.mtp_speculative.proposer import (
+    DraftKvNeeds, PrefillProposal, PrefixCacheRule, Proposal,
+)
 
 
 class DSparkProposer:
@@ -32,6 +34,11 @@ class DSparkProposer:
 
         cfg = DSparkConfig.load(draft_dirs[0])
         return DraftKvNeeds(kv_layers=cfg.num_hidden_layers, extra_positions=cfg.block_size)
+
+    def prefix_cache_rule(self) -> PrefixCacheRule:
+        """The context K/V of a position comes from the target's features there alone (prefill or
+        a kept decode row): every cached position is exact."""
+        return PrefixCacheRule()
 
     @torch.no_grad()
     def propose(

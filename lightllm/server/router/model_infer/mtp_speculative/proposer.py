@@ -36,6 +36,14 @@ class PrefillProposal:
     confidence: Optional[torch.Tensor] = None  # [done, K] fp32
 
 
+@dataclass(frozen=True)
+class PrefixCacheRule:
+    """What a draft's per-position state lets the prompt cache share (prompt_cache.py)."""
+
+    draft_window: int = 0  # the draft's KV at position s reads the tokens up to s + draft_window (0: none past s)
+    cache_decoded: bool = True  # a decoded position's draft state equals a prefill's: outputs are cached too
+
+
 class Proposer(Protocol):
     mtp_step: int
     has_confidence: bool  # proposals come with confidences
@@ -44,6 +52,8 @@ class Proposer(Protocol):
 
     @staticmethod
     def kv_needs(draft_dirs: Sequence[str], mtp_step: int) -> DraftKvNeeds: ...
+
+    def prefix_cache_rule(self) -> PrefixCacheRule: ...
 
     def propose(self, model_input: ModelInput, out: ModelOutput, first_tokens: torch.Tensor,
                 accept_len: torch.Tensor) -> Proposal: ...

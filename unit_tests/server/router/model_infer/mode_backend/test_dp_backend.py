@@ -125,7 +125,7 @@ def _rank_main(rank: int, case_args: List[dict], prompts: Dict[str, list]) -> Li
             finish=finish,
             layouts=layouts,
             changed_hold_rows=changed_hold_rows(backend, before),
-            all_freed=mem.can_use_mem_size == mem.size and reqm.can_alloc_num == reqm.max_request_num,
+            all_freed=mem.available_size == mem.size and reqm.can_alloc_num == reqm.max_request_num,
         ))
     return out
 
@@ -222,7 +222,7 @@ def test_hold_rows_through_the_shared_flow_change_nothing(models):
     assert padded_backend.verify_draft_commit(rows, padded_backend.decode_forward(rows)) == []
     assert changed_hold_rows(padded_backend, before) == []
     mem = padded_backend.mem_manager
-    assert mem.can_use_mem_size == mem.size
+    assert mem.available_size == mem.size
 
 
 def test_overlap_streams_the_committed_token_not_the_stale_target(models):

@@ -47,7 +47,7 @@ def test_strict_dspark_is_token_identical_to_plain_decoding(tiny, overlap):
     for i in range(len(prompts)):
         assert out[i].token_ids == plain[i].token_ids == hf_greedy(hf, prompts[i], params[i]["max_new_tokens"])
         assert all(1 <= a <= K + 1 for a in out[i].accept_lens)
-    assert eng.backend.mem_manager.can_use_mem_size == eng.backend.mem_manager.size
+    assert eng.backend.mem_manager.available_size == eng.backend.mem_manager.size
 
 
 def test_budget_zero_is_identical_to_strict_and_a_budget_relaxes(tiny):

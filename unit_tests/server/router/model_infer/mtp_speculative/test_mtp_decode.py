@@ -52,7 +52,7 @@ def test_strict_mtp_is_token_identical_to_plain_decoding(tiny, mode):
         assert mtp[i].token_ids == hf_greedy(hf, prompts[i], params[i]["max_new_tokens"])
         assert all(1 <= a <= k + 1 for a in mtp[i].accept_lens)
         assert mtp[i].mtp_accepted_token_num == sum(a - 1 for a in mtp[i].accept_lens) - _overshoot(mtp[i], params[i])
-    assert mtp_eng.backend.mem_manager.can_use_mem_size == mtp_eng.backend.mem_manager.size
+    assert mtp_eng.backend.mem_manager.available_size == mtp_eng.backend.mem_manager.size
 
 
 def _overshoot(res, p):
@@ -76,7 +76,7 @@ def test_eos_and_stop_inside_an_accepted_block(tiny):
     res = eng.generate([prompt], [sp])[0]
     end = next(i for i in range(2, 21) if ref[i - 2:i] == ref[8:10])
     assert res.token_ids == ref[:end] and res.finish_reason == "stop"
-    assert eng.backend.mem_manager.can_use_mem_size == eng.backend.mem_manager.size
+    assert eng.backend.mem_manager.available_size == eng.backend.mem_manager.size
 
 
 def _reference_depth0_input(hf, prompt, fused_dir):

@@ -97,7 +97,7 @@ class ChunkedPrefillBackend(ModeBackend):
         # the requests the committed step decodes (a kept step's finished rows are padding)
         decoded = sum(r.finish_reason is None for r in cur.rows.reqs)
         if not (same and self._may_run_ahead(decoding)
-                and self.mem_manager.can_use_mem_size >= len(decoding) * k1):
+                and self.mem_manager.available_size >= len(decoding) * k1):
             return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
         self.decode_step.snapshot(cur.rows)  # after cur's writes, before the next step's
         rows = self.decode_step.prepare_successor(cur.rows, cur.pending)

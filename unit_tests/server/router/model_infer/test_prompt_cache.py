@@ -1,0 +1,189 @@
+"""The prompt cache end to end on CPU (prompt_cache.py): outputs do not depend on it.
+
+Conversations as chat clients send them: a shared system prefix, then turn after turn that resends
+the whole history (the previous prompt, the engine's own answer, a new question), with more
+requests than --running_max_req_size so requests join while others decode. The reference for
+every request is the same engine with --disable_dynamic_prompt_cache, and transformers' own
+greedy generation where decoding is greedy and strict. Token ids must be equal; log-probs equal up
+to float rounding (a cached prefix's KV came from another chunking of the same tokens).
+"""
+import random
+from typing import Dict, List
+
+import pytest
+import torch
+
+from lightllm.common.kv_cache_mem_manager import MemoryManager
+from lightllm.server.core.objs.sampling_params import SamplingParams
+from lightllm.server.router.model_infer.infer_batch import InferReq
+from lightllm.server.router.model_infer.mtp_speculative.proposer import PrefixCacheRule
+from lightllm.server.router.model_infer.prompt_cache import PromptCache
+from lightllm.server.router.req_queue import ReqQueue
+from unit_tests.models.tiny_checkpoints import tiny_model
+from unit_tests.server.router.engine_util import hf_greedy, make_engine
+
+K = 2
+DSPARK_BLOCK = 4  # its K = 3
+ASD_BUDGET = 3.0  # relaxes some tokens with the tiny eagle draft
+SYSTEM_LEN = 20  # tokens of the prefix every conversation starts with
+QUESTION_LENS = (3, 9)  # each turn's new tokens
+CONVERSATIONS = 4
+TURNS = 3
+MAX_NEW = 6
+COMMON = dict(max_req_total_len=96, max_total_token_num=1200, running_max_req_size=3, batch_max_tokens=16)
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from lightllm.models.dspark.train_module import random_dspark_draft
+
+    root = tmp_path_factory.mktemp("prompt_cache")
+    m = tiny_model("llama", seed=2, root=root)
+    dspark = random_dspark_draft(m.hf.config, str(root / "dspark"), seed=3, block_size=DSPARK_BLOCK)
+    return m, {"eagle": m.draft("eagle", True, 1, seed=4), "dspark": dspark}
+
+
+def _mode_args(drafts: dict, mode: str) -> dict:
+    if mode == "plain":
+        return {}
+    if mode == "dspark":  # context K/V per position from the target alone: outputs are cached too
+        return dict(mtp_mode="dspark", mtp_step=DSPARK_BLOCK - 1, mtp_draft_model_dir=[drafts["dspark"]])
+    eagle = drafts["eagle"]
+    mtp = dict(mtp_mode="eagle_with_att", mtp_step=K, mtp_draft_model_dir=[eagle])
+    if mode == "mtp":
+        return mtp
+    return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": ASD_BUDGET}[mode])
+
+
+def _questions(vocab: int, seed: int) -> List[List[List[int]]]:
+    rng = random.Random(seed)
+    return [[[rng.randrange(vocab) for _ in range(rng.randint(*QUESTION_LENS))] for _ in range(TURNS)]
+            for _ in range(CONVERSATIONS)]
+
+
+def _draft_kv_after_prefill(captured: Dict[tuple, torch.Tensor]):
+    """An on_step hook: the eagle draft's K of every prompt position of each request, once its
+    prefill is done (before it decodes), by prompt."""
+    def hook(router) -> None:
+        b = router.backend
+        for r in router.running:
+            key = tuple(r.prompt_ids)
+            if b.draft is None or key in captured or r.kv_len != r.prompt_len or len(r.output_ids) != 1:
+                continue
+            slots = b.req_manager.req_to_token_indexs[r.req_idx, :r.prompt_len]
+            captured[key] = b.draft.model.mem_manager.k_buffer[:, slots].clone()
+
+    return hook
+
+
+def _chat(eng, system: List[int], questions, max_new: int = MAX_NEW, captured=None):
+    """Every conversation's turns, the turns of all conversations sent together; returns the prompts
+    and results per turn."""
+    histories = [list(system) for _ in questions]
+    turns = []
+    hook = _draft_kv_after_prefill(captured) if captured is not None else None
+    for t in range(TURNS):
+        prompts = [h + q[t] for h, q in zip(histories, questions)]
+        res = eng.generate(prompts, [{"max_new_tokens": max_new, "ignore_eos": True}] * len(prompts), on_step=hook)
+        assert all(r.finish_reason == "length" for r in res), [r.error for r in res]
+        histories = [p + r.token_ids for p, r in zip(prompts, res)]
+        turns.append((prompts, res))
+    return turns
+
+
+def _all_kv_back(backend) -> bool:
+    mem, cache = backend.mem_manager, backend.prompt_cache
+    cached = cache.stats().cached_tokens if cache is not None else 0  # slots the tree holds
+    return mem.can_use_mem_size + cached == mem.size and (cache is None or cache.locked_tokens == 0)
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp", "asd0", "asd", "dspark"])
+def test_conversations_give_the_same_outputs_with_and_without_the_cache(tiny, mode):
+    m, drafts = tiny
+    kw = _mode_args(drafts, mode)
+    system = random.Random(1).choices(range(m.vocab_size), k=SYSTEM_LEN)
+    questions = _questions(m.vocab_size, seed=3)
+    off = make_engine(m.model_dir, disable_dynamic_prompt_cache=True, **COMMON, **kw)
+    on = make_engine(m.model_dir, **COMMON, **kw)
+    assert off.backend.prompt_cache is None and on.backend.prompt_cache is not None
+    kv_off, kv_on = {}, {}
+    ref, got = _chat(off, system, questions, captured=kv_off), _chat(on, system, questions, captured=kv_on)
+    window = K if mode in ("mtp", "asd0", "asd") else 0
+    if mode != "plain":  # the draft's KV of every prompt position, cached or not, is what a prefill computes
+        assert kv_on.keys() == kv_off.keys() and len(kv_on) == CONVERSATIONS * TURNS
+        for key in kv_off:
+            torch.testing.assert_close(kv_on[key], kv_off[key], atol=1e-5, rtol=1e-5)
+    for t, ((prompts, a), (_, b)) in enumerate(zip(ref, got)):
+        for prompt, ra, rb in zip(prompts, a, b):
+            assert rb.token_ids == ra.token_ids
+            assert rb.logprobs == pytest.approx(ra.logprobs, abs=LOGPROB_TOL)
+            assert rb.accept_lens == ra.accept_lens  # the draft proposed the same: its cached KV is exact
+            assert ra.prompt_cached_tokens == 0
+            assert rb.prompt_cached_tokens <= len(prompt) - 1  # the last prompt token is always prefilled
+        if t:  # a later turn reuses its previous turn (eagle: all but its last K prompt tokens)
+            prev_prompts, prev_res = ref[t - 1]
+            for p, r, rb in zip(prev_prompts, prev_res, b):
+                kept = len(p) - window if window else len(p) + len(r.token_ids) - 1
+                assert rb.prompt_cached_tokens >= kept
+    first = [r.prompt_cached_tokens for r in got[0][1]]
+    assert max(first) >= SYSTEM_LEN - window  # the shared system prompt, from a conversation admitted earlier
+    if mode != "asd":  # greedy, strictly verified: transformers' tokens
+        for prompts, res in got:
+            for p, r in zip(prompts, res):
+                assert r.token_ids == hf_greedy(m.hf, p, MAX_NEW)
+    if mode == "asd":
+        assert sum(r.asd_relaxed_token_num for _, res in got for r in res) > 0  # the budget was used
+    assert _all_kv_back(on.backend) and _all_kv_back(off.backend)
+    stats = on.backend.prompt_cache.stats()
+    assert stats.hit_tokens_total == sum(r.prompt_cached_tokens for _, res in got for r in res)
+    assert stats.hit_tokens_total + stats.computed_tokens_total == sum(len(p) for ps, _ in got for p in ps)
+
+
+def test_a_small_pool_evicts_and_keeps_every_output(tiny):
+    """A pool that holds a few requests at once: the cache gives way (evictions), nothing fails."""
+    m, _ = tiny
+    system = random.Random(5).choices(range(m.vocab_size), k=SYSTEM_LEN)
+    questions = _questions(m.vocab_size, seed=6)
+    small = dict(COMMON, max_total_token_num=120)
+    off = make_engine(m.model_dir, disable_dynamic_prompt_cache=True, **small)
+    on = make_engine(m.model_dir, **small)
+    ref, got = _chat(off, system, questions), _chat(on, system, questions)
+    for (_, a), (_, b) in zip(ref, got):
+        assert [r.token_ids for r in b] == [r.token_ids for r in a]
+    assert on.backend.prompt_cache.tree.evicted_tokens > 0
+    assert sum(r.prompt_cached_tokens for _, res in got for r in res) > 0
+    assert _all_kv_back(on.backend)
+
+
+def _req(req_id: int, prompt: List[int], max_new: int = 4) -> InferReq:
+    return InferReq(req_id, prompt, SamplingParams(max_new_tokens=max_new), [])
+
+
+def test_admission_counts_a_shared_prefix_once_hand_computed():
+    """Pool of 40 slots. A finished request left 10 prompt tokens in the tree; two requests of 12
+    tokens share those 10 (the match stops before the last prompt token): each reserves its 2 own
+    prompt tokens + 4 new, and the 10 locked tokens count once: 6 + 6 + 10 = 22 of 40."""
+    mem = MemoryManager(40, torch.float32, 1, 1, 1, "cpu")
+    cache = PromptCache(mem, PrefixCacheRule())
+    prefix = list(range(100, 110))
+    done = _req(0, prefix, max_new=1)
+    cache.lock(done, cache.match(done))  # admitted with nothing cached
+    assert done.prompt_cached_len == 0
+    done.slots = mem.alloc(10).tolist()
+    done.kv_len = 10
+    cache.release(done)
+    assert (cache.tree.total_tokens, mem.can_use_mem_size) == (10, 30)
+    q = ReqQueue(40, running_max_req_size=8, mtp_step=0, prompt_cache=cache)
+    a, b = _req(1, prefix + [1, 2]), _req(2, prefix + [3, 4])
+    q.append(a)
+    q.append(b)
+    assert q.pop_admissible(0) == [a, b]
+    assert (a.prompt_cached_len, b.prompt_cached_len) == (10, 10)
+    assert (a.kv_reserved, b.kv_reserved, q.reserved_tokens, cache.locked_tokens) == (6, 6, 12, 10)
+    # 12 + 10 locked + 19 > 40: a 15-token prompt with 4 new tokens (nothing shared) waits
+    c = _req(3, list(range(200, 215)))
+    q.append(c)
+    assert q.pop_admissible(2) == []
+    q.release(a)
+    assert q.reserved_tokens == 6 and a.kv_reserved == 0
