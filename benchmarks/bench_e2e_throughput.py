@@ -36,9 +36,35 @@ waits for its first token: SERVING_DEFINITIONS), and the engine's decode clock f
 (mean decode batch, ms per decode step). Ratios are to the first arm. Writes
 ``docs/data/perf/serving.json`` by default.
 
+``--prefix_cache``: the radix prompt cache (``run_prefix_cache``; the workloads, client and rows are
+``benchmarks/prefix_cache_workloads.py``). Two arms, cache on (the default server) and cache off
+(``--disable_dynamic_prompt_cache``), each its own server with the section's flags, then
+``--server_args``, then the arm's flag; ``--rounds`` rounds of on, off (``--prefix_arms``), so drift
+shows between rounds. Every request is greedy with ``ignore_eos`` (the same lengths in both arms) and
+streamed; TTFT is the first read that brings text. Per round and arm one server runs, one after the
+other: (1) chat: ``--conversations`` (32) conversations at once, ``--turns`` (8) turns each, a
+``--system_tokens`` (1000) system prompt (GSM8K train text cut to the count), each user message a
+GSM8K test question, each reply (``--prefix_new_tokens``, 64) the history of the next turn, via
+``/v1/chat/completions``: TTFT p50/p99 of turn 1 and of turns 2.., output tok/s, hit rates (usage
+``cached_tokens`` / ``prompt_tokens``, and /metrics ``lightllm_prompt_cache_hit_tokens_total`` over
+hit + computed), on/off ratios and the targets (TTFT p50 of turns 2.. <= 25% of off's; tok/s >= 1.5x);
+(2) doc: ``--doc_questions`` (64) questions after one ``--doc_tokens`` (3000) document at
+``--doc_concurrency`` (16); (3) resend: a ``--resend_tokens`` (6000) prompt sent once, then
+``--resend_times`` (5) times with ``--resend_new_tokens`` (50) different tokens appended, 1 new token
+each, one at a time via ``/v1/completions``: the resends' median TTFT beside the first send's (target
+<= 15 ms). The server's ``--max_req_total_len`` is set to fit the longest request. Then (4) pressure,
+on servers of their own: ``--pressure_conversations`` (128) conversations of ``--pressure_turns`` (3)
+turns and ``--pressure_new_tokens`` (16) replies in a KV pool of ``--pressure_kv_tokens`` (default:
+a tenth of the pool these servers get by default, running_max_req_size x (max_req_total_len +
+mtp_step)): every request must succeed in both arms, the reply texts equal turn by turn, and the
+cache-on arm evict (``lightllm_prompt_cache_evicted_tokens_total`` > 0). Writes
+``docs/data/perf/prefix_cache.json`` by default.
+
     python benchmarks/bench_e2e_throughput.py --long_context
 
     python benchmarks/bench_e2e_throughput.py --serving --gsm8k .data/test.jsonl
+
+    python benchmarks/bench_e2e_throughput.py --prefix_cache --rounds 2
 
     python benchmarks/bench_e2e_throughput.py --ignore_eos --out e2e.json \\
         --configs "plain=;mtp_k3=--mtp_mode eagle_with_att --mtp_step 3"
@@ -62,8 +88,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
+for _path in (REPO_ROOT, os.path.join(REPO_ROOT, "benchmarks")):  # run as a script from anywhere; the helpers
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
     DECODE_CLOCK, ENGINE_CLOCK, MIXED_CLOCK, USAGE, StreamTrace, auto_max_req_total_len, completion_stream_body,
@@ -73,6 +100,7 @@ from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, gsm8k_pa
                                     load_prompt_file, take_cyclic)
 from lightllm.tools.report import Column, ratio, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
 from lightllm.utils.server_launcher import MetricsPage, scrape  # noqa: E402
+import prefix_cache_workloads as pcw  # noqa: E402 (--prefix_cache's workloads and rows)
 
 DEFAULT_OUT = "bench_e2e_throughput.json"
 DEFAULT_CONFIG_NAME = "engine"
@@ -987,6 +1015,220 @@ def run_serving(args) -> Dict[str, object]:
     return result
 
 
+# --prefix_cache: the radix prompt cache, cache on vs off, one server per arm and round
+PREFIX_CACHE_OUT = os.path.join("docs", "data", "perf", "prefix_cache.json")
+PREFIX_MAIN_WORKLOADS = ("chat", "doc", "resend")  # on one server per arm and round; pressure on its own
+PRESSURE_POOL_FRACTION = 0.1
+PREFIX_WARM_SHORT = 32  # at most this many short warm-up requests per server
+PREFIX_DEFINITIONS = {
+    "clock": "client side, time.perf_counter of the benchmark process",
+    "ttft_ms": "the first network read with reply text (or the finish) - the request's send",
+    "ttft_turn1_ms": "ttft_ms of each conversation's first turn (resend: the first send)",
+    "ttft_later_ms": "ttft_ms of turns 2.. (resend: the resends)",
+    "output_tok_s": "completion tokens of all requests / the run's wall time (first send to last reply; rounds: "
+                    "summed)",
+    "usage_hit_rate": "sum of usage.prompt_tokens_details.cached_tokens / sum of usage.prompt_tokens",
+    "metrics_hit_rate": f"/metrics growth over the run: {pcw.CACHE_HIT_TOKENS} / ({pcw.CACHE_HIT_TOKENS} + "
+                        f"{pcw.CACHE_COMPUTED_TOKENS})",
+    "metrics_evicted_tokens": f"/metrics growth of {pcw.CACHE_EVICTED_TOKENS} over the run",
+    "KEY_on_over_off": "the cache-on arm's KEY / the cache-off arm's (pooled over rounds; ratios_by_round: per round)",
+    "output_differences": "per conversation turn: the reply text of the two arms compared (same round)",
+}
+
+
+def _measured(url: str, arm: str, rnd: int, send) -> pcw.ArmRun:
+    """``send()`` -> (replies per conversation, wall s) between two scrapes of /metrics."""
+    before = scrape(url)
+    replies, wall = send()
+    after = scrape(url)
+    return pcw.ArmRun(arm, rnd, replies, wall, pcw.cache_counters(after - before), pcw.cache_gauges(after))
+
+
+def _one_turn_each(sent: Tuple[List[pcw.Reply], float]) -> Tuple[List[List[pcw.Reply]], float]:
+    """Single requests as one-turn conversations (``ArmRun``'s shape)."""
+    replies, wall = sent
+    return [[r] for r in replies], wall
+
+
+def _resend(url: str, work: pcw.PrefixWorkloads, desc: str) -> Tuple[List[List[pcw.Reply]], float]:
+    """The first send, then the resends one at a time (each 1 new token): one 'conversation'."""
+    first, w0 = pcw.run_requests(url, pcw.COMPLETIONS_PATH, [pcw.completion_body(work.resend_first, 1)], 1)
+    rest, w1 = pcw.run_requests(url, pcw.COMPLETIONS_PATH, [pcw.completion_body(p, 1) for p in work.resend_prompts],
+                                1, desc)
+    return [first + rest], w0 + w1
+
+
+def prefix_warm_texts(tok, texts: Sequence[str], questions: Sequence[str], lens: Sequence[int],
+                      short: int) -> List[str]:
+    """Untimed prompts: one per workload length (each its own GSM8K train text, sharing no prefix
+    with the workloads or each other past the template's first tokens), then ``short`` GSM8K questions."""
+    out = [exact_length_prompt_text(tok, n, texts, pcw.WARM_START + 300 * j)[0] for j, n in enumerate(lens)]
+    return out + chat_prompt_texts(tok, [questions[-1 - i] for i in range(min(short, len(questions)))])
+
+
+def run_prefix_cache(args) -> Dict[str, object]:
+    """Per round: per arm (cache on, cache off) a server for the chat, document and resend
+    workloads, then per arm a server with a small KV pool for the pressure workload; the JSON
+    after every arm."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from lightllm.server.api_cli import make_argument_parser
+    from lightllm.server.router.model_infer.mode_backend.base_backend import CPU_DEFAULT_KV_TOKENS
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shared = tuple(shlex.split(args.server_args or ""))
+    model_dir, dtype = resolve_model_and_dtype([ServerConfig("prefix_cache", shared)], device)
+    parser = make_argument_parser()
+    if pcw.OFF in args.prefix_arms:  # before any server: a server without the prompt cache does not know the flag
+        try:
+            parser.parse_args(pcw.ARM_FLAGS[pcw.OFF])
+        except SystemExit:
+            raise SystemExit(f"this server has no {pcw.ARM_FLAGS[pcw.OFF][0]} (no prompt cache yet?): "
+                             f"run --prefix_arms {pcw.ON}") from None
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    questions = [q.question for q in load_gsm8k(gsm8k_path("test", args.gsm8k))]
+    texts = [q.question for q in load_gsm8k(gsm8k_path("train", args.gsm8k_train))]
+    t0 = time.perf_counter()
+    work = pcw.build_prefix_workloads(tok, texts, questions, args.system_tokens, args.conversations, args.turns,
+                                      args.doc_tokens, args.doc_questions, args.resend_tokens, args.resend_times,
+                                      args.resend_new_tokens, args.pressure_conversations, args.pressure_turns)
+    print(f"workloads built in {time.perf_counter() - t0:.1f}s: {work.summary()}", flush=True)
+    selected = [w for w in pcw.WORKLOADS if w in args.prefix_workloads]
+    main_workloads = [w for w in selected if w in PREFIX_MAIN_WORKLOADS]
+    new = args.prefix_new_tokens
+    need = {"chat": pcw.conversation_max_len(tok, work.system_tokens, work.chat_turns, new) + new,
+            "doc": max((pcw.server_token_count(tok, m) for m in work.doc_messages), default=1)
+            + pcw.TEMPLATE_MARGIN + new,
+            "resend": max([work.resend_first_tokens] + work.resend_prompt_tokens) + 1,
+            "pressure": pcw.conversation_max_len(tok, work.system_tokens, work.pressure_turns,
+                                                 args.pressure_new_tokens) + args.pressure_new_tokens}
+    main_len = auto_max_req_total_len([need[w] for w in main_workloads] or [1], 0)
+    running = max([args.conversations if "chat" in selected else 1, args.doc_concurrency if "doc" in selected else 1])
+    main_flags = wave_server_flags(None, running, main_len) + list(shared)
+    pressure_len = auto_max_req_total_len([need["pressure"]], 0)
+    pressure_flags = wave_server_flags(None, args.pressure_conversations, pressure_len) + list(shared)
+    ns = parser.parse_args(pressure_flags)  # --server_args may change the running size, lengths, MTP
+    mtp_step = ns.mtp_step if ns.mtp_mode else 0
+    pool_rule = (f"--pressure_kv_tokens {args.pressure_kv_tokens}" if args.pressure_kv_tokens else
+                 f"{PRESSURE_POOL_FRACTION} x the default pool of the pressure servers' flags when memory does not "
+                 f"bound it (running_max_req_size {ns.running_max_req_size} x (max_req_total_len "
+                 f"{ns.max_req_total_len} + mtp_step {mtp_step})" + (f", at most the CPU default "
+                 f"{CPU_DEFAULT_KV_TOKENS}" if device == "cpu" else "") + "), at least one full request")
+    pool = args.pressure_kv_tokens or pcw.pressure_pool_tokens(
+        ns.running_max_req_size, ns.max_req_total_len, mtp_step, CPU_DEFAULT_KV_TOKENS if device == "cpu" else None,
+        PRESSURE_POOL_FRACTION)
+    pressure_flags += ["--max_total_token_num", str(pool)]
+    print(f"pressure KV pool: {pool} tokens ({pool_rule})", flush=True)
+    warm_short = min(args.warmup_requests, PREFIX_WARM_SHORT)
+    warm_lens = {"main": [n for n in (work.system_tokens + 64, work.doc_tokens + 64, work.resend_first_tokens)
+                          if n + args.warmup_tokens <= main_len],
+                 "pressure": [n for n in (work.system_tokens + 64,) if n + args.warmup_tokens <= pressure_len]}
+    warm = {g: prefix_warm_texts(tok, texts, questions, lens, warm_short) if args.warmup_requests else []
+            for g, lens in warm_lens.items()}
+    log_dir = tempfile.mkdtemp(prefix="bench_prefix_cache_")
+    meta = {"model_dir": model_dir, "dtype": dtype, "torch": torch.__version__,
+            "prompt_source": {"test": gsm8k_path("test", args.gsm8k), "train": gsm8k_path("train", args.gsm8k_train)},
+            "workloads": work.summary(), "server_flags": {"main": main_flags, "pressure": pressure_flags},
+            "arm_flags": pcw.ARM_FLAGS, "pressure_kv_tokens": pool, "pressure_kv_tokens_rule": pool_rule,
+            "log_dir": log_dir, "servers": []}
+    runs: Dict[str, List[pcw.ArmRun]] = {w: [] for w in selected}
+    diffs: Dict[str, List[Dict[str, int]]] = {"chat": [], "pressure": []}
+
+    def result() -> Dict[str, object]:
+        out = {}
+        for w in selected:
+            entry = pcw.workload_entry(runs[w], args.prefix_arms)
+            if w in diffs:
+                entry["output_differences"] = diffs[w]
+            if w == "chat":
+                entry["done"] = pcw.chat_done(entry["ratios"])
+            elif w == "resend":
+                entry["done"] = pcw.resend_done(entry["arms"].get(pcw.ON))
+            elif w == "pressure":
+                entry["done"] = pcw.pressure_done(entry["arms"], diffs[w])
+            out[w] = entry
+        return {"commit": _git_commit(), "device": device,
+                "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "args": vars(args), "meta": meta,
+                "definitions": PREFIX_DEFINITIONS, "workloads": out}
+
+    def started(group: str, arm: str, rnd: int, flags: List[str], log_path: str, server, t0: float) -> None:
+        with open(log_path) as f:
+            pool_now = pcw.kv_pool_from_log(f.read())
+        meta["servers"].append({"group": group, "arm": arm, "round": rnd, "flags": flags, "log": log_path,
+                                "up_s": time.perf_counter() - t0, "kv_pool_tokens": pool_now})
+        print(f"[{group} {arm} r{rnd}] up in {time.perf_counter() - t0:.1f}s at {server.url} "
+              f"(KV pool {pool_now} tokens)", flush=True)
+        if warm[group]:
+            t0 = time.perf_counter()
+            warm_up(server.url, warm[group], args.warmup_tokens, min(16, len(warm[group])), requests=len(warm[group]))
+            print(f"[{group} {arm} r{rnd}] warm-up: {len(warm[group])} requests in {time.perf_counter() - t0:.1f}s",
+                  flush=True)
+
+    def report(w: str, run: pcw.ArmRun) -> None:
+        row = pcw.arm_row(f"{run.arm} r{run.round}", [run])
+        print(f"[{w} {run.arm} r{run.round}] {row['requests']} requests ({row['failed']} failed) in "
+              f"{row['wall_s']:.2f}s, {row['output_tok_s'] or 0:.1f} out tok/s, TTFT first / later p50 "
+              f"{row['ttft_turn1_ms_p50'] or float('nan'):.1f} / {row['ttft_later_ms_p50'] or float('nan'):.1f} ms, "
+              f"hit rate (usage) {row['usage_hit_rate']}", flush=True)
+
+    for rnd in range(args.rounds):
+        by_arm: Dict[str, Dict[str, pcw.ArmRun]] = {}
+        for group, flags, group_workloads in (("main", main_flags, main_workloads),
+                                              ("pressure", pressure_flags, [w for w in selected if w == "pressure"])):
+            if not group_workloads:
+                continue
+            for arm in args.prefix_arms:
+                arm_flags = flags + pcw.ARM_FLAGS[arm]
+                log_path = os.path.join(log_dir, f"server_{group}_{arm}_r{rnd}.log")
+                print(f"[{group} {arm} r{rnd}] starting server: {' '.join(arm_flags)}  (log: {log_path})", flush=True)
+                t0 = time.perf_counter()
+                with serve(arm_flags, log_path) as server:
+                    started(group, arm, rnd, arm_flags, log_path, server, t0)
+                    for w in group_workloads:
+                        desc = f"{w} {arm} r{rnd}"
+                        if w == "chat":
+                            run = _measured(server.url, arm, rnd, lambda: pcw.run_conversations(
+                                server.url, work.system, work.chat_turns, new, desc))
+                        elif w == "doc":
+                            bodies = [pcw.chat_body([{"role": "user", "content": m}], new) for m in work.doc_messages]
+                            run = _measured(server.url, arm, rnd, lambda: _one_turn_each(pcw.run_requests(
+                                server.url, pcw.CHAT_PATH, bodies, args.doc_concurrency, desc)))
+                        elif w == "resend":
+                            run = _measured(server.url, arm, rnd, lambda: _resend(server.url, work, desc))
+                        else:
+                            run = _measured(server.url, arm, rnd, lambda: pcw.run_conversations(
+                                server.url, work.system, work.pressure_turns, args.pressure_new_tokens, desc))
+                        runs[w].append(run)
+                        by_arm.setdefault(w, {})[arm] = run
+                        report(w, run)
+                for w in diffs:
+                    if w in group_workloads and arm == args.prefix_arms[-1] and len(by_arm.get(w, {})) == 2:
+                        diffs[w].append({"round": rnd, **pcw.output_differences(by_arm[w][pcw.ON].replies,
+                                                                                 by_arm[w][pcw.OFF].replies)})
+                write_json(args.out, result())  # after every arm: a run cut short keeps its finished arms
+    return result()
+
+
+def print_prefix_cache(result: Dict[str, object]) -> None:
+    """A table per workload (the pooled arms, then each round's when there are several), its ratios
+    and its done-means."""
+    for w, entry in result["workloads"].items():
+        rows = list(entry["arms"].values()) + (entry["rows"] if result["args"]["rounds"] > 1 else [])
+        print(f"\n{w}:")
+        print(render_table(rows, pcw.WORKLOAD_TABLES[w]))
+        shown = {k: v for k, v in entry["ratios"].items() if v is not None}
+        if shown:
+            print("on / off: " + ", ".join(f"{k.replace('_on_over_off', '')} {v:.3f}" for k, v in shown.items()))
+        if entry.get("output_differences"):
+            print("output differences (on vs off): " + "; ".join(
+                f"r{d['round']}: {d['different']} of {d['compared']} turns differ, {d['missing']} missing"
+                for d in entry["output_differences"]))
+        if "done" in entry:
+            print("done: " + ", ".join(f"{k} {'-' if v is None else ('yes' if v else 'NO')}"
+                                       for k, v in entry["done"].items()))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1011,7 +1253,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt_file", default=None, help="prompts, one per line, used as is (instead of GSM8K)")
     p.add_argument("--out", default=None,
                    help=f"JSON results path (default: {DEFAULT_OUT}; --long_context: {LONG_CONTEXT_OUT}; "
-                        f"--serving: {SERVING_OUT})")
+                        f"--serving: {SERVING_OUT}; --prefix_cache: {PREFIX_CACHE_OUT})")
     p.add_argument("--matrix", action="store_true",
                    help="in-process engine vs transformers over models x modes x batches (CUDA; "
                         "writes the rows of docs/data/perf/bench_vs_hf.json to --out)")
@@ -1046,9 +1288,55 @@ def parse_args(argv=None):
     p.add_argument("--client_procs", type=int, default=SERVING_CLIENT_PROCS,
                    help="--serving: client processes sharing the concurrency (one Python client may lag "
                         "behind thousands of chunks per second)")
+    p.add_argument("--prefix_cache", action="store_true",
+                   help="the prompt cache on vs off (--disable_dynamic_prompt_cache): multi-turn chats, a shared "
+                        f"document, a resent long prompt, memory pressure (writes {PREFIX_CACHE_OUT})")
+    p.add_argument("--prefix_workloads", nargs="+", default=list(pcw.WORKLOADS), choices=list(pcw.WORKLOADS),
+                   help="--prefix_cache: the workloads to run")
+    p.add_argument("--prefix_arms", nargs="+", default=[pcw.ON, pcw.OFF], choices=[pcw.ON, pcw.OFF],
+                   help="--prefix_cache: the arms, in order within each round (on: the default server; off: "
+                        "--disable_dynamic_prompt_cache)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--prefix_cache: rounds of the arms (on, off, on, off, ...: drift shows between rounds)")
+    p.add_argument("--gsm8k_train", default=None,
+                   help="--prefix_cache: GSM8K train jsonl, the long texts (default: train.jsonl beside test.jsonl's "
+                        "default place)")
+    p.add_argument("--prefix_new_tokens", type=int, default=64,
+                   help="--prefix_cache: max_new_tokens (ignore_eos) of the chat and document requests")
+    p.add_argument("--system_tokens", type=int, default=1000, help="--prefix_cache: the chats' system prompt tokens")
+    p.add_argument("--conversations", type=int, default=32, help="--prefix_cache: concurrent chat conversations")
+    p.add_argument("--turns", type=int, default=8, help="--prefix_cache: turns per chat conversation")
+    p.add_argument("--doc_tokens", type=int, default=3000, help="--prefix_cache: the shared document's tokens")
+    p.add_argument("--doc_questions", type=int, default=64, help="--prefix_cache: questions about the document")
+    p.add_argument("--doc_concurrency", type=int, default=16, help="--prefix_cache: document questions in flight")
+    p.add_argument("--resend_tokens", type=int, default=6000, help="--prefix_cache: the resent prompt's tokens")
+    p.add_argument("--resend_times", type=int, default=5, help="--prefix_cache: resends after the first send")
+    p.add_argument("--resend_new_tokens", type=int, default=50,
+                   help="--prefix_cache: tokens of the text appended to each resend")
+    p.add_argument("--pressure_conversations", type=int, default=128,
+                   help="--prefix_cache: concurrent conversations under memory pressure")
+    p.add_argument("--pressure_turns", type=int, default=3, help="--prefix_cache: turns per pressure conversation")
+    p.add_argument("--pressure_new_tokens", type=int, default=16,
+                   help="--prefix_cache: max_new_tokens (ignore_eos) of the pressure replies")
+    p.add_argument("--pressure_kv_tokens", type=int, default=None,
+                   help="--prefix_cache: the pressure servers' --max_total_token_num (default: "
+                        f"{PRESSURE_POOL_FRACTION} x the pool the server sizes by default for their flags when memory "
+                        "does not bound it, as on an H200 with the embedded model)")
     args = p.parse_args(argv)
-    if sum((args.serving, args.long_context, args.matrix)) > 1:
-        p.error("--serving, --long_context and --matrix are separate runs")
+    if sum((args.serving, args.long_context, args.matrix, args.prefix_cache)) > 1:
+        p.error("--serving, --long_context, --matrix and --prefix_cache are separate runs")
+    if args.prefix_cache:
+        for name in ("rounds", "prefix_new_tokens", "system_tokens", "conversations", "turns", "doc_tokens",
+                     "doc_questions", "doc_concurrency", "resend_tokens", "resend_new_tokens",
+                     "pressure_conversations", "pressure_turns", "pressure_new_tokens"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name} must be >= 1")
+        if args.resend_times < 0:
+            p.error("--resend_times must be >= 0")
+        if args.pressure_kv_tokens is not None and args.pressure_kv_tokens < 1:
+            p.error("--pressure_kv_tokens must be >= 1")
+        if len(set(args.prefix_arms)) != len(args.prefix_arms):
+            p.error("--prefix_arms: an arm twice")
     if args.num_prompts is None:
         args.num_prompts = SERVING_NUM_PROMPTS if args.serving else 64
     if args.max_new_tokens is None:
@@ -1069,7 +1357,8 @@ def parse_args(argv=None):
     if args.warmup_requests is None:
         args.warmup_requests = args.concurrency
     if args.out is None:
-        args.out = LONG_CONTEXT_OUT if args.long_context else SERVING_OUT if args.serving else DEFAULT_OUT
+        args.out = (LONG_CONTEXT_OUT if args.long_context else SERVING_OUT if args.serving
+                    else PREFIX_CACHE_OUT if args.prefix_cache else DEFAULT_OUT)
     return args
 
 
@@ -1091,6 +1380,11 @@ def main(argv=None) -> int:
         print(f"\nx 1st: relative to '{result['arms'][0]['mode']}'. during long prefill: short requests' "
               "inter-token gaps that overlap a long request's wait for its first token.")
         print(f"wrote {args.out}")
+        return 0
+    if args.prefix_cache:
+        result = run_prefix_cache(args)
+        print_prefix_cache(result)
+        print(f"\nwrote {args.out}")
         return 0
     if args.long_context:
         result = run_long_context(args)
