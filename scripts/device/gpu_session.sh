@@ -36,6 +36,7 @@
 #                                       interleaved rounds of NQ questions (default all 1319) at concurrency CONC:
 #                                       ASD's tok/s ratio to B = 0 (OUT/budgets_kK_cCONC$BUDGETS_NAME.json;
 #                                       BUDGETS_SERVER_ARGS: more server flags, e.g. --disable_mixed_steps)
+#   gpu_session.sh prefix OUT           the prompt cache on vs off (bench_e2e_throughput --prefix_cache)
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
 #   gpu_session.sh graphs OUT          CUDA graph vs eager: the graph tests, then ms per decode step at
 #                                       batch 1 / 64 / 256, K = 0 and 3, and the 8B-shaped dummy model
@@ -133,6 +134,13 @@ long_context)
     python benchmarks/bench_e2e_throughput.py --long_context --gsm8k .data/test.jsonl --out "$out/long_context.json" \
         > "$out/long_context.log" 2>&1
     status=$?; grep -v " INFO " "$out/long_context.log" | tail -30; exit $status
+    ;;
+prefix)
+    # the prompt cache on vs off: multi-turn chats, a shared document, a resent 6k prompt, a small pool
+    out=${1:?OUT}; mkdir -p "$out"
+    timeout 560 python benchmarks/bench_e2e_throughput.py --prefix_cache --gsm8k .data/test.jsonl \
+        --out "$out/prefix_cache.json" > "$out/prefix_cache.log" 2>&1
+    status=$?; grep -v " INFO " "$out/prefix_cache.log" | grep -v "req/s\]" | tail -40; exit $status
     ;;
 serving)
     # 3 arms, each: server start, a 64-request warm-up, 512 requests (about 30-60 s); the JSON is written after every arm
