@@ -19,8 +19,22 @@ HTTP_SIDE_FILES = [os.path.join(REPO, "lightllm", "server", p) for p in
 ENGINE_PREFIXES = ("lightllm.server.router", "lightllm.common.basemodel", "lightllm.models", "triton")
 
 
+_TORCH_BASELINE = None
+
+
+def _torch_baseline() -> set:
+    """What ``import torch`` alone loads in a fresh interpreter (a CUDA build of torch imports
+    triton itself): not the engine's doing."""
+    global _TORCH_BASELINE
+    if _TORCH_BASELINE is None:
+        _TORCH_BASELINE = set(_modules_after_import(["torch"]))
+    return _TORCH_BASELINE
+
+
 def _engine(name: str) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in ENGINE_PREFIXES)
+    if not any(name == p or name.startswith(p + ".") for p in ENGINE_PREFIXES):
+        return False
+    return not name.startswith("triton") or name not in _torch_baseline()
 
 
 def _modules_after_import(modules, pickled: bytes = b"") -> list:

@@ -79,7 +79,8 @@ class GaugePublisher:
 
     def _gauges(self) -> Gauges:
         mem, router, cache = self.router.backend.mem_manager, self.router, self.router.backend.prompt_cache
-        return Gauges(mem.size - mem.can_use_mem_size, len(router.running), len(router.queue.waiting),
+        # KV in use: what requests hold (cached tokens nobody holds are evicted on demand; their own gauge)
+        return Gauges(mem.size - mem.available_size, len(router.running), len(router.queue.waiting),
                       cache.stats() if cache is not None else None)
 
     def send(self, updates: List[ReqStepUpdate]) -> None:

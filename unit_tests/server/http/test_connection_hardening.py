@@ -358,7 +358,7 @@ class _FakeRouter:
     """What GaugePublisher reads of a RouterManager."""
 
     def __init__(self, kv_size: int = 100):
-        self.backend = SimpleNamespace(mem_manager=SimpleNamespace(size=kv_size, can_use_mem_size=kv_size))
+        self.backend = SimpleNamespace(mem_manager=SimpleNamespace(size=kv_size, available_size=kv_size), prompt_cache=None)
         self.running: List[object] = []
         self.queue = SimpleNamespace(waiting=deque())
 
@@ -387,7 +387,7 @@ def test_gauge_publisher_sends_admissions_before_the_step_and_kv_during_it():
     router.running.append("r1")  # admitted
     pub.before_step()
     assert _gauges_sent(q) == [(0, 0, 1, 0, 0)]
-    router.backend.mem_manager.can_use_mem_size = 40  # the step allocates KV
+    router.backend.mem_manager.available_size = 40  # the step allocates KV
     pub.before_step()
     assert _gauges_sent(q) == []  # the counts alone are checked before a step
     pub.start()

@@ -35,7 +35,9 @@ def servers(tiny, tmp_path_factory):
     """name -> server: plain, strict MTP, ASD (a weak random draft: many mismatches, so relaxations)."""
     logs = tmp_path_factory.mktemp("tiny_openai_logs")
     base = ["--model_dir", tiny.model_dir, "--max_req_total_len", str(MAX_REQ_TOTAL_LEN),
-            "--running_max_req_size", "8", "--max_total_token_num", "4096", "--data_type", "float32"]
+            "--running_max_req_size", "8", "--max_total_token_num", "4096", "--data_type", "float32",
+            # the tests resend prompts and compare log-probs and usage exactly: every prefill from token 0
+            "--disable_dynamic_prompt_cache"]
     draft = tiny.draft("draft", with_attention=True, std=0.02)
     mtp = ["--mtp_mode", "eagle_with_att", "--mtp_step", "2", "--mtp_draft_model_dir", draft]
     flags = {"plain": base + ["--model_name", MODEL_NAME], "mtp": base + mtp,
