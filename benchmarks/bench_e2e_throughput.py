@@ -96,8 +96,8 @@ from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
     DECODE_CLOCK, ENGINE_CLOCK, MIXED_CLOCK, USAGE, StreamTrace, auto_max_req_total_len, completion_stream_body,
     free_device_memory, generate_body, model_dir_or_embedded, send_streamed, send_timed, serve, server_flags, warm_up,
     wave_server_flags)
-from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, gsm8k_path, load_gsm8k,  # noqa: E402
-                                    load_prompt_file, take_cyclic)
+from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, fit_text_to_tokens, gsm8k_path,  # noqa: E402
+                                    load_gsm8k, load_prompt_file, take_cyclic)
 from lightllm.tools.report import Column, ratio, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
 from lightllm.utils.server_launcher import MetricsPage, scrape  # noqa: E402
 import prefix_cache_workloads as pcw  # noqa: E402 (--prefix_cache's workloads and rows)
@@ -735,7 +735,6 @@ SERVING_CLIENT_PROCS = 4
 SERVING_PERCENTILES = (50, 99)
 SHORT, LONG = "short", "long"
 LONG_START_STRIDE = 97  # long prompt j starts at GSM8K question 97 j: no two alike
-LENGTH_FIT_TRIES = 8
 SERVING_RATIO_KEYS = ("output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_short_ms_p50", "itl_short_ms_p99",
                       "itl_short_during_long_prefill_ms_p99", "mean_decode_batch")
 SERVING_DEFINITIONS = {
@@ -777,22 +776,8 @@ def exact_length_prompt_text(tokenizer, n_tokens: int, texts: Sequence[str], sta
     overhead = _server_token_count(tokenizer, chat_prompt_texts(tokenizer, [""])[0])
     if n_tokens <= overhead:
         raise ValueError(f"{n_tokens} tokens cannot hold the chat template ({overhead} tokens)")
-    pieces, chars, i = [], 0, start
-    while chars < 8 * n_tokens:  # a token is rarely more than 8 characters of this text
-        pieces.append(texts[i % len(texts)])
-        chars += len(pieces[-1]) + 2
-        i += 1
-    body = tokenizer.encode("\n\n".join(pieces), add_special_tokens=False)
-    cut, tried = n_tokens - overhead, {}
-    for _ in range(LENGTH_FIT_TRIES):
-        text = chat_prompt_texts(tokenizer, [tokenizer.decode(body[:cut])])[0]
-        got = tried[cut] = (_server_token_count(tokenizer, text), text)
-        if got[0] == n_tokens or cut + n_tokens - got[0] in tried:
-            break
-        cut += n_tokens - got[0]
-    # the exact count, else the closest not above it, else the closest
-    best = min(tried.values(), key=lambda t: (t[0] != n_tokens, t[0] > n_tokens, abs(t[0] - n_tokens)))
-    return best[1], best[0]
+    return fit_text_to_tokens(tokenizer, n_tokens, texts, start, n_tokens - overhead,
+                              lambda t: chat_prompt_texts(tokenizer, [t])[0], lambda t: _server_token_count(tokenizer, t))
 
 
 def build_serving_workload(tokenizer, questions: Sequence[str], num_requests: int, long_fraction: float,

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from lightllm.tools.client import _bounded
+from lightllm.tools.prompts import fit_text_to_tokens
 from lightllm.tools.report import Column, ratio
 from lightllm.utils.server_launcher import SSE_DATA_PREFIX, MetricsPage
 
@@ -25,7 +26,6 @@ ON, OFF = "on", "off"  # the arms: the default server (cache on) and --disable_d
 ARM_FLAGS = {ON: [], OFF: ["--disable_dynamic_prompt_cache"]}
 WORKLOADS = ("chat", "doc", "resend", "pressure")
 PERCENTILES = (50, 99)
-LENGTH_FIT_TRIES = 8
 # the prompt cache's samples on /metrics (counters and gauges)
 CACHE_HIT_TOKENS = "lightllm_prompt_cache_hit_tokens_total"
 CACHE_COMPUTED_TOKENS = "lightllm_prompt_tokens_computed_total"
@@ -54,21 +54,7 @@ def exact_length_text(tokenizer, n_tokens: int, texts: Sequence[str], start: int
     def count(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
-    pieces, chars, i = [], 0, start
-    while chars < 8 * n_tokens:  # a token is rarely more than 8 characters of this text
-        pieces.append(texts[i % len(texts)])
-        chars += len(pieces[-1]) + 2
-        i += 1
-    body = tokenizer.encode("\n\n".join(pieces), add_special_tokens=False)
-    cut, tried = n_tokens, {}
-    for _ in range(LENGTH_FIT_TRIES):
-        text = tokenizer.decode(body[:cut])
-        got = tried[cut] = (count(text), text)
-        if got[0] == n_tokens or cut + n_tokens - got[0] in tried:
-            break
-        cut += n_tokens - got[0]
-    best = min(tried.values(), key=lambda t: (t[0] != n_tokens, t[0] > n_tokens, abs(t[0] - n_tokens)))
-    return best[1], best[0]
+    return fit_text_to_tokens(tokenizer, n_tokens, texts, start, n_tokens, lambda t: t, count)
 
 
 def conversation_turns(questions: Sequence[str], conversations: int, turns: int, start: int = 0) -> List[List[str]]:

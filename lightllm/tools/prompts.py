@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 from itertools import islice
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GSM8K_DIR_ENV = "LIGHTLLM_GSM8K_DIR"
@@ -131,3 +131,31 @@ def chat_prompt_texts(tokenizer, user_texts: Sequence[str]) -> List[str]:
     adds_bos = bool(bos) and tokenizer.encode("", add_special_tokens=True)[:1] == [tokenizer.bos_token_id]
     texts = [_template(tokenizer, t) for t in user_texts]
     return [t[len(bos):] if adds_bos and t.startswith(bos) else t for t in texts]
+
+
+# Times the cut of a text's tokens is moved to hit a token count after re-tokenization.
+LENGTH_FIT_TRIES = 8
+
+
+def fit_text_to_tokens(tokenizer, n_tokens: int, texts: Sequence[str], start: int, first_cut: int,
+                       render: Callable[[str], str], count: Callable[[str], int]) -> Tuple[str, int]:
+    """(``render(text)``, its ``count``) of ``n_tokens``, ``text`` made of ``texts`` from ``start``
+    (cycling, one blank line apart) with its tokens cut. The rendered text is re-tokenized where it
+    is used, so the cut (``first_cut`` tokens at first) is moved until the count is ``n_tokens``, or
+    the closest not above it (a cut can swing by one token)."""
+    pieces, chars, i = [], 0, start
+    while chars < 8 * n_tokens:  # a token is rarely more than 8 characters of this text
+        pieces.append(texts[i % len(texts)])
+        chars += len(pieces[-1]) + 2
+        i += 1
+    body = tokenizer.encode("\n\n".join(pieces), add_special_tokens=False)
+    cut, tried = first_cut, {}
+    for _ in range(LENGTH_FIT_TRIES):
+        text = render(tokenizer.decode(body[:cut]))
+        got = tried[cut] = (count(text), text)
+        if got[0] == n_tokens or cut + n_tokens - got[0] in tried:
+            break
+        cut += n_tokens - got[0]
+    # the exact count, else the closest not above it, else the closest
+    best = min(tried.values(), key=lambda t: (t[0] != n_tokens, t[0] > n_tokens, abs(t[0] - n_tokens)))
+    return best[1], best[0]
