@@ -171,11 +171,21 @@ class RadixCache:
 
         A match that ends inside a node splits it, so ``last_node`` covers exactly the match.
         Locks nothing: call ``inc_ref(result.last_node)`` before the next ``evict``."""
-        key = _as_key(tokens)
+        path = self._walk(_as_key(tokens))
+        node = path[-1]
+        self._push_if_evictable(node)
+        parts = [n.slots for n in path[1:]]
+        slots = torch.cat(parts) if parts else _empty_slots()
+        return MatchResult(length=slots.numel(), slots=slots, last_node=node)
+
+    def _walk(self, key: Tuple[int, ...]) -> List[TreeNode]:
+        """The path root..node of the longest cached prefix of ``key``, stamped as used now (one
+        clock tick). A prefix that ends inside a node, or diverges there, splits it: every node of
+        the path is used whole."""
         now = self._clock()
         node, pos = self._root, 0
         node.last_access = now
-        parts: List[torch.Tensor] = []
+        path = [node]
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
@@ -185,11 +195,9 @@ class RadixCache:
                 child = self._split(child, matched)
             node = child
             node.last_access = now
-            parts.append(node.slots)
+            path.append(node)
             pos += matched
-        self._push_if_evictable(node)
-        slots = torch.cat(parts) if parts else _empty_slots()
-        return MatchResult(length=pos, slots=slots, last_node=node)
+        return path
 
     def insert(self, tokens: Tokens, slots: Slots) -> int:
         """Cache ``tokens`` whose KV lives in ``slots`` (``slots[i]`` holds ``tokens[i]``).
@@ -202,24 +210,12 @@ class RadixCache:
         values = _as_slots(slots)
         if values.numel() != len(key):
             raise ValueError(f"insert: {len(key)} tokens but {values.numel()} slots")
-        now = self._clock()
-        node, pos = self._root, 0
-        node.last_access = now
-        while pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            matched = _common_prefix_len(child.key, key, pos)
-            if matched < len(child.key):
-                # Ends inside the child, or diverges there: only its first ``matched`` are used.
-                child = self._split(child, matched)
-            node = child
-            node.last_access = now
-            pos += matched
-        cached = pos
-        if pos < len(key):
-            leaf = TreeNode(key=key[pos:], slots=values[pos:].clone(), parent=node, last_access=now)
-            node.children[key[pos]] = leaf
+        path = self._walk(key)
+        node = path[-1]
+        cached = sum(len(n.key) for n in path)
+        if cached < len(key):
+            leaf = TreeNode(key=key[cached:], slots=values[cached:].clone(), parent=node, last_access=node.last_access)
+            node.children[key[cached]] = leaf
             self._num_nodes += 1
             self._total_tokens += len(leaf.key)
             node = leaf
