@@ -403,18 +403,13 @@ class PrefixWorkloads:
                 "pressure_turns": len(self.pressure_turns[0]) if self.pressure_turns else 0}
 
 
-def build_prefix_workloads(tokenizer, texts: Sequence[str], questions: Sequence[str], system_tokens: int,
-                           conversations: int, turns: int, doc_tokens: int, doc_questions: int, resend_tokens: int,
-                           resend_times: int, resend_new_tokens: int, pressure_conversations: int,
-                           pressure_turns: int) -> PrefixWorkloads:
-    """The long texts (system prompt, document, resend prompt) are ``texts`` (GSM8K train) cut to
-    their token counts, each from its own start; the user turns and the appended texts are
-    ``questions`` (GSM8K test)."""
+def resend_texts(tokenizer, texts: Sequence[str], questions: Sequence[str], resend_tokens: int, resend_times: int,
+                 resend_new_tokens: int) -> Tuple[str, List[str]]:
+    """(first, resends): a ``resend_tokens`` /v1/completions prompt text (the chat template around
+    a long user turn of GSM8K train ``texts``), then ``resend_times`` copies of it whose user turn
+    has ``resend_new_tokens`` different tokens (GSM8K test ``questions``) appended."""
     from lightllm.tools.prompts import chat_prompt_texts
 
-    system, n_system = exact_length_text(tokenizer, system_tokens, texts, SYSTEM_START)
-    doc, n_doc = exact_length_text(tokenizer, doc_tokens, texts, DOC_START)
-    doc_qs = [questions[(DOC_QUESTION_START + i) % len(questions)] for i in range(doc_questions)]
     overhead = server_token_count(tokenizer, chat_prompt_texts(tokenizer, [""])[0])
     if resend_tokens <= overhead:
         raise ValueError(f"{resend_tokens} resend tokens cannot hold the chat template ({overhead} tokens)")
@@ -423,6 +418,20 @@ def build_prefix_workloads(tokenizer, texts: Sequence[str], questions: Sequence[
                 for i in range(resend_times)]
     first = chat_prompt_texts(tokenizer, [base])[0]
     resends = chat_prompt_texts(tokenizer, [f"{base}\n\n{s}" for s in suffixes]) if suffixes else []
+    return first, resends
+
+
+def build_prefix_workloads(tokenizer, texts: Sequence[str], questions: Sequence[str], system_tokens: int,
+                           conversations: int, turns: int, doc_tokens: int, doc_questions: int, resend_tokens: int,
+                           resend_times: int, resend_new_tokens: int, pressure_conversations: int,
+                           pressure_turns: int) -> PrefixWorkloads:
+    """The long texts (system prompt, document, resend prompt) are ``texts`` (GSM8K train) cut to
+    their token counts, each from its own start; the user turns and the appended texts are
+    ``questions`` (GSM8K test)."""
+    system, n_system = exact_length_text(tokenizer, system_tokens, texts, SYSTEM_START)
+    doc, n_doc = exact_length_text(tokenizer, doc_tokens, texts, DOC_START)
+    doc_qs = [questions[(DOC_QUESTION_START + i) % len(questions)] for i in range(doc_questions)]
+    first, resends = resend_texts(tokenizer, texts, questions, resend_tokens, resend_times, resend_new_tokens)
     return PrefixWorkloads(
         system=system, system_tokens=n_system, chat_turns=conversation_turns(questions, conversations, turns),
         doc=doc, doc_tokens=n_doc, doc_messages=[doc_question_message(doc, q) for q in doc_qs],

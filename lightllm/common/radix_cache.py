@@ -101,7 +101,7 @@ class _HeapEntry:
 def _as_key(tokens: Tokens) -> Tuple[int, ...]:
     if isinstance(tokens, torch.Tensor):
         return tuple(tokens.reshape(-1).tolist())
-    return tuple(int(t) for t in tokens)
+    return tuple(map(int, tokens))
 
 
 def _as_slots(slots: Slots) -> torch.Tensor:
@@ -109,10 +109,18 @@ def _as_slots(slots: Slots) -> torch.Tensor:
     return torch.as_tensor(slots, dtype=SLOT_DTYPE).reshape(-1).cpu().clone()
 
 
+# Tokens compared per slice by _common_prefix_len before it looks at single tokens.
+COMPARE_BLOCK = 256
+
+
 def _common_prefix_len(key: Tuple[int, ...], tokens: Tuple[int, ...], start: int) -> int:
-    """How many leading tokens of ``key`` equal ``tokens[start:]``."""
+    """How many leading tokens of ``key`` equal ``tokens[start:]``: block by block (tuple slices
+    compare in C), then token by token inside the first block that differs."""
     n = min(len(key), len(tokens) - start)
     i = 0
+    while i < n and key[i:i + COMPARE_BLOCK] == tokens[start + i:start + min(i + COMPARE_BLOCK, n)]:
+        i += COMPARE_BLOCK
+    i = min(i, n)
     while i < n and key[i] == tokens[start + i]:
         i += 1
     return i

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from lightllm.server.core.objs.messages import AbortReq, AddReq
 from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError
 from lightllm.server.httpserver.detokenize import REPLACEMENT_CHAR, DetokenizerVocab, IncrementalDetokenizer
+from lightllm.server.httpserver.prompt_encoder import PromptEncoder
 from lightllm.server.metrics import RequestClock, ServerMetrics, ThroughputLog
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,8 @@ class HttpServerManager:
         self.max_model_len = min(args.max_req_total_len, self.max_position_embeddings or args.max_req_total_len)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = load_eos_token_ids(self.model_dir, self.tokenizer)
+        # Prompts as the tokenizer encodes them, resent pieces from a cache of chunks
+        self.prompt_encoder = PromptEncoder.of(self.tokenizer)
         self.detokenizer_vocab = DetokenizerVocab.of(self.tokenizer)
         # A prompt of more characters than this cannot fit in --max_req_total_len tokens (None: no
         # such bound for this tokenizer; prompts are then only bounded by the body size)
@@ -297,7 +300,7 @@ class HttpServerManager:
 
     # ---- requests ----
     def encode_prompt(self, text: str) -> List[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        return self.prompt_encoder.encode(text, add_special_tokens=True)
 
     def render_chat(self, messages) -> str:
         """The prompt text of a chat conversation (the model's template)."""
@@ -307,7 +310,7 @@ class HttpServerManager:
             raise SamplingParamsError("messages", f"the chat template refused them: {e}") from None
 
     def apply_chat_template(self, messages) -> List[int]:
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.prompt_encoder.encode(self.render_chat(messages), add_special_tokens=False)
 
     def limit_text(self) -> str:
         """How error messages name the request length limit (max_model_len)."""
@@ -347,7 +350,7 @@ class HttpServerManager:
         text = (self.render_chat(messages) if chars <= LARGE_PROMPT_CHARS
                 else await loop.run_in_executor(self._tokenizer_pool, self.render_chat, messages))
         self.check_prompt_chars(text)
-        return await self._tokenize(partial(self.tokenizer.encode, add_special_tokens=False), text, len(text))
+        return await self._tokenize(partial(self.prompt_encoder.encode, add_special_tokens=False), text, len(text))
 
     def check_request(self, prompt_ids: List[int], params: SamplingParams) -> None:
         """Raise SamplingParamsError for anything the engine cannot serve."""
