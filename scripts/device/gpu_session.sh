@@ -37,6 +37,8 @@
 #                                       ASD's tok/s ratio to B = 0 (OUT/budgets_kK_cCONC$BUDGETS_NAME.json;
 #                                       BUDGETS_SERVER_ARGS: more server flags, e.g. --disable_mixed_steps)
 #   gpu_session.sh prefix OUT           the prompt cache on vs off (bench_e2e_throughput --prefix_cache)
+#   gpu_session.sh resend OUT           a resent 6k-token prompt: where its time to first token goes in-process
+#                                       (profile_resend.py), then over HTTP (--prefix_cache's resend workload)
 #   gpu_session.sh profile OUT          where a decode step's time goes (batch 256, K = 0 and 3)
 #   gpu_session.sh graphs OUT          CUDA graph vs eager: the graph tests, then ms per decode step at
 #                                       batch 1 / 64 / 256, K = 0 and 3, and the 8B-shaped dummy model
@@ -141,6 +143,15 @@ prefix)
     timeout 560 python benchmarks/bench_e2e_throughput.py --prefix_cache --gsm8k .data/test.jsonl \
         --out "$out/prefix_cache.json" > "$out/prefix_cache.log" 2>&1
     status=$?; grep -v " INFO " "$out/prefix_cache.log" | grep -v "req/s\]" | tail -40; exit $status
+    ;;
+resend)
+    out=${1:?OUT}; mkdir -p "$out"
+    timeout 200 python benchmarks/profile_resend.py --gsm8k .data/test.jsonl --out "$out/resend_profile.json" \
+        > "$out/resend_profile.log" 2>&1; s1=$?
+    grep -v " INFO " "$out/resend_profile.log" | head -45
+    timeout 300 python benchmarks/bench_e2e_throughput.py --prefix_cache --prefix_workloads resend \
+        --gsm8k .data/test.jsonl --out "$out/prefix_resend.json" > "$out/prefix_resend.log" 2>&1; s2=$?
+    grep -v " INFO " "$out/prefix_resend.log" | grep -v "req/s\]" | tail -25; exit $((s1 | s2))
     ;;
 serving)
     # 3 arms, each: server start, a 64-request warm-up, 512 requests (about 30-60 s); the JSON is written after every arm
