@@ -15,13 +15,19 @@ Decode-shaped plans (small blocks, few programs) also split each block's KV rang
 count depends only on the plan's static shape, so a CUDA graph and the eager path at the
 same padded shape run the same programs.
 
+Prefill-shaped plans split on the device (``dynamic_splits``): when the blocks that hold rows
+are too few to fill the GPU (a short chunk after a long cached prefix, a few long requests'
+rows), each of them splits its KV by its length, up to ``num_kv_splits`` ways, and writes
+partial sums for the combine; a block that does not split writes its output at once. The
+choice reads only the plan's tensors, so graphs and eager runs of one shape still agree.
+
 Deterministic plans (``--enable_deterministic_inference``): every row is its own block and
 the KV is never split, so a row's result depends only on its own position and the cache,
 not on its batch, its chunk or whether it is a decode or an MTP verify row.
 """
 import functools
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -42,6 +48,9 @@ SPLIT_PROGRAMS_PER_SM = 2
 TARGET_HEAD_DIM = 128
 H200_SMS = 132  # without CUDA (the interpreter)
 MAX_KV_SPLITS = 32
+# Prefill-shaped plans: most splits of one block's KV, and fewest keys per split.
+DYNAMIC_MAX_SPLITS = 8
+DYNAMIC_SPLIT_KEYS = 512
 LOG2E = 1.4426950408889634
 
 
@@ -95,6 +104,14 @@ def _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, 
 
 
 @triton.jit
+def _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head):
+    # An empty row (length 0) writes zeros instead of NaN.
+    out = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    tl.store(out_ptr + row_c[:, None] * stride_out_row + head[:, None] * stride_out_head + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr,  # [rows, q_heads, head_dim]
     k_ptr,  # [num_slots, kv_heads, head_dim]
@@ -107,7 +124,12 @@ def _unified_attention_kernel(
     out_ptr,  # [rows, q_heads, head_dim]: the output (one split) ...
     part_acc_ptr,  # [rows, q_heads, splits, head_dim] fp32: ... or the splits' partial sums
     part_ml_ptr,  # [rows, q_heads, splits, 2] fp32: their running max and sum
+    active_blocks_ptr,  # [1] int32: blocks that hold rows (DYNAMIC_SPLITS)
+    row_split_ptr,  # [rows, 2] int32: each row's splits and partial-sum row (DYNAMIC_SPLITS)
     num_rows,
+    num_part_rows,  # DYNAMIC_SPLITS: partial-sum rows (blocks past them do not split)
+    fill_programs,  # DYNAMIC_SPLITS: programs that fill the GPU (its SMs): no split from there on
+    target_programs,  # DYNAMIC_SPLITS: else split to about this many programs
     qk_scale,  # sm_scale * log2(e)
     stride_q_row,
     stride_q_head,
@@ -124,9 +146,11 @@ def _unified_attention_kernel(
     BLOCK_M: tl.constexpr,  # >= BLOCK_Q * GROUP, a power of two
     BLOCK_DMODEL: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # DYNAMIC_SPLITS: at most this many
     IEEE_DOT: tl.constexpr,  # fp32 inputs: exact products, not tf32
     EVEN_D: tl.constexpr,  # HEAD_DIM == BLOCK_DMODEL
+    DYNAMIC_SPLITS: tl.constexpr = False,
+    SPLIT_KEYS: tl.constexpr = DYNAMIC_SPLIT_KEYS,  # DYNAMIC_SPLITS: fewest keys per split
 ):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -155,10 +179,18 @@ def _unified_attention_kernel(
             mask=valid[:, None] & d_mask[None, :], other=0.0,
         )
 
-        # This program's share of the keys: whole tiles, split NUM_SPLITS ways.
-        split_len = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        if DYNAMIC_SPLITS:
+            # Split while the blocks that hold rows leave the GPU idle, by the block's length.
+            busy = tl.load(active_blocks_ptr) * tl.num_programs(1)
+            n_split = tl.where(busy >= fill_programs, 1, tl.cdiv(target_programs, tl.maximum(busy, 1)))
+            n_split = tl.minimum(tl.minimum(n_split, tl.cdiv(hi, SPLIT_KEYS)), NUM_SPLITS)
+            n_split = tl.where((block + 1) * BLOCK_Q > num_part_rows, 1, tl.maximum(n_split, 1))
+        else:
+            n_split = NUM_SPLITS
+        # This program's share of the keys: whole tiles, split n_split ways.
+        split_len = tl.cdiv(tl.cdiv(hi, n_split), BLOCK_N) * BLOCK_N
         start = split * split_len
-        end = tl.minimum(start + split_len, hi)
+        end = tl.where(split < n_split, tl.minimum(start + split_len, hi), start)
         # Tiles below ``lo`` need no mask.
         unmasked_end = tl.maximum(tl.minimum(end, (lo // BLOCK_N) * BLOCK_N), start)
 
@@ -177,10 +209,19 @@ def _unified_attention_kernel(
 
         store_mask = valid[:, None] & d_mask[None, :]
         if NUM_SPLITS == 1:
-            # An empty row (length 0) writes zeros instead of NaN.
-            out = tl.where(l_i[:, None] > 0.0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-            tl.store(out_ptr + row_c[:, None] * stride_out_row + head[:, None] * stride_out_head + offs_d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=store_mask)
+            _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
+        elif DYNAMIC_SPLITS:
+            part_row = block * BLOCK_Q + q_off  # this block's rows of the partial sums
+            if split == 0:
+                tl.store(row_split_ptr + row_c * 2, tl.zeros_like(row_c) + n_split, mask=valid)
+                tl.store(row_split_ptr + row_c * 2 + 1, part_row, mask=valid)
+            if (n_split == 1) & (split == 0):
+                _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
+            elif split < n_split:
+                part = (part_row * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
+                tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
+                tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
+                tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
         else:
             part = (row_c * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
@@ -189,38 +230,54 @@ def _unified_attention_kernel(
 
 
 @triton.jit
+def _merge_split(m, l, acc, part_acc_ptr, part_ml_ptr, idx, offs_d, d_mask, HEAD_DIM: tl.constexpr):
+    """One split's partial sums (entry ``idx``) into the running (m, l, acc)."""
+    m_s = tl.load(part_ml_ptr + idx * 2)
+    l_s = tl.load(part_ml_ptr + idx * 2 + 1)
+    a_s = tl.load(part_acc_ptr + idx * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+    m_new = tl.maximum(m, m_s)
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_safe)
+    beta = tl.math.exp2(m_s - m_safe)
+    return m_new, l * alpha + l_s * beta, acc * alpha + a_s * beta
+
+
+@triton.jit
 def _combine_splits_kernel(
     part_acc_ptr,  # [rows, q_heads, splits, head_dim] fp32
     part_ml_ptr,  # [rows, q_heads, splits, 2] fp32
     out_ptr,  # [rows, q_heads, head_dim]
+    row_split_ptr,  # [rows, 2] int32 (DYNAMIC_SPLITS): the row's splits and partial-sum row
     stride_out_row,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_DMODEL: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DYNAMIC_SPLITS: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_DMODEL)
     d_mask = offs_d < HEAD_DIM
-    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
     m = -float("inf")
     l = 0.0
     acc = tl.zeros([BLOCK_DMODEL], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m_s = tl.load(part_ml_ptr + (base + s) * 2)
-        l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1)
-        a_s = tl.load(part_acc_ptr + (base + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        beta = tl.math.exp2(m_s - m_safe)
-        acc = acc * alpha + a_s * beta
-        l = l * alpha + l_s * beta
-        m = m_new
-    out = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
-    tl.store(out_ptr + row * stride_out_row + head * stride_out_head + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=d_mask)
+    if DYNAMIC_SPLITS:
+        n = tl.load(row_split_ptr + row * 2)
+        if n > 1:  # else the attention kernel wrote the row's output
+            base = (tl.load(row_split_ptr + row * 2 + 1) * tl.num_programs(1) + head) * NUM_SPLITS
+            for s in range(0, n):
+                m, l, acc = _merge_split(m, l, acc, part_acc_ptr, part_ml_ptr, base + s, offs_d, d_mask, HEAD_DIM)
+            out = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
+            tl.store(out_ptr + row * stride_out_row + head * stride_out_head + offs_d,
+                     out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    else:
+        base = (row * tl.num_programs(1) + head) * NUM_SPLITS
+        for s in tl.static_range(NUM_SPLITS):
+            m, l, acc = _merge_split(m, l, acc, part_acc_ptr, part_ml_ptr, base + s, offs_d, d_mask, HEAD_DIM)
+        out = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
+        tl.store(out_ptr + row * stride_out_row + head * stride_out_head + offs_d, out.to(out_ptr.dtype.element_ty),
+                 mask=d_mask)
 
 
 @dataclass(frozen=True)
@@ -234,7 +291,12 @@ class AttentionPlan:
     group: int  # query heads per KV head
     block_q: int  # query rows per block
     block_m: int  # tile height (block_q * group, padded to a power of two)
-    num_kv_splits: int
+    num_kv_splits: int  # dynamic_splits: at most this many
+    # Prefill-shaped plans: blocks split their KV on the device while too few hold rows
+    dynamic_splits: bool = False
+    active_blocks: Optional[torch.Tensor] = None  # [1] int32: blocks that hold rows
+    num_part_blocks: int = 0  # blocks with room for partial sums (the first ones: a split needs few)
+    split_keys: int = DYNAMIC_SPLIT_KEYS  # fewest keys per dynamic split
 
 
 def block_shape(group: int, max_q_len: int, deterministic: bool) -> Tuple[int, int]:
@@ -261,8 +323,12 @@ def num_kv_splits_for(max_blocks: int, kv_heads: int, block_m: int, deterministi
     programs = max(1, max_blocks * kv_heads)
     if deterministic or block_m > SPLIT_MAX_BLOCK_M or programs >= sms:
         return 1
-    target = sms * SPLIT_PROGRAMS_PER_SM * max(1, TARGET_HEAD_DIM // max(head_dim, 1))
-    return max(1, min(MAX_KV_SPLITS, target // programs))
+    return max(1, min(MAX_KV_SPLITS, split_target_programs(head_dim, sms) // programs))
+
+
+def split_target_programs(head_dim: int, sms: int) -> int:
+    """Programs a split plan aims for."""
+    return sms * SPLIT_PROGRAMS_PER_SM * max(1, TARGET_HEAD_DIM // max(head_dim, 1))
 
 
 @dataclass(frozen=True)
@@ -328,7 +394,15 @@ def plan_attention(
         slot = torch.where(leader, torch.cumsum(leader, 0) - 1, max_blocks).clamp_(max=max_blocks)
         first = torch.full((max_blocks + 1,), -1, dtype=torch.int32, device=idx.device)  # the last takes the rest
         first = first.scatter_(0, slot, idx.to(torch.int32))[:max_blocks]
-    splits = num_kv_splits_for(max_blocks, kv_heads, block_m, deterministic, head_dim, sm_count(idx.device))
+    sms = sm_count(idx.device)
+    if not deterministic and block_m > SPLIT_MAX_BLOCK_M and block_q > 1:
+        # Blocks hold rows from the first entry on; a block splits only while fewer than fill the
+        # GPU's SMs, so the first cdiv(sms, kv_heads) blocks need room for partial sums.
+        active = (first >= 0).sum(dtype=torch.int32).reshape(1)
+        part_blocks = min(max_blocks, triton.cdiv(sms, kv_heads))
+        return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m,
+                             DYNAMIC_MAX_SPLITS, True, active, part_blocks)
+    splits = num_kv_splits_for(max_blocks, kv_heads, block_m, deterministic, head_dim, sms)
     return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m, splits)
 
 
@@ -361,27 +435,36 @@ def unified_attention(
     if rows == 0:
         return out
     splits = plan.num_kv_splits
+    dynamic = plan.dynamic_splits
+    part_rows = plan.num_part_blocks * plan.block_q if dynamic else rows
     if splits > 1:
-        part_acc = torch.empty((rows, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((rows, q_heads, splits, 2), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((part_rows, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((part_rows, q_heads, splits, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # not read
+    if dynamic:
+        row_split = torch.empty((rows, 2), dtype=torch.int32, device=q.device)
+        active = plan.active_blocks
+    else:
+        row_split = active = plan.row_seq_len  # not read
+    sms = sm_count(q.device)
+    target = split_target_programs(head_dim, sms)
     block_dmodel = triton.next_power_of_2(head_dim)
-    cfg = launch_config(plan.block_m, block_dmodel, splits, q.element_size())
+    cfg = launch_config(plan.block_m, block_dmodel, 1 if dynamic else splits, q.element_size())
     grid = (plan.block_first_row.shape[0], kv_heads, splits)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,
         plan.block_first_row,
-        out, part_acc, part_ml, rows, sm_scale * LOG2E,
+        out, part_acc, part_ml, active, row_split, rows, part_rows, sms, target, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token_indexs.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, GROUP=plan.group, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_DMODEL=block_dmodel,
         BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IEEE_DOT=q.dtype == torch.float32, EVEN_D=head_dim == block_dmodel,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(rows, q_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits, num_warps=1,
+            part_acc, part_ml, out, row_split, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits, DYNAMIC_SPLITS=dynamic, num_warps=1,
         )
     return out

@@ -5,6 +5,8 @@ head_dim 128, bf16 / fp16 and a CUDA graph replay. Every batch mixes runs of one
 prefill chunks (including ones after a cached prefix), single decode rows, MTP's K + 1 rows,
 dspark-style block rows that all see the same keys, and slot tables that are not contiguous.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,8 +51,24 @@ def test_matches_reference_fp32_cpu(q_heads, kv_heads, head_dim, hint):
     batch = make_batch(runs, q_heads, kv_heads, head_dim, torch.float32, "cpu")
     max_q_len = {"runs": batch.max_q_len, "one_row": 1, "deterministic": batch.max_q_len}[hint]
     out, plan, scale = _run(batch, max_q_len, deterministic=hint == "deterministic")
-    assert (plan.num_kv_splits > 1) == (hint == "one_row")
+    assert (plan.num_kv_splits > 1 and not plan.dynamic_splits) == (hint == "one_row")
+    assert plan.dynamic_splits == (hint == "runs")
     torch.testing.assert_close(out.float(), batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", CPU_SHAPES[1:])
+def test_dynamic_splits_match_reference_cpu(q_heads, kv_heads, head_dim):
+    """Prefill-shaped blocks that split their KV on the device (a split per BLOCK_N keys here, so
+    small shapes split): chunks after a cached prefix, a block past the partial-sum room (it
+    does not split), and rows of one block that see different key counts."""
+    batch = make_batch(SMALL_RUNS, q_heads, kv_heads, head_dim, torch.float32, "cpu")
+    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, q_heads, kv_heads, batch.max_q_len, batch.num_runs)
+    scale = head_dim ** -0.5
+    for part_blocks in (plan.num_part_blocks, 1):
+        forced = dataclasses.replace(plan, split_keys=BLOCK_N, num_part_blocks=part_blocks)
+        out = unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, forced, scale)
+        torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
 
 
 @needs_triton_cpu
