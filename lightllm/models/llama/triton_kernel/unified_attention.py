@@ -172,13 +172,6 @@ def _unified_attention_kernel(
         lo = tl.min(row_len, 0)  # keys every row of the block sees
         hi = tl.max(row_len, 0)  # keys some row of the block sees
 
-        offs_d = tl.arange(0, BLOCK_DMODEL)
-        d_mask = offs_d < HEAD_DIM
-        q = tl.load(
-            q_ptr + row_c[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
-            mask=valid[:, None] & d_mask[None, :], other=0.0,
-        )
-
         if DYNAMIC_SPLITS:
             # Split while the blocks that hold rows leave the GPU idle, by the block's length.
             busy = tl.load(active_blocks_ptr) * tl.num_programs(1)
@@ -187,46 +180,54 @@ def _unified_attention_kernel(
             n_split = tl.where((block + 1) * BLOCK_Q > num_part_rows, 1, tl.maximum(n_split, 1))
         else:
             n_split = NUM_SPLITS
-        # This program's share of the keys: whole tiles, split n_split ways.
-        split_len = tl.cdiv(tl.cdiv(hi, n_split), BLOCK_N) * BLOCK_N
-        start = split * split_len
-        end = tl.where(split < n_split, tl.minimum(start + split_len, hi), start)
-        # Tiles below ``lo`` need no mask.
-        unmasked_end = tl.maximum(tl.minimum(end, (lo // BLOCK_N) * BLOCK_N), start)
+        if split < n_split:  # the others have no keys to read
+            offs_d = tl.arange(0, BLOCK_DMODEL)
+            d_mask = offs_d < HEAD_DIM
+            q = tl.load(
+                q_ptr + row_c[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=valid[:, None] & d_mask[None, :], other=0.0,
+            )
 
-        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
-        table = req_to_token_ptr + req_idx * stride_req_row
-        kv_d = kv_head * stride_k_head + offs_d[None, :]
-        kv_dv = kv_head * stride_v_head + offs_d[None, :]
-        for n0 in range(start, unmasked_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
-                                         qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, False, EVEN_D, IEEE_DOT)
-        for n0 in range(unmasked_end, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
-                                         qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, True, EVEN_D, IEEE_DOT)
+            # This program's share of the keys: whole tiles, split n_split ways.
+            split_len = tl.cdiv(tl.cdiv(hi, n_split), BLOCK_N) * BLOCK_N
+            start = split * split_len
+            end = tl.minimum(start + split_len, hi)
+            # Tiles below ``lo`` need no mask.
+            unmasked_end = tl.maximum(tl.minimum(end, (lo // BLOCK_N) * BLOCK_N), start)
 
-        store_mask = valid[:, None] & d_mask[None, :]
-        if NUM_SPLITS == 1:
-            _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
-        elif DYNAMIC_SPLITS:
-            part_row = block * BLOCK_Q + q_off  # this block's rows of the partial sums
-            if split == 0:
-                tl.store(row_split_ptr + row_c * 2, tl.zeros_like(row_c) + n_split, mask=valid)
-                tl.store(row_split_ptr + row_c * 2 + 1, part_row, mask=valid)
-            if (n_split == 1) & (split == 0):
+            m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
+            table = req_to_token_ptr + req_idx * stride_req_row
+            kv_d = kv_head * stride_k_head + offs_d[None, :]
+            kv_dv = kv_head * stride_v_head + offs_d[None, :]
+            for n0 in range(start, unmasked_end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
+                                             qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, False, EVEN_D, IEEE_DOT)
+            for n0 in range(unmasked_end, end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
+                                             qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, True, EVEN_D, IEEE_DOT)
+
+            store_mask = valid[:, None] & d_mask[None, :]
+            if NUM_SPLITS == 1:
                 _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
-            elif split < n_split:
-                part = (part_row * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
+            elif DYNAMIC_SPLITS:
+                part_row = block * BLOCK_Q + q_off  # this block's rows of the partial sums
+                if split == 0:
+                    tl.store(row_split_ptr + row_c * 2, tl.zeros_like(row_c) + n_split, mask=valid)
+                    tl.store(row_split_ptr + row_c * 2 + 1, part_row, mask=valid)
+                if n_split == 1:
+                    _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
+                else:
+                    part = (part_row * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
+                    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
+                    tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
+                    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
+            else:
+                part = (row_c * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
                 tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
                 tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
                 tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
-        else:
-            part = (row_c * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
-            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
-            tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
-            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
 
 
 @triton.jit
@@ -395,7 +396,8 @@ def plan_attention(
         first = torch.full((max_blocks + 1,), -1, dtype=torch.int32, device=idx.device)  # the last takes the rest
         first = first.scatter_(0, slot, idx.to(torch.int32))[:max_blocks]
     sms = sm_count(idx.device)
-    if not deterministic and block_m > SPLIT_MAX_BLOCK_M and block_q > 1:
+    fills = triton.cdiv(rows, block_q) * kv_heads >= sms  # blocks that hold rows fill the SMs whatever the rows
+    if not deterministic and block_m > SPLIT_MAX_BLOCK_M and block_q > 1 and not fills:
         # Blocks hold rows from the first entry on; a block splits only while fewer than fill the
         # GPU's SMs, so the first cdiv(sms, kv_heads) blocks need room for partial sums.
         active = (first >= 0).sum(dtype=torch.int32).reshape(1)
