@@ -32,4 +32,10 @@ for name, runs in CASES.items():
         else:
             res["max_diff"] = float((out.float() - ref).abs().max())
         res[arm] = round(triton.testing.do_bench(f, warmup=20, rep=100) * 1000, 1)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        g.replay()
+        torch.cuda.synchronize()
+        res[arm + "_graph"] = round(triton.testing.do_bench(g.replay, warmup=20, rep=100) * 1000, 1)
     print(f"{name}: {res} us, dynamic plan {plan.dynamic_splits}")

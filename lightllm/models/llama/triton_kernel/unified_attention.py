@@ -17,9 +17,10 @@ same padded shape run the same programs.
 
 Prefill-shaped plans split on the device (``dynamic_splits``): when the blocks that hold rows
 are too few to fill the GPU (a short chunk after a long cached prefix, a few long requests'
-rows), each of them splits its KV by its length, up to ``num_kv_splits`` ways, and writes
-partial sums for the combine; a block that does not split writes its output at once. The
-choice reads only the plan's tensors, so graphs and eager runs of one shape still agree.
+rows), the grid's programs for blocks that hold no rows read splits of those that do (by their
+length, up to ``num_kv_splits`` ways) and write partial sums for the combine; a block that does
+not split writes its output at once. A grid whose blocks all hold rows runs as without splits.
+The choice reads only the plan's tensors, so graphs and eager runs of one shape still agree.
 
 Deterministic plans (``--enable_deterministic_inference``): every row is its own block and
 the KV is never split, so a row's result depends only on its own position and the cache,
@@ -152,9 +153,17 @@ def _unified_attention_kernel(
     DYNAMIC_SPLITS: tl.constexpr = False,
     SPLIT_KEYS: tl.constexpr = DYNAMIC_SPLIT_KEYS,  # DYNAMIC_SPLITS: fewest keys per split
 ):
-    block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if DYNAMIC_SPLITS:
+        # The blocks that hold rows come first; the programs past them help them: program
+        # num_active + j reads split 1 + j // num_active of block j % num_active.
+        pid = tl.program_id(0)
+        num_active = tl.maximum(tl.load(active_blocks_ptr), 1)
+        block = tl.where(pid < num_active, pid, (pid - num_active) % num_active)
+        split = tl.where(pid < num_active, 0, 1 + (pid - num_active) // num_active)
+    else:
+        block = tl.program_id(0)
+        split = tl.program_id(2)
     first_row = tl.load(block_first_row_ptr + block)
     if first_row >= 0:
         req_idx = tl.load(row_req_idx_ptr + first_row)
@@ -173,61 +182,62 @@ def _unified_attention_kernel(
         hi = tl.max(row_len, 0)  # keys some row of the block sees
 
         if DYNAMIC_SPLITS:
-            # Split while the blocks that hold rows leave the GPU idle, by the block's length.
-            busy = tl.load(active_blocks_ptr) * tl.num_programs(1)
-            n_split = tl.where(busy >= fill_programs, 1, tl.cdiv(target_programs, tl.maximum(busy, 1)))
+            # Split while the blocks that hold rows leave the GPU idle, by the block's length, as far
+            # as the programs of the grid go.
+            busy = num_active * tl.num_programs(1)
+            n_split = tl.where(busy >= fill_programs, 1, tl.cdiv(target_programs, busy))
             n_split = tl.minimum(tl.minimum(n_split, tl.cdiv(hi, SPLIT_KEYS)), NUM_SPLITS)
+            n_split = tl.minimum(n_split, (tl.num_programs(0) - block + num_active - 1) // num_active)
             n_split = tl.where((block + 1) * BLOCK_Q > num_part_rows, 1, tl.maximum(n_split, 1))
         else:
             n_split = NUM_SPLITS
-        if split < n_split:  # the others have no keys to read
-            offs_d = tl.arange(0, BLOCK_DMODEL)
-            d_mask = offs_d < HEAD_DIM
-            q = tl.load(
-                q_ptr + row_c[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
-                mask=valid[:, None] & d_mask[None, :], other=0.0,
-            )
+        offs_d = tl.arange(0, BLOCK_DMODEL)
+        d_mask = offs_d < HEAD_DIM
+        q_mask = valid[:, None] & d_mask[None, :]
+        if DYNAMIC_SPLITS:
+            q_mask = q_mask & (split < n_split)  # a program past the block's splits reads nothing
+        q = tl.load(q_ptr + row_c[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
+                    mask=q_mask, other=0.0)
+        # This program's share of the keys: whole tiles, split n_split ways.
+        split_len = tl.cdiv(tl.cdiv(hi, n_split), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = tl.where(split < n_split, tl.minimum(start + split_len, hi), start)
+        # Tiles below ``lo`` need no mask.
+        unmasked_end = tl.maximum(tl.minimum(end, (lo // BLOCK_N) * BLOCK_N), start)
 
-            # This program's share of the keys: whole tiles, split n_split ways.
-            split_len = tl.cdiv(tl.cdiv(hi, n_split), BLOCK_N) * BLOCK_N
-            start = split * split_len
-            end = tl.minimum(start + split_len, hi)
-            # Tiles below ``lo`` need no mask.
-            unmasked_end = tl.maximum(tl.minimum(end, (lo // BLOCK_N) * BLOCK_N), start)
+        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
+        table = req_to_token_ptr + req_idx * stride_req_row
+        kv_d = kv_head * stride_k_head + offs_d[None, :]
+        kv_dv = kv_head * stride_v_head + offs_d[None, :]
+        for n0 in range(start, unmasked_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
+                                         qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, False, EVEN_D, IEEE_DOT)
+        for n0 in range(unmasked_end, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
+                                         qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, True, EVEN_D, IEEE_DOT)
 
-            m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
-            table = req_to_token_ptr + req_idx * stride_req_row
-            kv_d = kv_head * stride_k_head + offs_d[None, :]
-            kv_dv = kv_head * stride_v_head + offs_d[None, :]
-            for n0 in range(start, unmasked_end, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
-                                             qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, False, EVEN_D, IEEE_DOT)
-            for n0 in range(unmasked_end, end, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, table, n0, end, row_len, kv_d, kv_dv, d_mask, m_i, l_i, acc,
-                                             qk_scale, stride_k_slot, stride_v_slot, BLOCK_N, True, EVEN_D, IEEE_DOT)
-
-            store_mask = valid[:, None] & d_mask[None, :]
-            if NUM_SPLITS == 1:
+        store_mask = valid[:, None] & d_mask[None, :]
+        if NUM_SPLITS == 1:
+            _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
+        elif DYNAMIC_SPLITS:
+            part_row = block * BLOCK_Q + q_off  # this block's rows of the partial sums
+            if split == 0:
+                tl.store(row_split_ptr + row_c * 2, tl.zeros_like(row_c) + n_split, mask=valid)
+                tl.store(row_split_ptr + row_c * 2 + 1, part_row, mask=valid)
+            if (n_split == 1) & (split == 0):
                 _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
-            elif DYNAMIC_SPLITS:
-                part_row = block * BLOCK_Q + q_off  # this block's rows of the partial sums
-                if split == 0:
-                    tl.store(row_split_ptr + row_c * 2, tl.zeros_like(row_c) + n_split, mask=valid)
-                    tl.store(row_split_ptr + row_c * 2 + 1, part_row, mask=valid)
-                if n_split == 1:
-                    _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
-                else:
-                    part = (part_row * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
-                    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
-                    tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
-                    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
-            else:
-                part = (row_c * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
+            elif split < n_split:
+                part = (part_row * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
                 tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
                 tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
                 tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
+        else:
+            part = (row_c * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
+            tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
 
 
 @triton.jit
@@ -248,37 +258,76 @@ def _combine_splits_kernel(
     part_acc_ptr,  # [rows, q_heads, splits, head_dim] fp32
     part_ml_ptr,  # [rows, q_heads, splits, 2] fp32
     out_ptr,  # [rows, q_heads, head_dim]
-    row_split_ptr,  # [rows, 2] int32 (DYNAMIC_SPLITS): the row's splits and partial-sum row
     stride_out_row,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_DMODEL: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    DYNAMIC_SPLITS: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_DMODEL)
     d_mask = offs_d < HEAD_DIM
+    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
     m = -float("inf")
     l = 0.0
     acc = tl.zeros([BLOCK_DMODEL], dtype=tl.float32)
-    if DYNAMIC_SPLITS:
-        n = tl.load(row_split_ptr + row * 2)
-        if n > 1:  # else the attention kernel wrote the row's output
-            base = (tl.load(row_split_ptr + row * 2 + 1) * tl.num_programs(1) + head) * NUM_SPLITS
-            for s in range(0, n):
-                m, l, acc = _merge_split(m, l, acc, part_acc_ptr, part_ml_ptr, base + s, offs_d, d_mask, HEAD_DIM)
-            out = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
-            tl.store(out_ptr + row * stride_out_row + head * stride_out_head + offs_d,
-                     out.to(out_ptr.dtype.element_ty), mask=d_mask)
-    else:
-        base = (row * tl.num_programs(1) + head) * NUM_SPLITS
-        for s in tl.static_range(NUM_SPLITS):
-            m, l, acc = _merge_split(m, l, acc, part_acc_ptr, part_ml_ptr, base + s, offs_d, d_mask, HEAD_DIM)
-        out = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
-        tl.store(out_ptr + row * stride_out_row + head * stride_out_head + offs_d, out.to(out_ptr.dtype.element_ty),
-                 mask=d_mask)
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(part_ml_ptr + (base + s) * 2)
+        l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1)
+        a_s = tl.load(part_acc_ptr + (base + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        beta = tl.math.exp2(m_s - m_safe)
+        acc = acc * alpha + a_s * beta
+        l = l * alpha + l_s * beta
+        m = m_new
+    out = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
+    tl.store(out_ptr + row * stride_out_row + head * stride_out_head + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+@triton.jit
+def _combine_dynamic_splits_kernel(
+    part_acc_ptr,  # [part rows, q_heads, splits, head_dim] fp32
+    part_ml_ptr,  # [part rows, q_heads, splits, 2] fp32
+    out_ptr,  # [rows, q_heads, head_dim]
+    row_split_ptr,  # [rows, 2] int32: the row's splits and partial-sum row
+    stride_out_row,
+    stride_out_head,
+    Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= Q_HEADS, a power of two
+    BLOCK_DMODEL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """One row, every head: the row's splits merged (a row that did not split was written already)."""
+    row = tl.program_id(0)
+    n = tl.load(row_split_ptr + row * 2)
+    if n > 1:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_DMODEL)
+        h_mask = offs_h < Q_HEADS
+        hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        base = (tl.load(row_split_ptr + row * 2 + 1) * Q_HEADS + offs_h) * NUM_SPLITS  # [BLOCK_H]
+        m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+        l = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DMODEL], dtype=tl.float32)
+        for s in range(0, n):
+            m_s = tl.load(part_ml_ptr + (base + s) * 2, mask=h_mask, other=-float("inf"))
+            l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=h_mask, other=0.0)
+            a_s = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=hd_mask, other=0.0)
+            m_new = tl.maximum(m, m_s)
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m - m_safe)
+            beta = tl.math.exp2(m_s - m_safe)
+            acc = acc * alpha[:, None] + a_s * beta[:, None]
+            l = l * alpha + l_s * beta
+            m = m_new
+        out = tl.where(l[:, None] > 0.0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
+        tl.store(out_ptr + row * stride_out_row + offs_h[:, None] * stride_out_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
 @dataclass(frozen=True)
@@ -453,7 +502,7 @@ def unified_attention(
     target = split_target_programs(head_dim, sms)
     block_dmodel = triton.next_power_of_2(head_dim)
     cfg = launch_config(plan.block_m, block_dmodel, 1 if dynamic else splits, q.element_size())
-    grid = (plan.block_first_row.shape[0], kv_heads, splits)
+    grid = (plan.block_first_row.shape[0], kv_heads, 1 if dynamic else splits)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,
         plan.block_first_row,
@@ -464,9 +513,14 @@ def unified_attention(
         BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IEEE_DOT=q.dtype == torch.float32, EVEN_D=head_dim == block_dmodel,
         DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
+    if dynamic:
+        _combine_dynamic_splits_kernel[(rows,)](
+            part_acc, part_ml, out, row_split, out.stride(0), out.stride(1), Q_HEADS=q_heads, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits, num_warps=2,
+        )
+    elif splits > 1:
         _combine_splits_kernel[(rows, q_heads)](
-            part_acc, part_ml, out, row_split, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits, DYNAMIC_SPLITS=dynamic, num_warps=1,
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits, num_warps=1,
         )
     return out

@@ -60,10 +60,12 @@ def test_matches_reference_fp32_cpu(q_heads, kv_heads, head_dim, hint):
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", CPU_SHAPES[1:])
 def test_dynamic_splits_match_reference_cpu(q_heads, kv_heads, head_dim):
     """Prefill-shaped blocks that split their KV on the device (a split per BLOCK_N keys here, so
-    small shapes split): chunks after a cached prefix, a block past the partial-sum room (it
-    does not split), and rows of one block that see different key counts."""
+    small shapes split) with the programs of blocks that hold no rows: chunks after a cached
+    prefix, blocks past the partial-sum room (they do not split), and rows of one block that see
+    different key counts."""
     batch = make_batch(SMALL_RUNS, q_heads, kv_heads, head_dim, torch.float32, "cpu")
-    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, q_heads, kv_heads, batch.max_q_len, batch.num_runs)
+    rows = batch.q.shape[0]  # as many blocks as rows (the rows graphs' plan): spare programs to split with
+    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, q_heads, kv_heads, batch.max_q_len, rows)
     scale = head_dim ** -0.5
     for part_blocks in (plan.num_part_blocks, 1):
         forced = dataclasses.replace(plan, split_keys=BLOCK_N, num_part_blocks=part_blocks)
