@@ -3,7 +3,7 @@
 References: ``tokenizer.encode(text, add_special_tokens=...)`` of the same tokenizer, on random
 texts built to hit every piece of the GPT-2 split (words, digits, runs of spaces and newlines,
 contractions, punctuation, tabs and CR, non-ASCII, chat tokens) cut every few characters, and on
-long GSM8K texts resent with a suffix. Tokenizers: the embedded model's (byte-level, digits
+a long text of paragraphs resent with a suffix. Tokenizers: the embedded model's (byte-level, digits
 split), the tiny byte-level one the server tests use, a copy of the embedded one whose special
 tokens wrap the text, and tokenizers whose cuts would change the ids (they are encoded whole).
 """
@@ -16,7 +16,6 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lightllm.server.httpserver.prompt_encoder import CUT, PromptEncoder, cuts_are_exact, split_prompt
-from lightllm.tools.prompts import gsm8k_path, load_gsm8k
 
 NUM_RANDOM_TEXTS = 400
 SMALL_CHUNK_CHARS = (1, 2, 5)  # cut at (nearly) every cut point
@@ -92,8 +91,11 @@ def test_tiny_and_wrapped_tokenizers_chunked_equal_whole(smollm2, tiny):
 
 
 def test_resent_long_prompt_encodes_only_its_new_chunks(smollm2):
-    texts = [q.question for q in load_gsm8k(gsm8k_path("train"), 400)]
-    doc = "\n\n".join(texts)[:LONG_TEXT_CHARS]
+    rng = random.Random(11)
+    words = "the a of to in store sold apples each day how many dollars left after she bought".split()
+    sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) + f" {rng.randint(0, 9999)}."
+                 for _ in range(2000)]
+    doc = "\n\n".join(" ".join(sentences[i:i + 5]) for i in range(0, len(sentences), 5))[:LONG_TEXT_CHARS]
     enc = PromptEncoder.of(smollm2)
     first = enc.encode(doc)
     chunks = len(split_prompt(doc, enc.chunk_chars))
