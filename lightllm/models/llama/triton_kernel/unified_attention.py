@@ -294,6 +294,7 @@ def _combine_dynamic_splits_kernel(
     part_ml_ptr,  # [part rows, q_heads, splits, 2] fp32
     out_ptr,  # [rows, q_heads, head_dim]
     row_split_ptr,  # [rows, 2] int32: the row's splits and partial-sum row
+    num_part_rows,
     stride_out_row,
     stride_out_head,
     Q_HEADS: tl.constexpr,
@@ -302,15 +303,17 @@ def _combine_dynamic_splits_kernel(
     BLOCK_DMODEL: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
-    """One row, every head: the row's splits merged (a row that did not split was written already)."""
+    """One row, every head: the row's splits merged (a row that did not split was written already;
+    a row no block holds, only with a wrong ``max_seqs``, is left alone rather than read off bounds)."""
     row = tl.program_id(0)
     n = tl.load(row_split_ptr + row * 2)
-    if n > 1:
+    part_row = tl.load(row_split_ptr + row * 2 + 1)
+    if (n > 1) & (n <= NUM_SPLITS) & (part_row >= 0) & (part_row < num_part_rows):
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_DMODEL)
         h_mask = offs_h < Q_HEADS
         hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-        base = (tl.load(row_split_ptr + row * 2 + 1) * Q_HEADS + offs_h) * NUM_SPLITS  # [BLOCK_H]
+        base = (part_row * Q_HEADS + offs_h) * NUM_SPLITS  # [BLOCK_H]
         m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DMODEL], dtype=tl.float32)
@@ -515,8 +518,9 @@ def unified_attention(
     )
     if dynamic:
         _combine_dynamic_splits_kernel[(rows,)](
-            part_acc, part_ml, out, row_split, out.stride(0), out.stride(1), Q_HEADS=q_heads, HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits, num_warps=2,
+            part_acc, part_ml, out, row_split, part_rows, out.stride(0), out.stride(1), Q_HEADS=q_heads,
+            HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits,
+            num_warps=2,
         )
     elif splits > 1:
         _combine_splits_kernel[(rows, q_heads)](

@@ -47,7 +47,7 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, (dtype, head_dim, rows, compiled.metadata.shared)
     if dynamic:
         sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": dtype, "row_split_ptr": "*i32",
-               "stride_out_row": "i32", "stride_out_head": "i32", "Q_HEADS": "constexpr", "HEAD_DIM": "constexpr",
+               "num_part_rows": "i32", "stride_out_row": "i32", "stride_out_head": "i32", "Q_HEADS": "constexpr", "HEAD_DIM": "constexpr",
                "BLOCK_H": "constexpr", "BLOCK_DMODEL": "constexpr", "NUM_SPLITS": "constexpr"}
         q_heads = group * 3
         compiled = compile_for_sm90(_combine_dynamic_splits_kernel, sig, {
