@@ -246,6 +246,7 @@ class RouterManager:
         if before_run is not None:
             before_run()
         batch_reqs = len(self.running)
+        prefilling = [r for r in self.running if r.in_prefill]
         try:
             result = self.backend.run_step(self.running, may_admit=bool(self.queue.waiting))
         except Exception as e:
@@ -267,6 +268,9 @@ class RouterManager:
                 self._step_tokens += u.accept_len
         if self._steps:
             self.mean_tokens_per_step = self._step_tokens / self._steps
+        for req in prefilling:
+            if not req.in_prefill and req.finish_reason is None:  # its prompt is done: share it now
+                self.queue.unreserve(req, self.backend.cache_prompt(req))
         self._reap_finished()
         self.timing.add(time.perf_counter() - t0, batch_reqs, not result.prefilled, result.decode_reqs, self._ladder,
                         result.steps)

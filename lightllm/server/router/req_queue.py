@@ -86,3 +86,9 @@ class ReqQueue:
     def release(self, req: InferReq) -> None:
         self.reserved_per_group[req.dp_rank] -= req.kv_reserved
         req.kv_reserved = 0
+
+    def unreserve(self, req: InferReq, tokens: int) -> None:
+        """``tokens`` of ``req``'s slots went to the prompt cache (it counts them as locked now)."""
+        tokens = min(tokens, req.kv_reserved)
+        self.reserved_per_group[req.dp_rank] -= tokens
+        req.kv_reserved -= tokens

@@ -9,6 +9,9 @@ follows its longest cached prefix. A request's life, for the code that calls thi
   then ``lock(req, match)`` sets ``req.prompt_cached_len`` and keeps the prefix in the tree.
 - the backend's ``add_req`` points the request's first ``prompt_cached_len`` positions at the
   prefix's slots and prefill starts there (a chunk that starts late, as any later chunk).
+- ``cache_prompt(req)`` once its prefill is done (SGLang caches at that point too): its prompt
+  goes into the tree and its lock moves to the end of it, so requests that arrive while it decodes
+  share the prompt; the tree's slots no longer count in the request's KV reservation.
 - ``release(req)`` when it is done (finished, aborted, refused by the backend): its tokens go into
   the tree, the slots the tree did not take go back to the pool, the lock goes.
 - the pool evicts unlocked cached tokens before an ``alloc`` would fail (``MemoryManager.reclaimer``).
@@ -24,8 +27,8 @@ then, because a decoded position's draft KV was computed from the draft's own gu
 the tokens that followed. Cached positions therefore hold exactly what a prefill from token 0
 computes, and outputs do not depend on the cache (the draft's proposals included, so ASD's too).
 """
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
 
 import torch
 
@@ -42,13 +45,22 @@ NO_SLOT = -1
 
 @dataclass
 class PrefixMatch:
-    """A request's cached prefix, found at admission (not locked yet)."""
+    """A request's path in the tree: found at admission (``match``, not locked yet), locked by
+    ``lock``, extended over its prompt by ``cache_prompt``."""
 
-    length: int  # prompt positions whose KV it takes from the tree
+    length: int  # prompt positions whose KV it takes from the tree at admission
     slots: torch.Tensor  # [length] int64 host: their slots
-    node: TreeNode  # the lock handle: the matched path's end (``tree_length`` tokens)
-    tree_length: int  # tokens of the matched path (length + the draft window, or 0)
+    node: TreeNode  # the lock handle: the path's end (``tree_length`` tokens)
+    tree_length: int  # tokens of the path (length + the draft window, or 0)
     lock_cost: int  # tokens that locking it adds to the tree's locked tokens
+    # Positions 0 .. filed - 1 are the tree's or duplicates in ``dups``; the request's own slots
+    # from there on are its own (admission: ``length``)
+    filed: int = -1
+    dups: List[torch.Tensor] = field(default_factory=list)  # own slots of KV the tree had already
+
+    def __post_init__(self) -> None:
+        if self.filed < 0:
+            self.filed = self.length
 
 
 class PromptCache:
@@ -106,23 +118,57 @@ class PromptCache:
         """Leading positions of ``req`` whose KV the tree may keep (before the draft window)."""
         return req.kv_len if self.rule.cache_decoded else min(req.kv_len, req.prompt_len)
 
+    def cache_prompt(self, req: InferReq) -> int:
+        """``req``'s prefill is done: file its prompt in the tree and lock the path to its end.
+        Returns how many of its own slots the tree took (they leave its KV reservation)."""
+        match = req.prefix
+        if match is None:
+            return 0
+        taken = self._file(req, req.prompt_len)
+        if taken or match.tree_length < req.prompt_len:
+            path = self.tree.match_prefix(req.prompt_ids)  # the path of exactly the prompt (a split if need be)
+            if path.length == req.prompt_len:
+                self.tree.inc_ref(path.last_node)
+                self.tree.dec_ref(match.node)
+                match.node, match.tree_length = path.last_node, path.length
+        return taken
+
+    def _file(self, req: InferReq, n: int) -> int:
+        """Put ``req``'s first ``n`` tokens in the tree (token t holds the slot of position t - W);
+        returns how many own slots the tree took. Own slots of KV the tree had go to ``dups``."""
+        match, w = req.prefix, self.window
+        if n <= max(match.tree_length, w) or n - w <= match.filed:
+            return 0
+        own = torch.tensor(req.slots, dtype=SLOT_DTYPE)  # positions prompt_cached_len .. kv_len - 1
+        positions = torch.cat([match.slots, own])
+        filed = torch.cat([torch.full((w,), NO_SLOT, dtype=SLOT_DTYPE), positions[:n - w]])
+        dup = self.tree.insert_request((req.prompt_ids + req.output_ids)[:n], filed, match.tree_length)
+        cached = match.tree_length + dup.numel()  # tokens the tree had
+        self._no_slot_tokens += max(0, w - cached)
+        dup = dup[dup != NO_SLOT]
+        taken = n - w - match.filed - dup.numel()
+        match.dups.append(dup)
+        match.filed = n - w
+        return taken
+
+    def held_slots(self, req: InferReq) -> int:
+        """Slots of ``req``'s positions that are its own, not the tree's."""
+        match = req.prefix
+        if match is None:
+            return len(req.slots)
+        return len(req.slots) - (match.filed - match.length) + sum(d.numel() for d in match.dups)
+
     def release(self, req: InferReq) -> None:
         """``req`` is done: cache its tokens, give back every own slot the tree did not take, unlock."""
-        own = torch.tensor(req.slots, dtype=SLOT_DTYPE)  # positions prompt_cached_len .. kv_len - 1
-        match, w = req.prefix, self.window
-        n = self.cacheable_len(req)  # tokens to file: token t holds the slot of position t - w
-        give_back = own
-        if match is not None and n > max(match.tree_length, w):
-            positions = torch.cat([match.slots, own])
-            filed = torch.cat([torch.full((w,), NO_SLOT, dtype=SLOT_DTYPE), positions[:n - w]])
-            dup = self.tree.insert_request((req.prompt_ids + req.output_ids)[:n], filed, match.tree_length)
-            cached = match.tree_length + dup.numel()  # tokens the tree had
-            self._no_slot_tokens += max(0, w - cached)
-            give_back = torch.cat([dup[dup != NO_SLOT], own[n - w - match.length:]])
-        self.mem_manager.free(give_back)
-        req.slots = []
-        if match is not None:
+        match = req.prefix
+        if match is None:
+            self.mem_manager.free(torch.tensor(req.slots, dtype=SLOT_DTYPE))
+        else:
+            self._file(req, self.cacheable_len(req))
+            own = torch.tensor(req.slots, dtype=SLOT_DTYPE)
+            self.mem_manager.free(torch.cat(match.dups + [own[match.filed - match.length:]]))
             self.tree.dec_ref(match.node)
+        req.slots = []
         req.prefix = None
 
     def reset(self) -> None:

@@ -435,9 +435,11 @@ def test_abort_flushes_the_step_in_flight(models):
     assert all(len(u.token_ids) == 1 and u.finish_reason is None for u in flushed)
     mem, reqm = backend.mem_manager, backend.req_manager
     assert [r.req_id for r in router.running] == survivors
-    cached = backend.prompt_cache.stats().cached_tokens if backend.prompt_cache is not None else 0
+    cache = backend.prompt_cache
+    cached = cache.stats().cached_tokens if cache is not None else 0
+    held = sum(cache.held_slots(r) if cache is not None else len(r.slots) for r in router.running)
     # nothing else held: the running requests' own slots, the prompt cache's, the free ones
-    assert mem.can_use_mem_size + cached == mem.size - sum(len(r.slots) for r in router.running)
+    assert mem.can_use_mem_size + cached == mem.size - held
     assert reqm.can_alloc_num == reqm.max_request_num - len(survivors)
     groups.append([_upd(u) for u in ups])
     _drive(router, groups)

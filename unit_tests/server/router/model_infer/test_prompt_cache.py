@@ -187,3 +187,94 @@ def test_admission_counts_a_shared_prefix_once_hand_computed():
     assert q.pop_admissible(2) == []
     q.release(a)
     assert q.reserved_tokens == 6 and a.kv_reserved == 0
+    assert q.pop_admissible(1) == [c]
+
+
+def test_a_prompt_is_cached_when_its_prefill_is_done_hand_computed():
+    """Pool of 40. A 12-token prompt whose first 10 tokens are cached reserves 2 + 4 = 6. When its
+    prefill is done the tree takes its 2 slots (reservation 4, 12 tokens locked); a request that
+    arrives meanwhile with the same 12 tokens and one more matches all 12. When the first ends it
+    frees none of its prompt's slots (the tree has them); only its decoded slots go back."""
+    mem = MemoryManager(40, torch.float32, 1, 1, 1, "cpu")
+    cache = PromptCache(mem, PrefixCacheRule(cache_decoded=False))
+    prefix = list(range(100, 110))
+    done = _req(0, prefix, max_new=1)
+    cache.lock(done, cache.match(done))
+    done.slots, done.kv_len = mem.alloc(10).tolist(), 10
+    cache.release(done)
+    q = ReqQueue(40, running_max_req_size=8, mtp_step=0, prompt_cache=cache)
+    a = _req(1, prefix + [1, 2])
+    q.append(a)
+    assert q.pop_admissible(0) == [a] and (a.prompt_cached_len, a.kv_reserved, cache.locked_tokens) == (10, 6, 10)
+    a.slots, a.kv_len = mem.alloc(2).tolist(), 12  # its prefill
+    q.unreserve(a, cache.cache_prompt(a))
+    assert (a.kv_reserved, q.reserved_tokens, cache.tree.total_tokens, cache.locked_tokens) == (4, 4, 12, 12)
+    b = _req(2, prefix + [1, 2, 3])
+    q.append(b)
+    assert q.pop_admissible(1) == [b] and b.prompt_cached_len == 12 and b.kv_reserved == 5
+    a.slots += mem.alloc(3).tolist()  # 3 decoded positions: not cached (cache_decoded=False)
+    a.output_ids, a.kv_len = [7, 8, 9], 15
+    free_before = mem.can_use_mem_size
+    cache.release(a)
+    q.release(a)
+    assert mem.can_use_mem_size == free_before + 3 and cache.tree.total_tokens == 12
+    assert cache.locked_tokens == 12  # b's lock
+    assert q.reserved_tokens == 5
+
+
+def _drive(eng, arrivals, max_new: int):
+    """Step the router by hand: ``arrivals`` [(step, prompt)] join at their step. Returns per
+    request (token ids, log-probs, accept lens, prompt_cached_tokens) and, per arrival, whether an
+    earlier request was still running then. Checks every step that what requests hold beyond the
+    tree fits in their reservations."""
+    from lightllm.server.core.objs.messages import AddReq
+
+    router, backend = eng.router, eng.backend
+    mem, cache = backend.mem_manager, backend.prompt_cache
+    out = {i: ([], [], [], 0) for i in range(len(arrivals))}
+    overlapped = []
+    step = 0
+    pending = list(enumerate(arrivals))
+    while pending or router.has_work:
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt) = pending.pop(0)
+            overlapped.append(bool(router.running))
+            router.add_req(AddReq(i, list(prompt), SamplingParams(max_new_tokens=max_new, ignore_eos=True), [], 0.0))
+        for u in router.step():
+            ids, lps, lens, _ = out[u.req_id]
+            assert u.error is None, u.error
+            ids += u.token_ids
+            lps += u.logprobs
+            if u.accept_len:
+                lens.append(u.accept_len)
+            out[u.req_id] = (ids, lps, lens, u.prompt_cached_tokens)
+        held = mem.size - mem.can_use_mem_size - cache.stats().cached_tokens
+        assert held <= router.queue.reserved_tokens
+        step += 1
+    return out, overlapped
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp", "dspark"])
+def test_a_request_that_arrives_while_another_decodes_shares_its_prompt(tiny, mode):
+    """A request with the same system prompt that arrives after the first one's prefill, while it
+    decodes, takes that prompt from the cache (cached at the end of the prefill, not at the end of
+    the request); outputs equal the uncached engine's, request by request."""
+    m, drafts = tiny
+    kw = _mode_args(drafts, mode)
+    system = random.Random(7).choices(range(m.vocab_size), k=SYSTEM_LEN)
+    qs = _questions(m.vocab_size, seed=8)
+    prompts = [system + qs[0][0], system + qs[1][0], system + qs[0][0] + qs[2][1]]
+    long_new = 12
+    on = make_engine(m.model_dir, **COMMON, **kw)
+    # batch_max_tokens 16: the first prompt's prefill takes 2 steps; the others come at steps 3 and 5
+    got, overlapped = _drive(on, [(0, prompts[0]), (3, prompts[1]), (5, prompts[2])], long_new)
+    assert overlapped == [False, True, True]  # each came while the first one was still decoding
+    window = K if mode == "mtp" else 0
+    assert got[1][3] >= SYSTEM_LEN - window and got[2][3] >= len(prompts[0]) - window
+    off = make_engine(m.model_dir, disable_dynamic_prompt_cache=True, **COMMON, **kw)
+    for i, p in enumerate(prompts):
+        ref = off.generate([p], [{"max_new_tokens": long_new, "ignore_eos": True}])[0]
+        assert got[i][0] == ref.token_ids
+        assert got[i][1] == pytest.approx(ref.logprobs, abs=LOGPROB_TOL)
+        assert got[i][2] == ref.accept_lens
+    assert _all_kv_back(on.backend)

@@ -180,6 +180,10 @@ class ModeBackend:
             self.req_manager.req_to_token_indexs[req.req_idx, :n] = to_device(req.prefix.slots, self.device)
             req.kv_len = n
 
+    def cache_prompt(self, req: InferReq) -> int:
+        """``req``'s prefill is done: its prompt goes into the prompt cache; returns the slots it took."""
+        return self.prompt_cache.cache_prompt(req) if self.prompt_cache is not None else 0
+
     def free_req(self, req: InferReq) -> None:
         if self.prompt_cache is not None:
             self.prompt_cache.release(req)  # caches its tokens, frees its slots
