@@ -197,3 +197,48 @@ def test_cuda_graph_replay_equals_eager_cuda():
             reference_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.row_req_idx, lens,
                                 scale),
             atol=HALF_ATOL[torch.bfloat16], rtol=0)
+
+
+# Few rows over long KV, planned as the rows graphs plan them (as many blocks as rows): the blocks that
+# hold rows are few, so the others' programs read their KV splits (dynamic splits).
+SHORT_CHUNKS_LONG_KV = ((0, 6001, 52), (1, 8192, 1), (2, 3000, 200), (3, 1021, MTP_ROWS))
+
+
+@needs_cuda
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", CUDA_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dynamic_splits_long_kv_cuda(q_heads, kv_heads, head_dim, dtype):
+    batch = make_batch(SHORT_CHUNKS_LONG_KV, q_heads, kv_heads, head_dim, dtype, "cuda", seed=kv_heads)
+    rows = batch.q.shape[0]
+    out, plan, scale = _run(batch, rows, max_runs=rows)
+    assert plan.dynamic_splits
+    atol = FP32_ATOL * 10 if dtype == torch.float32 else HALF_ATOL[dtype]
+    torch.testing.assert_close(out.float(), batch.reference(scale), atol=atol, rtol=0)
+
+
+@needs_cuda
+def test_dynamic_splits_graph_replay_equals_eager_cuda():
+    """A rows-graph plan with dynamic splits captured once, replayed on other lengths (more and
+    fewer splits): bit-exact with eager, and the reference's values."""
+    batch = make_batch(SHORT_CHUNKS_LONG_KV, 9, 3, 64, torch.bfloat16, "cuda")
+    rows = batch.q.shape[0]
+    lens = batch.row_seq_len.clone()
+    scale = 64 ** -0.5
+
+    def step():
+        plan = plan_attention(batch.row_req_idx, lens, 9, 3, rows, rows)
+        return unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for shift in (0, -900, -2990):  # within the slot table
+        lens.copy_((batch.row_seq_len + shift).clamp(min=1))
+        graph.replay()
+        assert torch.equal(out, step())
+        torch.testing.assert_close(
+            out.float(),
+            reference_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.row_req_idx, lens,
+                                scale),
+            atol=HALF_ATOL[torch.bfloat16], rtol=0)
