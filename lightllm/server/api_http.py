@@ -290,6 +290,7 @@ OPENAI_CHAT_ONLY_FIELDS = {"top_logprobs"}
 OPENAI_DEFAULT_ONLY = {
     "echo": (None, False),
     "suffix": (None,),
+    "response_format": (None, {"type": "text"}),  # JSON output: docs/structured_output.md
 }
 OPENAI_DEFAULT_MAX_TOKENS = 16
 OPENAI_DEFAULT_TEMPERATURE = 1.0

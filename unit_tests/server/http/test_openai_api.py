@@ -263,6 +263,15 @@ def test_top_logprobs_over_20_is_a_clear_400(servers, path, body, message):
     assert r.status_code == 400 and r.json()["error"] == message, r.text
 
 
+def test_response_format_text_is_the_default(servers):
+    """``{"type": "text"}`` (what some clients send every time) is served; JSON output is refused
+    above (docs/structured_output.md)."""
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": PROMPT})):
+        r = httpx.post(servers["plain"].url + path, json=dict(body, max_tokens=2, response_format={"type": "text"}),
+                       timeout=60)
+        assert r.status_code == 200, r.text
+
+
 def test_model_name_404_and_models_list(servers, tiny):
     plain, mtp = servers["plain"], servers["mtp"]
     models = httpx.get(plain.url + "/v1/models").json()["data"]
