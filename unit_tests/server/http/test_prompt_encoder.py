@@ -169,3 +169,18 @@ def test_the_probe_catches_a_cut_that_changes_ids(smollm2, monkeypatch):
     assert forced.encode("It's 2026", False) != tok.encode("It's 2026", add_special_tokens=False)
     monkeypatch.setattr(prompt_encoder, "cuts_are_exact", lambda _: (True, ""))
     assert not PromptEncoder.of(tok).chunked
+
+
+def test_tokenizer_threads_share_one_encoder(smollm2):
+    """The HTTP process encodes on several threads at once (TOKENIZER_THREADS): texts that share
+    their starts, encoded concurrently, each equal the tokenizer's own ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(5)
+    base = "".join(_random_text(rng) for _ in range(200))
+    texts = [base + _random_text(rng) for _ in range(64)]
+    enc = PromptEncoder.of(smollm2, chunk_chars=64)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(enc.encode, texts))
+    assert got == [smollm2.encode(t) for t in texts]
+    assert enc.hits > 0
