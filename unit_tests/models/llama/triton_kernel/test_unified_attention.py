@@ -172,23 +172,21 @@ def test_deterministic_rows_do_not_depend_on_their_batch_cuda():
         assert torch.equal(got[0], out[row])
 
 
-@needs_cuda
-def test_cuda_graph_replay_equals_eager_cuda():
-    """The plan and the kernel captured in a graph, replayed on new lengths: bit-exact with eager."""
-    batch = make_batch(((0, 3000, MTP_ROWS), (1, 50, MTP_ROWS), (2, 8000, MTP_ROWS)), 32, 8, 128, torch.bfloat16,
-                       "cuda")
+def _graph_replay_equals_eager(batch, q_heads: int, kv_heads: int, max_q_len: int, max_seqs: int, shifts) -> None:
+    """The plan and the kernel captured in a graph, replayed on the lengths shifted by each of
+    ``shifts``: bit-exact with eager, and the reference's values."""
     lens = batch.row_seq_len.clone()
-    scale = 128 ** -0.5
+    scale = batch.q.shape[2] ** -0.5
 
     def step():
-        plan = plan_attention(batch.row_req_idx, lens, 32, 8, MTP_ROWS, batch.num_runs)
+        plan = plan_attention(batch.row_req_idx, lens, q_heads, kv_heads, max_q_len, max_seqs)
         return unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale)
 
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for shift in (0, -1000, -7990):  # within the slot table
+    for shift in shifts:
         lens.copy_((batch.row_seq_len + shift).clamp(min=1))
         graph.replay()
         assert torch.equal(out, step())
@@ -198,6 +196,13 @@ def test_cuda_graph_replay_equals_eager_cuda():
                                 scale),
             atol=HALF_ATOL[torch.bfloat16], rtol=0)
 
+
+@needs_cuda
+def test_cuda_graph_replay_equals_eager_cuda():
+    """The plan and the kernel captured in a graph, replayed on new lengths: bit-exact with eager."""
+    batch = make_batch(((0, 3000, MTP_ROWS), (1, 50, MTP_ROWS), (2, 8000, MTP_ROWS)), 32, 8, 128, torch.bfloat16,
+                       "cuda")
+    _graph_replay_equals_eager(batch, 32, 8, MTP_ROWS, batch.num_runs, (0, -1000, -7990))  # within the slot table
 
 # Few rows over long KV, planned as the rows graphs plan them (as many blocks as rows): the blocks that
 # hold rows are few, so the others' programs read their KV splits (dynamic splits).
@@ -222,23 +227,4 @@ def test_dynamic_splits_graph_replay_equals_eager_cuda():
     fewer splits): bit-exact with eager, and the reference's values."""
     batch = make_batch(SHORT_CHUNKS_LONG_KV, 9, 3, 64, torch.bfloat16, "cuda")
     rows = batch.q.shape[0]
-    lens = batch.row_seq_len.clone()
-    scale = 64 ** -0.5
-
-    def step():
-        plan = plan_attention(batch.row_req_idx, lens, 9, 3, rows, rows)
-        return unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale)
-
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for shift in (0, -900, -2990):  # within the slot table
-        lens.copy_((batch.row_seq_len + shift).clamp(min=1))
-        graph.replay()
-        assert torch.equal(out, step())
-        torch.testing.assert_close(
-            out.float(),
-            reference_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.row_req_idx, lens,
-                                scale),
-            atol=HALF_ATOL[torch.bfloat16], rtol=0)
+    _graph_replay_equals_eager(batch, 9, 3, rows, rows, (0, -900, -2990))  # within the slot table
