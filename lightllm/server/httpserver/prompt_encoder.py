@@ -33,8 +33,6 @@ CACHE_CHARS = 1 << 24
 # No piece of the GPT-2 pattern holds a non-space followed by whitespace, so every such point ends
 # a piece (ASCII on both sides: Python's and the tokenizer's regex agree on what is whitespace).
 CUT = re.compile(r"[\x21-\x7e](?=[ \n])")
-# The split pattern of the byte-level pre-tokenizer (``use_regex``): GPT-2's
-GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # Checked at start-up against the tokenizer's own encoding, cut every few characters: words,
 # digits, runs of spaces and newlines, punctuation, contractions, tabs and CR, non-ASCII text
 PROBE_TEXT = ("Hello world!  It's 2026-12-01, 3.14159 and 12345678.\n\n\n  Indented line;\tx = y + 1\r\n"
@@ -43,27 +41,17 @@ PROBE_TEXT = ("Hello world!  It's 2026-12-01, 3.14159 and 12345678.\n\n\n  Inden
 PROBE_CHUNK_CHARS = 3  # the probe's chunk length: a cut at nearly every cut point
 
 
-def _cut_points(text: str, chunk_chars: int) -> List[int]:
-    """Where ``text`` is cut: the first cut point at or after every ``chunk_chars`` from the last cut."""
-    cuts = []
-    pos = chunk_chars
-    while pos < len(text):
-        m = CUT.search(text, pos - 1)  # the character before the cut may sit at pos - 1
+def split_prompt(text: str, chunk_chars: int = CHUNK_CHARS) -> List[str]:
+    """``text`` as chunks (joined, they are ``text``), each cut at the first cut point at or after
+    ``chunk_chars`` from the last cut. The cuts depend only on the text before them (and the
+    character after), so two prompts that start alike share their leading chunks."""
+    out, last = [], 0
+    while last + chunk_chars < len(text):
+        m = CUT.search(text, last + chunk_chars - 1)  # the character before a cut at last + chunk_chars
         if m is None:
             break
-        cuts.append(m.end())
-        pos = m.end() + chunk_chars
-    return cuts
-
-
-def split_prompt(text: str, chunk_chars: int = CHUNK_CHARS) -> List[str]:
-    """``text`` as chunks cut at cut points (joined, they are ``text``). The cuts depend only on
-    the text before them (and the character after), so two prompts that start alike share their
-    leading chunks."""
-    out, last = [], 0
-    for c in _cut_points(text, chunk_chars):
-        out.append(text[last:c])
-        last = c
+        out.append(text[last:m.end()])
+        last = m.end()
     out.append(text[last:])
     return out
 
@@ -141,9 +129,6 @@ class ChunkCache:
             while self.chars > self.max_chars:
                 old, _ = self._ids.popitem(last=False)
                 self.chars -= len(old)
-
-    def __len__(self) -> int:
-        return len(self._ids)
 
 
 class PromptEncoder:
