@@ -241,19 +241,6 @@ def _unified_attention_kernel(
 
 
 @triton.jit
-def _merge_split(m, l, acc, part_acc_ptr, part_ml_ptr, idx, offs_d, d_mask, HEAD_DIM: tl.constexpr):
-    """One split's partial sums (entry ``idx``) into the running (m, l, acc)."""
-    m_s = tl.load(part_ml_ptr + idx * 2)
-    l_s = tl.load(part_ml_ptr + idx * 2 + 1)
-    a_s = tl.load(part_acc_ptr + idx * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-    m_new = tl.maximum(m, m_s)
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m - m_safe)
-    beta = tl.math.exp2(m_s - m_safe)
-    return m_new, l * alpha + l_s * beta, acc * alpha + a_s * beta
-
-
-@triton.jit
 def _combine_splits_kernel(
     part_acc_ptr,  # [rows, q_heads, splits, head_dim] fp32
     part_ml_ptr,  # [rows, q_heads, splits, 2] fp32
