@@ -218,7 +218,8 @@ class StepRows:
             batch_size=len(batch.items), total_token_num=int(seq.sum()), max_len_in_batch=int(seq.max()),
             input_ids=self._inputs(batch.num_rows), mem_indexes=self.mem_indexes[:batch.num_rows],
             b_req_idx=to_device([it.req_idx for it in batch.items], dev, torch.int32),
-            b_seq_len=seq.to(dev), is_prefill=True, b_ready_cache_len=starts.to(dev), b_seq_len_cpu=seq,
+            b_seq_len=to_device(seq, dev, torch.int32), is_prefill=True,
+            b_ready_cache_len=to_device(starts, dev, torch.int32), b_seq_len_cpu=seq,
             b_ready_cache_len_cpu=starts, logit_rows=to_device(batch.sampled_rows(sampled_items), dev),
         )
 

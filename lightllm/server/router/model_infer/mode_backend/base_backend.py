@@ -231,7 +231,7 @@ class ModeBackend:
         for req, n in zip(reqs, chunk_lens):
             slots = self.mem_manager.alloc(n)
             pos = torch.arange(req.kv_len, req.kv_len + n, device=self.device)
-            self.req_manager.req_to_token_indexs[req.req_idx, pos] = slots.to(self.device)
+            self.req_manager.req_to_token_indexs[req.req_idx, pos] = self._to_dev(slots, torch.int64)
             req.slots.extend(slots.tolist())
             input_ids.extend(req.prompt_ids[req.kv_len:req.kv_len + n])
             slots_all.append(slots)
@@ -261,11 +261,11 @@ class ModeBackend:
                 total_token_num=int(b_seq_cpu.sum()),
                 max_len_in_batch=int(b_seq_cpu.max()),
                 input_ids=self._to_dev(input_ids, torch.int64),
-                mem_indexes=slots_cpu.to(self.device),
+                mem_indexes=self._to_dev(slots_cpu, torch.int64),
                 b_req_idx=self._to_dev(b_req_idx, torch.int32),
-                b_seq_len=b_seq_cpu.to(self.device),
+                b_seq_len=self._to_dev(b_seq_cpu, torch.int32),
                 is_prefill=True,
-                b_ready_cache_len=b_ready_cpu.to(self.device),
+                b_ready_cache_len=self._to_dev(b_ready_cpu, torch.int32),
                 b_seq_len_cpu=b_seq_cpu,
                 b_ready_cache_len_cpu=b_ready_cpu,
             )
