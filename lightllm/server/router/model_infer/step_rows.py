@@ -39,7 +39,8 @@ PAD_TOKEN_ID = 0
 # Staged input id of a decode row: gather it from req_to_next_token_ids[req, mtp_index].
 GATHER_INPUT = -1
 # Host staging columns (one copy per step moves them to the device), then K columns of known tokens.
-STAGE_INPUT_ID, STAGE_REQ_IDX, STAGE_SEQ_LEN, STAGE_SLOT, STAGE_MTP_INDEX, STAGE_COLUMNS = 0, 1, 2, 3, 4, 5
+# STAGE_LOGIT_ROW: entry i of that column is the row whose logits come i-th (rows layout).
+STAGE_INPUT_ID, STAGE_REQ_IDX, STAGE_SEQ_LEN, STAGE_SLOT, STAGE_MTP_INDEX, STAGE_LOGIT_ROW, STAGE_COLUMNS = range(7)
 # Row ladder past the largest prefill-only size: one captured size every this many rows.
 STEP_GROW_ROWS = 128
 
@@ -63,6 +64,10 @@ class RowsBatch:
     first_row: List[int]  # per item
     num_decode_rows: int  # rows of the decode items (the first items)
     num_rows: int  # real rows
+    num_decode_items: int = 0  # the first items decode
+    # rows layout with gathered logits: the forward's logits are the decode rows', then the last
+    # row's of each prefill item (in item order); False: one per row
+    gathered_logits: bool = False
     # the target forward's input and output (set by ``forward``; the draft pass reads them)
     model_input: Optional[ModelInput] = None
     output: Optional[ModelOutput] = None
@@ -74,10 +79,20 @@ class RowsBatch:
         """The rows a step samples: every decode row, then the last row of each sampled item."""
         return list(range(self.num_decode_rows)) + [self.last_row(i) for i in sampled_items]
 
+    def logit_positions(self, sampled_items: Sequence[int]) -> List[int]:
+        """Where ``sampled_rows`` are in a gathered-logits forward's output."""
+        d = self.num_decode_rows
+        return list(range(d)) + [d + i - self.num_decode_items for i in sampled_items]
+
 
 def token_ladder(max_tokens: int) -> GraphLadder:
     """Powers of two below ``max_tokens``, then ``max_tokens``."""
     return GraphLadder.from_flags(max_tokens, max_tokens, max_tokens)
+
+
+def max_sampled_rows(running_reqs: int, mtp_step: int) -> int:
+    """Most rows one step samples: K + 1 per decoding request, one per prompt chunk."""
+    return running_reqs * (mtp_step + 1)
 
 
 def step_ladder(max_prefill_tokens: int, max_rows: int) -> GraphLadder:
@@ -90,19 +105,23 @@ class StepRows:
     """Owns the static row buffers (and CUDA graphs) of steps laid out as rows."""
 
     def __init__(self, model, req_to_next_token_ids: torch.Tensor, ladder: Optional[GraphLadder],
-                 use_graphs: bool, draft=None, max_rows: Optional[int] = None):
+                 use_graphs: bool, draft=None, max_rows: Optional[int] = None,
+                 max_logit_rows: Optional[int] = None):
         """``ladder``: padded sizes (rows layout) or None (items layout, unpadded, no graphs).
         ``draft``: a DraftProposer (drafts over rows) or None. ``max_rows``: most real rows of an
-        items-layout step (buffers grow past it)."""
+        items-layout step (buffers grow past it). ``max_logit_rows``: rows layout, most rows a step
+        samples (decode rows plus one per prompt chunk: running requests x (K + 1)); the forward
+        computes the logits of that many rows, not of every row (None: every row)."""
         self.model = model
         self.req_to_next_token_ids = req_to_next_token_ids
         self.draft = draft
         self.k = draft.mtp_step if draft is not None else 0
         self.ladder = ladder
         self.max_tokens = ladder.max_size if ladder is not None else None
+        self.max_logit_rows = max_logit_rows if ladder is not None else None
         self.device = model.device
-        self._hold_row = torch.tensor([PAD_TOKEN_ID, model.req_manager.HOLD_REQUEST_ID, 1, model.mem_manager.HOLD_SLOT, 0]
-                                      + [UNKNOWN_TOKEN] * self.k, dtype=torch.int64)
+        hold = [PAD_TOKEN_ID, model.req_manager.HOLD_REQUEST_ID, 1, model.mem_manager.HOLD_SLOT, 0, 0]  # STAGE_COLUMNS
+        self._hold_row = torch.tensor(hold + [UNKNOWN_TOKEN] * self.k, dtype=torch.int64)
         self._alloc(self.max_tokens if ladder is not None else (max_rows or 1))
         # the staging buffer is rewritten only after the GPU has read it (a step may not sync)
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -123,6 +142,11 @@ class StepRows:
         self.b_seq_len = torch.ones((rows,), dtype=torch.int32, device=dev)
         self.mem_indexes = torch.full((rows,), self.model.mem_manager.HOLD_SLOT, dtype=torch.int64, device=dev)
         self.b_mtp_index = torch.zeros((rows,), dtype=torch.int32, device=dev)
+        self.logit_index = torch.zeros((rows,), dtype=torch.int64, device=dev)
+
+    def logit_count(self, size: int) -> int:
+        """Rows whose logits a rows-layout forward of ``size`` rows computes."""
+        return size if self.max_logit_rows is None else min(size, self.max_logit_rows)
 
     def bucket_size(self, num_rows: int) -> Optional[int]:
         """The padded size of a ``num_rows`` step; None: no ladder or too many rows."""
@@ -172,6 +196,13 @@ class StepRows:
             st[:real, STAGE_COLUMNS:] = tokens[1:].t()
         st[:real, STAGE_SLOT] = slots
         st[real:] = self._hold_row
+        gathered = size is not None and self.max_logit_rows is not None
+        if gathered:
+            logit_rows = list(range(num_decode)) + [first_row[i] + lens[i] - 1 for i in range(decode_items, len(items))]
+            if len(logit_rows) > self.logit_count(rows):
+                raise ValueError(f"{len(logit_rows)} sampled rows exceed max_logit_rows {self.max_logit_rows}")
+            st[:, STAGE_LOGIT_ROW] = 0  # the unused entries name row 0
+            st[:len(logit_rows), STAGE_LOGIT_ROW] = torch.tensor(logit_rows, dtype=torch.int64)
         seq_cpu = st[:, STAGE_SEQ_LEN].to(torch.int32)  # a copy: the buffer is staged again later
         staged = self._staged[:rows]
         staged.copy_(st, non_blocking=True)
@@ -182,16 +213,19 @@ class StepRows:
         self.b_seq_len[:rows].copy_(staged[:, STAGE_SEQ_LEN])
         self.mem_indexes[:rows].copy_(staged[:, STAGE_SLOT])
         self.b_mtp_index[:rows].copy_(staged[:, STAGE_MTP_INDEX])
+        self.logit_index[:rows].copy_(staged[:, STAGE_LOGIT_ROW])
         if self.k:
             self.known[:, :rows].copy_(staged[:, STAGE_COLUMNS:].t())
         self.staged_seq_len_cpu = seq_cpu
-        return RowsBatch(size, list(items), first_row, num_decode, real)
+        return RowsBatch(size, list(items), first_row, num_decode, real, decode_items, gathered)
 
     def logit_rows(self, batch: RowsBatch, sampled_items: Sequence[int]) -> torch.Tensor:
         """[decode rows + len(sampled_items)] device: the rows a step samples (every decode row,
         the last row of each sampled item) as indices into ``forward``'s logits."""
         if batch.size is None:  # items layout: the forward computed exactly these, in this order
             return torch.arange(batch.num_decode_rows + len(sampled_items), device=self.device)
+        if batch.gathered_logits:
+            return to_device(batch.logit_positions(sampled_items), self.device)
         return to_device(batch.sampled_rows(sampled_items), self.device)
 
     # ---- forward ----
@@ -208,6 +242,7 @@ class StepRows:
             batch_size=size, total_token_num=0, max_len_in_batch=int(seq_len_cpu.max()),
             input_ids=self._inputs(size), mem_indexes=self.mem_indexes[:size], b_req_idx=self.b_req_idx[:size],
             b_seq_len=self.b_seq_len[:size], is_prefill=False, b_seq_len_cpu=seq_len_cpu, max_q_len=size,
+            logit_rows=None if self.max_logit_rows is None else self.logit_index[:self.logit_count(size)],
         )
 
     def _items_input(self, batch: RowsBatch, sampled_items: Sequence[int]) -> ModelInput:
@@ -237,7 +272,8 @@ class StepRows:
         return self.draft.propose_rows(mi, out, known, sel)
 
     def forward_rows(self, batch: RowsBatch, sampled_items: Sequence[int] = ()) -> Tuple[ModelInput, ModelOutput]:
-        """The target over the staged rows. Rows layout: logits of every row (``logit_rows`` picks);
+        """The target over the staged rows. Rows layout: logits of every row, or of the staged
+        sampled rows with ``max_logit_rows`` (``logit_rows`` picks);
         items layout: of the decode rows and the last rows of ``sampled_items`` only."""
         if batch.size is None:
             mi = self._items_input(batch, sampled_items)

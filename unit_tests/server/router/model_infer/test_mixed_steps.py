@@ -6,13 +6,12 @@ for every request is the same engine serving one request at a time (no step ever
 transformers' own greedy generation for plain decoding. Token ids must be equal; log-probs
 equal up to float rounding (the rows run in other GEMM and attention shapes).
 """
-from typing import List
 
 import pytest
 
 import torch
 
-from lightllm.server.router.model_infer.step_rows import GATHER_INPUT, RowItem, StepRows, step_ladder
+from lightllm.server.router.model_infer.step_rows import GATHER_INPUT, RowItem, StepRows, max_sampled_rows, step_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
 
@@ -47,7 +46,8 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", **kw):
     b = eng.backend
     if layout == "rows":
         ladder = step_ladder(CHUNK, running * (b.mtp_step + 1) + CHUNK)
-        b.mixed_rows = StepRows(b.model, b.req_to_next_token_ids, ladder, False, b.rows_draft)
+        b.mixed_rows = StepRows(b.model, b.req_to_next_token_ids, ladder, False, b.rows_draft,
+                                max_logit_rows=max_sampled_rows(running, b.mtp_step))
     calls = []
     mixed = eng.backend.mixed
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, row_positions, tokens_ahead
-from lightllm.server.router.model_infer.step_rows import StepRows, token_ladder
+from lightllm.server.router.model_infer.step_rows import StepRows, max_sampled_rows, token_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
 
@@ -39,7 +39,8 @@ def _with_rows(eng) -> list:
     """Give ``eng`` a rows path (CPU has none by default) and record the padded sizes it runs."""
     backend = eng.backend
     draft = backend.draft if backend.draft is not None and backend.draft.drafts_prefill_rows else None
-    rows = StepRows(backend.model, backend.req_to_next_token_ids, token_ladder(ROWS_LIMIT), use_graphs=False, draft=draft)
+    rows = StepRows(backend.model, backend.req_to_next_token_ids, token_ladder(ROWS_LIMIT), use_graphs=False,
+                    draft=draft, max_logit_rows=max_sampled_rows(backend.args.running_max_req_size, backend.mtp_step))
     sizes = []
     forward = rows.forward
 
@@ -184,6 +185,8 @@ def test_rows_forward_equals_the_prefill_forward(tmp_path):
     rows = outs[0]
     n = reference.hidden_states.shape[0]
     torch.testing.assert_close(rows.hidden_states[:n], reference.hidden_states, rtol=1e-5, atol=1e-5)
-    assert rows.logits.shape[0] == token_ladder(ROWS_LIMIT).bucket_size(n)
-    last = torch.tensor([len(prompts[0]) - 1, n - 1])
-    torch.testing.assert_close(rows.logits[last], reference.logits, rtol=1e-5, atol=1e-5)
+    # logits of the sampled rows only: each prompt's last row, in order, then row 0 as padding
+    size = token_ladder(ROWS_LIMIT).bucket_size(n)
+    assert rows.logits.shape[0] == min(size, max_sampled_rows(4, 0)) < size
+    torch.testing.assert_close(rows.logits[:2], reference.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows.logits[2:], rows.logits[2:3].expand(rows.logits.shape[0] - 2, -1))

@@ -30,7 +30,7 @@ from lightllm.server.router.model_infer.mode_backend.generic_post_process import
 )
 from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds
 from lightllm.server.router.model_infer.prompt_cache import make_prompt_cache
-from lightllm.server.router.model_infer.step_rows import RowItem, StepRows, step_ladder
+from lightllm.server.router.model_infer.step_rows import RowItem, StepRows, max_sampled_rows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 from lightllm.utils.host_copy import to_device
 
@@ -154,7 +154,8 @@ class ModeBackend:
             if self.mixed_steps_enabled():
                 max_rows += args.running_max_req_size * (self.mtp_step + 1)
             self.step_rows = StepRows(self.model, self.req_to_next_token_ids,
-                                      step_ladder(args.graph_max_prefill_tokens, max_rows), use_graphs, rows_draft)
+                                      step_ladder(args.graph_max_prefill_tokens, max_rows), use_graphs, rows_draft,
+                                      max_logit_rows=max_sampled_rows(args.running_max_req_size, self.mtp_step))
 
     def mixed_steps_enabled(self) -> bool:
         """Whether a step may hold decode rows and prefill chunks together (the chunked-prefill
