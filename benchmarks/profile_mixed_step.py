@@ -20,7 +20,7 @@ if REPO_ROOT not in sys.path:
 
 from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402
 from lightllm.server.offline_engine import OfflineEngine  # noqa: E402
-from lightllm.tools.client import model_dir_or_embedded  # noqa: E402
+from lightllm.tools.client import auto_max_req_total_len, model_dir_or_embedded  # noqa: E402
 
 PROFILE_ROWS = 30  # functions printed
 
@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--mtp_step", type=int, default=3)
     p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--prompt_tokens", type=int, default=0,
+                   help="prompts of exactly this many tokens (the long-context wave: 16 x 6000), not GSM8K chats")
     p.add_argument("--disable_mixed_steps", action="store_true", help="the alternating schedule, for comparison")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -60,10 +62,17 @@ def main(argv=None) -> int:
     model_dir = model_dir_or_embedded(None)
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(args.gsm8k) as f:
-        questions = [json.loads(line)["question"] for line in f][:args.num_prompts]
-    prompts = chat_prompt_ids(tok, questions)
+        questions = [json.loads(line)["question"] for line in f]
+    if args.prompt_tokens:
+        from benchmarks.bench_e2e_throughput import chat_template_ends, exact_length_prompt
+
+        ends = chat_template_ends(tok)
+        prompts = [exact_length_prompt(tok, args.prompt_tokens, questions, j, ends) for j in range(args.num_prompts)]
+    else:
+        prompts = chat_prompt_ids(tok, questions[:args.num_prompts])
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=args.mtp_step) if args.mtp_step else {}
-    start = StartArgs(running_max_req_size=args.concurrency, max_req_total_len=1024,
+    max_len = auto_max_req_total_len([len(x) for x in prompts], args.max_new_tokens)
+    start = StartArgs(running_max_req_size=args.concurrency, max_req_total_len=max(1024, max_len),
                       disable_mixed_steps=args.disable_mixed_steps,
                       disable_dynamic_prompt_cache=True,  # the rounds resend the same prompts: prefill them all
                       **mtp)
@@ -78,7 +87,8 @@ def main(argv=None) -> int:
     b.decode = _timed(b.decode, clocks["decode"], sync)
     b.prefill_chunks = _timed(b.prefill_chunks, clocks["prefill"], sync)
     t0 = time.perf_counter()
-    res = eng.generate(prompts, [{"max_new_tokens": args.max_new_tokens}] * len(prompts))
+    res = eng.generate(prompts, [{"max_new_tokens": args.max_new_tokens, "ignore_eos": bool(args.prompt_tokens)}]
+                       * len(prompts))
     wall = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in res)
     s = io.StringIO()
