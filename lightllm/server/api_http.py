@@ -581,7 +581,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
     async def _final(prompt_ids, params, request: Request, arrival: float) -> ReqResult:
         """Run a non-streaming request to its end (ClientDisconnected when its client hangs up)."""
         final = None
-        async for res in manager.generate(prompt_ids, params, request.is_disconnected, arrival):
+        async for res in manager.generate(prompt_ids, params, request.is_disconnected, arrival, final_only=True):
             final = res
         return final
 
@@ -750,7 +750,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
         async def final(p: SamplingParams) -> ReqResult:
             res = None
-            async for res in manager.generate(prompt_ids, p, is_disconnected, arrival):
+            async for res in manager.generate(prompt_ids, p, is_disconnected, arrival, final_only=True):
                 pass
             return res
 

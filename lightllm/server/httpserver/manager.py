@@ -192,6 +192,9 @@ class HttpServerManager:
         self._ids = itertools.count(1)
         self._streams: Dict[int, asyncio.Queue] = {}
         self._clocks: Dict[int, RequestClock] = {}  # the serving latencies of the requests in flight
+        # Requests whose caller reads only the final result: their updates wait here until the last
+        # (one wake-up of the request's task, not one per step)
+        self._held: Dict[int, List] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._reader: Optional[threading.Thread] = None
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
@@ -234,7 +237,12 @@ class HttpServerManager:
             if clock is not None:
                 clock.on_update(u, stats.sent_at, received)
             q = self._streams.get(u.req_id)
-            if q is not None:
+            if q is None:
+                continue
+            held = self._held.get(u.req_id)
+            if held is not None and u.finish_reason is None and u.error is None:
+                held.append(u)
+            else:
                 q.put_nowait(u)
 
     def worker_alive(self) -> bool:
@@ -382,8 +390,10 @@ class HttpServerManager:
         return replace(params, stop_token_ids=stops)
 
     async def generate(self, prompt_ids: List[int], params: SamplingParams, is_disconnected=None,
-                       arrival: Optional[float] = None) -> AsyncIterator[ReqResult]:
+                       arrival: Optional[float] = None, final_only: bool = False) -> AsyncIterator[ReqResult]:
         """Yield the growing result after each worker update; the last one has finish_reason set.
+        ``final_only``: the caller reads only the last result; without stop strings (which end a
+        request as soon as its text shows one) the updates are then taken together at the end.
 
         ``is_disconnected`` (an async callable) is polled every DISCONNECT_POLL_S (at each POLL),
         also while tokens flow: when it says so the request is aborted and ClientDisconnected
@@ -399,6 +409,8 @@ class HttpServerManager:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = q
         self._clocks[req_id] = clock = RequestClock(self.metrics, time.monotonic() if arrival is None else arrival)
+        if final_only and not params.stop_sequences:
+            self._held[req_id] = []
         res = ReqResult(prompt_tokens=len(prompt_ids))
         detok = IncrementalDetokenizer(self.detokenizer_vocab)
         finished = False
@@ -421,11 +433,15 @@ class HttpServerManager:
                     if not self.worker_alive():
                         raise self._worker_died()
                     continue
-                res.token_ids.extend(u.token_ids)
-                res.logprobs.extend(u.logprobs)
-                if params.top_logprobs:
-                    tops = u.top_logprobs if u.top_logprobs is not None else [[] for _ in u.token_ids]
-                    res.top_logprobs.extend(tops)
+                held = self._held.get(req_id)
+                if held:
+                    self._held[req_id] = []
+                for v in (held or []) + [u]:
+                    res.token_ids.extend(v.token_ids)
+                    res.logprobs.extend(v.logprobs)
+                    if params.top_logprobs:
+                        tops = v.top_logprobs if v.top_logprobs is not None else [[] for _ in v.token_ids]
+                        res.top_logprobs.extend(tops)
                 u.copy_totals_to(res)
                 res.prompt_cached_tokens = u.prompt_cached_tokens
                 self._update_text(res, params, detok)
@@ -451,6 +467,7 @@ class HttpServerManager:
         finally:
             self._streams.pop(req_id, None)
             self._clocks.pop(req_id, None)
+            self._held.pop(req_id, None)
 
     def _decode(self, token_ids: List[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -379,3 +379,56 @@ def test_update_text_matches_full_decode_implementation(model_dirs, kind):
     finally:
         manager.shutdown()
     assert stops_found and held_back  # the cases did reach both paths
+
+
+def _run_generate(manager: HttpServerManager, ids: List[int], params: SamplingParams, final_only: bool,
+                  split: List[int]) -> List[ReqResult]:
+    """``generate`` over hand-dispatched worker updates (``split``: tokens per update, the last
+    finishes); a copy of every result it yields."""
+    import asyncio
+    import copy
+
+    from lightllm.server.core.objs.messages import ReqStepUpdate, StepTiming, WorkerStats
+
+    async def main():
+        manager._loop = asyncio.get_running_loop()
+        gen = manager.generate([1, 2], params, final_only=final_only)
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # generate() registered the request
+        req_id, start = max(manager._streams), 0
+        for j, n in enumerate(split):
+            u = ReqStepUpdate(req_id, ids[start:start + n], [LOGPROB - start - i for i in range(n)],
+                              "length" if j == len(split) - 1 else None, 2, 0, 0, 0.0)
+            manager._dispatch([u], WorkerStats(0, 1, 0, StepTiming()))
+            start += n
+        seen = [copy.deepcopy(await first)]
+        async for res in gen:
+            seen.append(copy.deepcopy(res))
+        return seen
+
+    return asyncio.run(main())
+
+
+def test_final_only_takes_the_updates_together(model_dirs):
+    """A caller that reads only the final result is woken once (without stop strings), and that
+    result equals the last of the per-update results; with a stop string it is served per update."""
+    manager = _manager(_model_dir(model_dirs, "smollm2"))
+    rng = random.Random(7)
+    try:
+        for _ in range(5):
+            ids = _random_ids(manager.tokenizer, rng)
+            cuts = sorted(rng.sample(range(1, len(ids)), min(4, len(ids) - 1)))
+            split = [b - a for a, b in zip([0] + cuts, cuts + [len(ids)])]
+            each = _run_generate(manager, ids, SamplingParams(), False, split)
+            once = _run_generate(manager, ids, SamplingParams(), True, split)
+            assert len(each) == len(split) and len(once) == 1
+            assert once[-1] == each[-1] and once[-1].token_ids == ids
+            assert once[-1].logprobs == [LOGPROB - i for i in range(len(ids))]
+            text = manager._decode(ids)
+            stops = [text[len(text) // 2:len(text) // 2 + 3]] if len(text) > 6 else []
+            with_stop = _run_generate(manager, ids, SamplingParams(stop_sequences=stops), True, split)
+            reference = _run_generate(manager, ids, SamplingParams(stop_sequences=stops), False, split)
+            assert with_stop == reference
+        assert not manager._held and not manager._streams
+    finally:
+        manager.close()
