@@ -2,7 +2,6 @@
 (unit_tests/models/tiny_checkpoints) with a byte-level tokenizer: log-probs against transformers'
 own forward over the returned tokens (plain, strict MTP, ASD; streamed and not), n > 1, text parts,
 the developer role, the served model name and max_model_len."""
-import json
 import time
 
 import httpx

@@ -308,7 +308,7 @@ class ModeBackend:
         """Sample each finished prompt's first token; returns (updates, {item: token})."""
         sel = to_device(item_ids, self.device)
         b_req_idx = self._to_dev([r.req_idx for r in reqs], torch.int32)
-        mask = rows_bitmask([r.grammar for r in reqs], [()] * len(reqs), self.vocab_size)
+        mask = rows_bitmask([r.grammar for r in reqs], [()] * len(reqs), out.logits.shape[-1])  # None: no grammar
         s = self.sample_rows(out.logits[sel], b_req_idx, reqs, [self._seed(r, 0) for r in reqs], mask)
         logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
         self.req_to_next_token_ids[b_req_idx.long(), 0] = s.next_token_ids
@@ -392,12 +392,11 @@ class ModeBackend:
             mem_indexes_cpu=slots[:real], b_req_mtp_start_loc=self.decode_step.b_req_mtp_start_loc[:len(decoding)],
             model_input=mi,
         )
-        propose = None
-        if rows_owner.draft is not None:
-            def propose(decode_ids: torch.Tensor, first_ids: torch.Tensor) -> torch.Tensor:
-                return rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids)
+        def propose(decode_ids: torch.Tensor, first_ids: torch.Tensor) -> torch.Tensor:
+            return rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids)
+
         firsts = FirstTokens(done, self._to_dev([r.req_idx for r in done], torch.int32),
-                             rows_owner.logit_rows(batch, done_items), propose)
+                             rows_owner.logit_rows(batch, done_items), propose if rows_owner.draft is not None else None)
         host = self.decode_step.finish(rows, out, self.sample_rows, self._seed, firsts)
         updates = self.commit_decode(rows, host)
         first = [(host.ids[real + j], host.logprobs[real + j]) for j in range(len(done))]

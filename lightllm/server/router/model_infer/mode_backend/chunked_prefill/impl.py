@@ -127,7 +127,8 @@ class ChunkedPrefillBackend(ModeBackend):
         finish is known in advance: no step is launched for nothing)."""
         k1 = self.mtp_step + 1
         return self.overlap_schedule and self.verify_observer is None and all(
-            r.params.seed is None and not r.has_penalty and r.grammar is None and len(r.output_ids) + k1 < r.params.max_new_tokens
+            r.params.seed is None and not r.has_penalty and r.grammar is None
+            and len(r.output_ids) + k1 < r.params.max_new_tokens
             for r in reqs)
 
     def flush_decode(self) -> List[ReqStepUpdate]:
