@@ -75,7 +75,8 @@ def _apply_temperature(logits, temperature):
     """logits [rows, vocab] / temperature [rows, 1]. A row that would leave
     [-LOGIT_LIMIT, LOGIT_LIMIT] (a tiny temperature) is shifted by its max first: its top
     token lands on 0 and the rest below, so its draw is greedy in effect and nothing
-    overflows. Every other row is exactly logits / temperature."""
+    overflows. A grammar row (forbidden tokens at -inf) takes the same shift, which leaves its
+    distribution as it is; its -inf become -LOGIT_LIMIT. Every other row is exactly logits / temperature."""
     lo, hi = torch.aminmax(logits, dim=1, keepdim=True)  # [rows, 1]
     overflows = torch.maximum(hi, -lo) / temperature > LOGIT_LIMIT  # [rows, 1]
     shift = torch.where(overflows, hi, torch.zeros_like(hi))  # [rows, 1]
