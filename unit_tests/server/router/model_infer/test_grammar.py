@@ -8,6 +8,7 @@ import torch
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.model_infer.grammar import RequestGrammar, rows_bitmask
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
+from unit_tests.devices import needs_cuda, needs_triton_cpu
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -79,8 +80,9 @@ def test_a_refused_token_fails_the_request():
     assert req.finish_reason == FinishReason.ERROR and "refused" in req.error
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_asd_never_relaxes_a_forbidden_draft(kernel):
+@pytest.mark.parametrize("kernel,device", [("torch", "cpu"), pytest.param("triton", "cpu", marks=needs_triton_cpu),
+                                           pytest.param("triton", "cuda", marks=needs_cuda)])
+def test_asd_never_relaxes_a_forbidden_draft(kernel, device):
     """Regret is taken over the allowed tokens: a draft the mask forbids has logit -inf, so even the
     largest budget does not relax it (an allowed mismatching draft with the same budget is relaxed)."""
     from lightllm.common.basemodel.mtp_verify_torch import mtp_asd_verify_torch
@@ -89,16 +91,16 @@ def test_asd_never_relaxes_a_forbidden_draft(kernel):
 
     verify = mtp_asd_verify_torch if kernel == "torch" else mtp_asd_verify
     k, vocab = 2, 8
-    table = torch.tensor([[0, 5, 6], [0, 3, 1]], dtype=torch.int64)  # [req, pending + 2 drafts]
-    logits = torch.zeros(2 * (k + 1), vocab)
+    table = torch.tensor([[0, 5, 6], [0, 3, 1]], dtype=torch.int64, device=device)  # [req, pending + 2 drafts]
+    logits = torch.zeros(2 * (k + 1), vocab, device=device)
     logits[:, 1] = 2.0  # the target's choice on every row: token 1
     logits[0, 5] = float("-inf")  # request 0: its first draft (5) is forbidden
     logits[3, 3] = 1.0  # request 1: its first draft (3) is allowed, regret 1
-    b_req_idx = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32)
+    b_req_idx = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.int32, device=device)
     next_ids = torch.argmax(logits, dim=-1)
-    budget = torch.full((2,), MAX_ASD_REGRET_BUDGET)
-    spent = torch.zeros(2)
-    accept_len, _ = verify(table, torch.tensor([0, 3], dtype=torch.int32), next_ids, b_req_idx, logits, spent, budget,
-                           float("inf"), k)
+    budget = torch.full((2,), MAX_ASD_REGRET_BUDGET, device=device)
+    spent = torch.zeros(2, device=device)
+    start = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    accept_len, _ = verify(table, start, next_ids, b_req_idx, logits, spent, budget, float("inf"), k)
     assert accept_len.tolist() == [1, 3] and spent.tolist() == [0.0, 1.0]
     assert next_ids[0].item() == 1 and next_ids[3].item() == 3  # the target's token / the relaxed draft
