@@ -12,6 +12,7 @@ from lightllm.server.offline_engine import OfflineEngine
 from lightllm.server.router.model_infer.infer_batch import FinishReason
 from unit_tests.data_paths import embedded_gsm8k_prompts
 from unit_tests.server.router.model_infer.embedded_modes import MODES
+from unit_tests.server.router.model_infer.structured_cases import PARAMS, SCHEMA
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -21,21 +22,6 @@ NUM_MTP_QUESTIONS = 8  # the first ones: plain decoding of all 20 is the referen
 NUM_ASD_QUESTIONS = 4
 # fewer running requests than questions: later prompts are prefilled beside running decodes (mixed steps)
 RUNNING = 8
-REASONING_CHARS = 16
-# {"reasoning": "<= 16 characters", "answer": n}: well inside this many tokens
-MAX_NEW_TOKENS = 48
-ANSWER_BOUND = 10**6
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "reasoning": {"type": "string", "maxLength": REASONING_CHARS},
-        "answer": {"type": "integer", "minimum": -ANSWER_BOUND, "maximum": ANSWER_BOUND},
-    },
-    "required": ["reasoning", "answer"],
-    "additionalProperties": False,
-}
-RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "gsm8k", "schema": SCHEMA, "strict": True}}
-PARAMS = {"max_new_tokens": MAX_NEW_TOKENS, "response_format": RESPONSE_FORMAT}
 COMMON = dict(running_max_req_size=RUNNING, max_req_total_len=512)
 
 
