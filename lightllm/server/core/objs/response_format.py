@@ -30,7 +30,7 @@ class ResponseFormat:
 
     type: str  # JSON_OBJECT or JSON_SCHEMA
     schema: str
-    name: Optional[str] = None  # json_schema.name (reported back only)
+    name: Optional[str] = None  # json_schema.name (kept for the record)
     # json_schema.strict: the grammar always follows the schema exactly (members not in
     # ``properties`` are refused unless it allows them); kept for the record
     strict: Optional[bool] = None
