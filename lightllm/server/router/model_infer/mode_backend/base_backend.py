@@ -396,7 +396,8 @@ class ModeBackend:
             return rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids)
 
         firsts = FirstTokens(done, self._to_dev([r.req_idx for r in done], torch.int32),
-                             rows_owner.logit_rows(batch, done_items), propose if rows_owner.draft is not None else None)
+                             rows_owner.logit_rows(batch, done_items),
+                             propose if rows_owner.draft is not None else None)
         host = self.decode_step.finish(rows, out, self.sample_rows, self._seed, firsts)
         updates = self.commit_decode(rows, host)
         first = [(host.ids[real + j], host.logprobs[real + j]) for j in range(len(done))]
