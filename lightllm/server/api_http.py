@@ -279,6 +279,7 @@ OPENAI_PARAM_MAP = {
     "logit_bias": "logit_bias",
     "ignore_eos": "ignore_eos",
     "asd_regret_budget": "asd_regret_budget",
+    "response_format": "response_format",  # JSON output through xgrammar: docs/structured_output.md
 }
 OPENAI_MAX_TOKENS_ALIAS = "max_completion_tokens"  # what current clients send instead of max_tokens
 OPENAI_IGNORED = {"user"}
@@ -290,7 +291,6 @@ OPENAI_CHAT_ONLY_FIELDS = {"top_logprobs"}
 OPENAI_DEFAULT_ONLY = {
     "echo": (None, False),
     "suffix": (None,),
-    "response_format": (None, {"type": "text"}),  # JSON output: docs/structured_output.md
 }
 OPENAI_DEFAULT_MAX_TOKENS = 16
 OPENAI_DEFAULT_TEMPERATURE = 1.0

@@ -2,7 +2,6 @@
 (unit_tests/models/tiny_checkpoints) with a byte-level tokenizer: log-probs against transformers'
 own forward over the returned tokens (plain, strict MTP, ASD; streamed and not), n > 1, text parts,
 the developer role, the served model name and max_model_len."""
-import json
 import time
 
 import httpx
@@ -241,7 +240,11 @@ def test_no_logprobs_unless_asked(servers):
     ("/v1/completions", {"prompt": PROMPT, "n": 2, "best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "bogus"}}}}, "response_format"),
+    ("/v1/completions", {"prompt": PROMPT, "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 250}, "max_tokens"),
 ])
 def test_refusals_name_the_field(servers, path, body, field):
@@ -264,8 +267,8 @@ def test_top_logprobs_over_20_is_a_clear_400(servers, path, body, message):
 
 
 def test_response_format_text_is_the_default(servers):
-    """``{"type": "text"}`` (what some clients send every time) is served; JSON output is refused
-    above (docs/structured_output.md)."""
+    """``{"type": "text"}`` (what some clients send every time) is served as no response_format (JSON
+    output: unit_tests/server/http/test_structured_output_http.py)."""
     for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": PROMPT})):
         r = httpx.post(servers["plain"].url + path, json=dict(body, max_tokens=2, response_format={"type": "text"}),
                        timeout=60)

@@ -9,6 +9,7 @@ import reprlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from lightllm.server.core.objs.response_format import ResponseFormat, ResponseFormatError, parse_response_format
 from lightllm.utils.numbers import is_number
 
 # top_k value that means "consider the whole vocabulary"
@@ -103,6 +104,9 @@ class SamplingParams:
     # the most likely alternatives (token id, log-prob) to return for every generated token
     top_logprobs: int = 0
     return_details: bool = False
+    # JSON output (docs/structured_output.md): the client's {"type": ...} object, parsed to a
+    # ResponseFormat (None: text)
+    response_format: Optional[ResponseFormat] = None
     # Token ids of each stop sequence, set by the HTTP server (clients cannot send them)
     stop_token_ids: List[List[int]] = field(default_factory=list)
 
@@ -184,6 +188,10 @@ class SamplingParams:
             need_int("seed", lo=0, hi=MAX_SEED)
         self._verify_stop_sequences()
         self._verify_logit_bias()
+        try:
+            self._set("response_format", parse_response_format(self.response_format))
+        except ResponseFormatError as e:
+            raise SamplingParamsError("response_format", str(e)) from None
         if self.asd_regret_budget is not None:
             need_float("asd_regret_budget", lo=0.0, hi=MAX_ASD_REGRET_BUDGET)
         # greedy: LightLLM's rule, do_sample=False or temperature 0 means top_k == 1

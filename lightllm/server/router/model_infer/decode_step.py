@@ -29,6 +29,7 @@ from lightllm.common.basemodel.cuda_graph import CudaGraphSet, GraphLadder, capt
 from lightllm.common.basemodel.mtp_verify_torch import mtp_scatter_next_token_ids_torch
 from lightllm.models.llama.layer_infer.attention_backends import TORCH_BACKEND, resolve_attention_backend
 from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID, mtp_scatter_next_token_ids
+from lightllm.server.router.model_infer.grammar import rows_bitmask
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.core.objs.sampling_params import MAX_TOP_LOGPROBS
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import (
@@ -46,8 +47,9 @@ STAGE_REQ_IDX, STAGE_SEQ_LEN, STAGE_SLOT, STAGE_COLUMNS = 0, 1, 2, 3
 # Host staging and result buffers used by turns: one step in flight while the next is staged.
 HOST_BUFFERS = 2
 
-# sample(logits [rows, vocab], b_req_idx [rows], reqs per row, seeds per row) -> SampleOutput
-Sampler = Callable[[torch.Tensor, torch.Tensor, List[InferReq], list], SampleOutput]
+# sample(logits [rows, vocab], b_req_idx [rows], reqs per row, seeds per row,
+#        token bitmask [rows, W] int32 host or None) -> SampleOutput
+Sampler = Callable[[torch.Tensor, torch.Tensor, List[InferReq], list, Optional[torch.Tensor]], SampleOutput]
 # req, row index inside its request -> the seed of that draw (or None)
 SeedFn = Callable[[InferReq, int], Optional[int]]
 
@@ -508,7 +510,7 @@ class DecodeStep:
             row_reqs = row_reqs + firsts.reqs
             if seeded or any(r.params.seed is not None for r in firsts.reqs):
                 seeds = (seeds or [seed_of(r, j) for r in rows.reqs for j in range(k1)]) + [seed_of(r, 0) for r in firsts.reqs]
-        s = sampler(logits, sampled_req_idx, row_reqs, seeds)
+        s = sampler(logits, sampled_req_idx, row_reqs, seeds, self._grammar_bitmask(rows, firsts, logits.shape[-1]))
         next_ids, first_ids = s.next_token_ids[:real], s.next_token_ids[real:]
         asd = self.asd
         verifying = self.mtp_step > 0 and n > 0
@@ -569,6 +571,21 @@ class DecodeStep:
             if m:
                 self.req_to_next_token_ids[firsts.req_idx.long(), 0] = first_ids
         return PendingResult(host, done, real + m, n, with_asd, accept_len, top_width)
+
+    def _grammar_bitmask(self, rows: DecodeRows, firsts: Optional["FirstTokens"], vocab_size: int):
+        """[real rows + m, W] int32 host masks of a step holding a request with a grammar (verify row j
+        after its drafts 1..j, grammar.py), else None: other steps pay nothing. With MTP, one small
+        copy of the drafts to the host (such a step runs synchronously: the backend never overlaps it)."""
+        first_reqs = firsts.reqs if firsts is not None else []
+        if all(r.grammar is None for r in rows.reqs) and all(r.grammar is None for r in first_reqs):
+            return None
+        n, k = len(rows.reqs), self.mtp_step
+        drafts: List[List[int]] = [[] for _ in range(n)]
+        if k and n:
+            req_rows = rows.b_req_idx[:rows.num_real_rows:rows.rows_per_req].long()  # [n]
+            drafts = self.req_to_next_token_ids[req_rows, 1:k + 1].tolist()  # [n, K]
+        return rows_bitmask([r.grammar for r in rows.reqs] + [r.grammar for r in first_reqs],
+                            drafts + [[] for _ in first_reqs], vocab_size)
 
     def _verify_record(self, rows, target_ids, next_ids, logits, accept_len) -> VerifyStepRecord:
         k, real = rows.mtp_step, rows.num_real_rows

@@ -43,6 +43,9 @@ class InferReq:
     # locked match ``prefix`` (a PrefixMatch); ``slots`` are the positions after them.
     prompt_cached_len: int = 0
     prefix: Optional[Any] = field(default=None, compare=False, repr=False)
+    # JSON output: the request's grammar.RequestGrammar (set at admission by the backend that runs it;
+    # None: no response_format, or another DP group's request)
+    grammar: Optional[Any] = field(default=None, compare=False, repr=False)
 
     @property
     def prompt_len(self) -> int:
@@ -58,11 +61,17 @@ class InferReq:
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
     def append_token(self, token_id: int, logprob: float) -> bool:
-        """Commit one generated token; True when the request is finished after it."""
+        """Commit one generated token; True when the request is finished after it. With a grammar the
+        token goes into its matcher too, and the grammar's end (its stop token) finishes with STOP."""
         self.output_ids.append(token_id)
         self.output_logprobs.append(logprob)
         p = self.params
-        if not p.ignore_eos and token_id in self.eos_token_ids:
+        if self.grammar is not None and not self.grammar.accept(token_id):  # masked choices never are
+            self.finish_reason = FinishReason.ERROR
+            self.error = f"the grammar refused token {token_id}"
+        elif self.grammar is not None and self.grammar.terminated:
+            self.finish_reason = FinishReason.STOP
+        elif not p.ignore_eos and token_id in self.eos_token_ids:
             self.finish_reason = FinishReason.EOS
         elif any(
             len(s) <= len(self.output_ids) and self.output_ids[-len(s):] == s for s in p.stop_token_ids

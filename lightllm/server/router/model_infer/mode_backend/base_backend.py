@@ -24,6 +24,7 @@ from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.router.model_infer.decode_step import (
     PAD_TOKEN_ID, DecodeRows, DecodeStep, FirstTokens, HostStepResult, PendingResult, commit_step,
 )
+from lightllm.server.router.model_infer.grammar import GrammarCompiler, rows_bitmask
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import (
     SampleOutput, max_top_logprobs, sample, token_logprobs, top_logprobs,
@@ -112,6 +113,8 @@ class ModeBackend:
         self.req_manager = self.model.req_manager
         self.mem_manager = self.model.mem_manager
         self.vocab_size = self.model.vocab_size
+        # JSON output: compiled on the first request that asks (docs/structured_output.md)
+        self.grammars = GrammarCompiler(args.resolved_model_dir, self.vocab_size)
         self.params_manager = ReqSamplingParamsManager(
             args.running_max_req_size, self.vocab_size, device, asd_enabled=args.asd_enabled
         )
@@ -173,6 +176,9 @@ class ModeBackend:
 
     # ---- request lifecycle ----
     def add_req(self, req: InferReq) -> None:
+        fmt = req.params.response_format
+        if fmt is not None:  # before any table row is taken: a failure leaves nothing to free
+            req.grammar = self.grammars.matcher(fmt, req.eos_token_ids)
         req.req_idx = self.req_manager.alloc()
         self.params_manager.init_req_sampling_params(req)
         self.req_to_next_token_ids[req.req_idx].fill_(NO_DRAFT_TOKEN_ID)
@@ -212,12 +218,13 @@ class ModeBackend:
         b_req_idx: torch.Tensor,  # [rows] int32
         reqs: List[InferReq],  # [rows] the request of each row
         seeds,  # [rows] per-row seed or None
+        token_bitmask: Optional[torch.Tensor] = None,  # [rows, W] int32 host: grammar rows' allowed tokens
     ) -> SampleOutput:
         """``sample()`` of the rows; every rank of a DP group gets the same tokens.
 
         The logits are the same on those ranks (gathered), so greedy rows agree by
         construction; random draws need not, so rank 0 of the group broadcasts its tokens."""
-        s = sample(logits, b_req_idx, self.params_manager, reqs, seeds)
+        s = sample(logits, b_req_idx, self.params_manager, reqs, seeds, token_bitmask)
         if any(r.params.top_k != TOP_K_GREEDY for r in reqs):
             self.parallel.broadcast_in_dp_group(s.next_token_ids)
         return s
@@ -302,7 +309,8 @@ class ModeBackend:
         """Sample each finished prompt's first token; returns (updates, {item: token})."""
         sel = to_device(item_ids, self.device)
         b_req_idx = self._to_dev([r.req_idx for r in reqs], torch.int32)
-        s = self.sample_rows(out.logits[sel], b_req_idx, reqs, [self._seed(r, 0) for r in reqs])
+        mask = rows_bitmask([r.grammar for r in reqs], [()] * len(reqs), out.logits.shape[-1])  # None: no grammar
+        s = self.sample_rows(out.logits[sel], b_req_idx, reqs, [self._seed(r, 0) for r in reqs], mask)
         logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
         self.req_to_next_token_ids[b_req_idx.long(), 0] = s.next_token_ids
         ids_cpu, lp_cpu = s.next_token_ids.tolist(), logprobs.tolist()
@@ -385,12 +393,12 @@ class ModeBackend:
             mem_indexes_cpu=slots[:real], b_req_mtp_start_loc=self.decode_step.b_req_mtp_start_loc[:len(decoding)],
             model_input=mi,
         )
-        propose = None
-        if rows_owner.draft is not None:
-            def propose(decode_ids: torch.Tensor, first_ids: torch.Tensor) -> torch.Tensor:
-                return rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids)
+        def propose(decode_ids: torch.Tensor, first_ids: torch.Tensor) -> torch.Tensor:
+            return rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids)
+
         firsts = FirstTokens(done, self._to_dev([r.req_idx for r in done], torch.int32),
-                             rows_owner.logit_rows(batch, done_items), propose)
+                             rows_owner.logit_rows(batch, done_items),
+                             propose if rows_owner.draft is not None else None)
         host = self.decode_step.finish(rows, out, self.sample_rows, self._seed, firsts)
         updates = self.commit_decode(rows, host)
         first = [(host.ids[real + j], host.logprobs[real + j]) for j in range(len(done))]

@@ -1,4 +1,4 @@
-"""sample(): penalties -> logit bias -> temperature -> greedy / top-k / top-p, per row."""
+"""sample(): penalties -> logit bias -> grammar mask -> temperature -> greedy / top-k / top-p, per row."""
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -6,6 +6,7 @@ import torch
 
 from lightllm.common.req_manager import ReqSamplingParamsManager
 from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
+from lightllm.server.router.model_infer.grammar import BITS_PER_WORD
 
 # Processed logits are clamped to [-LOGIT_LIMIT, LOGIT_LIMIT] after every stage whose math can
 # overflow (a tiny temperature or repetition penalty, a huge logit bias): far beyond any real
@@ -58,11 +59,24 @@ def _apply_logit_bias(logits, row_biases: Sequence[dict]):
     return logits
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [rows, vocab] fp32
+    bitmask: torch.Tensor,  # [rows, ceil(vocab / 32)] int32, bit t % 32 of word t // 32: token t allowed
+) -> torch.Tensor:
+    """A copy of ``logits`` whose forbidden tokens are -inf (grammar.py: the bitmask layout)."""
+    rows, vocab = logits.shape
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32, device=logits.device)  # [32]
+    bits = (bitmask.to(logits.device).unsqueeze(2) >> shifts) & 1  # [rows, W, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab].bool()  # [rows, vocab]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _apply_temperature(logits, temperature):
     """logits [rows, vocab] / temperature [rows, 1]. A row that would leave
     [-LOGIT_LIMIT, LOGIT_LIMIT] (a tiny temperature) is shifted by its max first: its top
     token lands on 0 and the rest below, so its draw is greedy in effect and nothing
-    overflows. Every other row is exactly logits / temperature."""
+    overflows. A grammar row (forbidden tokens at -inf) takes the same shift, which leaves its
+    distribution as it is; its -inf become -LOGIT_LIMIT. Every other row is exactly logits / temperature."""
     lo, hi = torch.aminmax(logits, dim=1, keepdim=True)  # [rows, 1]
     overflows = torch.maximum(hi, -lo) / temperature > LOGIT_LIMIT  # [rows, 1]
     shift = torch.where(overflows, hi, torch.zeros_like(hi))  # [rows, 1]
@@ -99,7 +113,10 @@ def sample(
     pm: ReqSamplingParamsManager,
     reqs: List,  # [rows] the InferReq of each row (host-side flags, no device sync)
     row_seeds: Optional[Sequence[Optional[int]]] = None,  # [rows] per-row seed for this draw
+    token_bitmask: Optional[torch.Tensor] = None,  # [rows, ceil(vocab / 32)] int32: grammar rows' allowed tokens
 ) -> SampleOutput:
+    """Forbidden tokens (``token_bitmask``) get -inf after the penalties and biases: no bias revives
+    them, and the processed logits (log-probs, ASD regrets) are those under the grammar."""
     logits = logits.float()
     penalty_rows = [i for i, r in enumerate(reqs) if r.has_penalty]
     if penalty_rows:  # only the rows that use a penalty pay for it
@@ -107,6 +124,8 @@ def sample(
         logits = _apply_penalties(logits, b_req_idx, pm, rows)
     if any(r.params.logit_bias for r in reqs):
         logits = _apply_logit_bias(logits, [r.params.logit_bias for r in reqs])
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
     all_greedy = all(r.params.top_k == TOP_K_GREEDY for r in reqs)
     if all_greedy:
         return SampleOutput(torch.argmax(logits, dim=-1), logits)

@@ -11,7 +11,7 @@ Overlap (one rank, decoding without MTP, unless ``--disable_overlap_schedule``):
 and the next call launches the next step of the same requests before it reads and commits
 the one in flight, so the host's commit, stop checks and the router's work run while the GPU
 decodes. Outputs stay those of the plain schedule: a step is only launched ahead for requests
-whose next step does not depend on the host (no seeds, no penalties), and when a request
+whose next step does not depend on the host (no seeds, no penalties, no grammar), and when a request
 finishes, the step already launched for it is undone and run again without it unless the
 batch keeps its padded shape (docs/decode_step.md, "What overlaps").
 """
@@ -123,11 +123,12 @@ class ChunkedPrefillBackend(ModeBackend):
     def _may_run_ahead(self, reqs: List[InferReq]) -> bool:
         """Whether the next step of ``reqs`` may be launched before the current one is committed:
         its inputs must not depend on the host's commit (per-position seeds, penalty counts, a
-        verify observer), and no request may reach max_new_tokens in the current step (that
+        grammar's mask, a verify observer), and no request may reach max_new_tokens in the current step (that
         finish is known in advance: no step is launched for nothing)."""
         k1 = self.mtp_step + 1
         return self.overlap_schedule and self.verify_observer is None and all(
-            r.params.seed is None and not r.has_penalty and len(r.output_ids) + k1 < r.params.max_new_tokens
+            r.params.seed is None and not r.has_penalty and r.grammar is None
+            and len(r.output_ids) + k1 < r.params.max_new_tokens
             for r in reqs)
 
     def flush_decode(self) -> List[ReqStepUpdate]:
