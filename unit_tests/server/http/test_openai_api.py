@@ -2,6 +2,7 @@
 (unit_tests/models/tiny_checkpoints) with a byte-level tokenizer: log-probs against transformers'
 own forward over the returned tokens (plain, strict MTP, ASD; streamed and not), n > 1, text parts,
 the developer role, the served model name and max_model_len."""
+import json
 import time
 
 import httpx
@@ -345,3 +346,44 @@ def test_request_log_lines(servers):
         log = open(servers["plain"].log_path).read()
     assert logged(log), log[-2000:]
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("name", ["plain", "mtp", "asd"])
+def test_official_openai_client(servers, tiny, tok, name):
+    """The ``openai`` package against the server: chat and completions with log-probs, streamed
+    and not (equal to transformers' forward over the returned tokens), n = 3, JSON output, and a
+    model the server does not serve (the client's NotFoundError)."""
+    openai = pytest.importorskip("openai")
+    server = servers[name]
+    model = MODEL_NAME if name == "plain" else "target"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+    common = dict(model=model, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    for chat in (True, False):
+        ids = _engine_ids(server, tok, chat)
+        ref = _reference_logprobs(tiny.hf, _prompt_ids(tok, chat), ids)
+        if chat:
+            out = client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, **common)
+            got = [e.logprob for e in out.choices[0].logprobs.content]
+            assert all(len(e.top_logprobs) == 2 for e in out.choices[0].logprobs.content)
+            stream = client.chat.completions.create(messages=CHAT, logprobs=True, stream=True, **common)
+            streamed = [e.logprob for c in stream if c.choices and c.choices[0].logprobs
+                        for e in c.choices[0].logprobs.content]
+        else:
+            out = client.completions.create(prompt=PROMPT, logprobs=2, **common)
+            got = out.choices[0].logprobs.token_logprobs
+            # {text: log-prob}, up to logprobs + 1 (the returned token when outside the top 2, as
+            # OpenAI); two ids of the same text (partial UTF-8 bytes) share a key
+            assert all(1 <= len(t) <= 3 for t in out.choices[0].logprobs.top_logprobs)
+            stream = client.completions.create(prompt=PROMPT, logprobs=0, stream=True, **common)
+            streamed = [lp for c in stream if c.choices and c.choices[0].logprobs
+                        for lp in c.choices[0].logprobs.token_logprobs]
+        assert out.usage.completion_tokens == MAX_TOKENS
+        assert got == pytest.approx(ref, abs=LOGPROB_TOL) and streamed == got
+    three = client.chat.completions.create(messages=CHAT, n=3, seed=5, **{**common, "temperature": 1.0})
+    assert [c.index for c in three.choices] == [0, 1, 2] and three.usage.completion_tokens == 3 * MAX_TOKENS
+    as_json = client.chat.completions.create(messages=CHAT, response_format={"type": "json_object"},
+                                             model=model, max_tokens=MAX_TOKENS, temperature=0)
+    if as_json.choices[0].finish_reason == "stop":  # the grammar ended: the text is one whole object
+        assert isinstance(json.loads(as_json.choices[0].message.content), dict)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(prompt=PROMPT, **{**common, "model": "gpt-4"})
