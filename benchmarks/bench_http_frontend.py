@@ -558,9 +558,9 @@ def serve_main(config_path: str) -> None:
     probe = Probe()
 
     class TimedManager(HttpServerManager):
-        def _dispatch(self, updates, stats) -> None:
+        def _dispatch(self, updates, stats, received=None) -> None:
             t0 = time.time()
-            super()._dispatch(updates, stats)
+            super()._dispatch(updates, stats, received)
             probe.dispatches.append((t0, time.time() - t0))
 
     _log_server_closes(log)
