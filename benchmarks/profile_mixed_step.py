@@ -76,8 +76,9 @@ def main(argv=None) -> int:
                       disable_mixed_steps=args.disable_mixed_steps,
                       disable_dynamic_prompt_cache=True,  # the rounds resend the same prompts: prefill them all
                       **mtp)
-    eng = OfflineEngine(start, device="cuda", dtype="bfloat16")
-    sync = torch.cuda.synchronize
+    on_gpu = torch.cuda.is_available()  # CPU: a smoke run of the script (no performance number)
+    eng = OfflineEngine(start, device="cuda" if on_gpu else "cpu", dtype="bfloat16" if on_gpu else "float32")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     warm = [{"max_new_tokens": 8}] * min(len(prompts), args.concurrency)
     eng.generate(prompts[:len(warm)], warm)
     clocks = {"mixed": [], "decode": [], "prefill": []}
@@ -86,19 +87,35 @@ def main(argv=None) -> int:
     b.mixed = _timed(b.mixed, clocks["mixed"], sync, profile)
     b.decode = _timed(b.decode, clocks["decode"], sync)
     b.prefill_chunks = _timed(b.prefill_chunks, clocks["prefill"], sync)
+    # every engine step, by what it ran (overlapped decode steps run outside b.decode)
+    step_clocks = {"mixed": [], "prefill": [], "decode": []}
+    run_step = b.run_step
+
+    def timed_step(running, *a, **kw):
+        prefilling = any(r.in_prefill for r in running)
+        decoding = any(not r.in_prefill for r in running)
+        kind = "mixed" if prefilling and decoding and b.mixed_rows is not None else (
+            "prefill" if prefilling and not decoding else "decode")
+        return _timed(run_step, step_clocks[kind], sync)(running, *a, **kw)
+
+    b.run_step = timed_step
     t0 = time.perf_counter()
     res = eng.generate(prompts, [{"max_new_tokens": args.max_new_tokens, "ignore_eos": bool(args.prompt_tokens)}]
                        * len(prompts))
     wall = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in res)
     s = io.StringIO()
-    pstats.Stats(profile, stream=s).sort_stats("tottime").print_stats(PROFILE_ROWS)
+    if clocks["mixed"]:  # pstats refuses a profile that never ran
+        pstats.Stats(profile, stream=s).sort_stats("tottime").print_stats(PROFILE_ROWS)
     summary = {k: {"steps": len(v), "ms_mean": 1000 * sum(v) / max(1, len(v))} for k, v in clocks.items()}
+    by_step = {k: {"steps": len(v), "ms_mean": 1000 * sum(v) / max(1, len(v)), "s_total": sum(v)}
+               for k, v in step_clocks.items()}
     print(f"{tokens} tokens in {wall:.2f} s ({tokens / wall:.0f} tok/s); {summary}")
+    print(f"engine steps (synchronized, by kind): {by_step}")
     print(s.getvalue())
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "tokens": tokens, "wall_s": wall, "steps": summary,
+            json.dump({"args": vars(args), "tokens": tokens, "wall_s": wall, "steps": summary, "engine_steps": by_step,
                        "mixed_host_profile": s.getvalue()}, f, indent=1)
     return 0
 
