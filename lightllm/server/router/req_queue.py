@@ -62,6 +62,8 @@ class ReqQueue:
         cache = self.prompt_cache
         while self.waiting:
             req = self.waiting[0]
+            if cache is not None and not self._may_fit(req, running, cache.locked_tokens):
+                break  # not even with its whole prompt cached: no need to walk the tree
             match = cache.match(req) if cache is not None else None
             need = kv_reservation(req, self.mtp_step, match.length if match is not None else 0)
             locked = cache.locked_tokens + match.lock_cost if match is not None else 0
@@ -82,6 +84,14 @@ class ReqQueue:
             self.reserved_per_group[g] += need
             admitted.append(req)
         return admitted
+
+    def _may_fit(self, req: InferReq, running: List[int], locked: int) -> bool:
+        """Whether ``req`` fits some group at the least it can need: a free running row, and its
+        reservation with every prompt token but the last cached (a match never covers the last)."""
+        least = kv_reservation(req, self.mtp_step, req.prompt_len - 1)
+        return any(running[g] < self.running_max_req_size
+                   and self.reserved_per_group[g] + least + locked <= self.max_total_token_num
+                   for g in range(self.dp_size))
 
     def release(self, req: InferReq) -> None:
         self.reserved_per_group[req.dp_rank] -= req.kv_reserved

@@ -190,6 +190,27 @@ def test_admission_counts_a_shared_prefix_once_hand_computed():
     assert q.pop_admissible(1) == [c]
 
 
+def test_a_waiting_head_that_cannot_fit_is_not_matched():
+    """The tree is walked for the waiting head only when it could fit with its whole prompt but
+    the last token cached: not while the running rows are full, nor while its least reservation
+    (1 + 4 new tokens) exceeds the pool; its admission is the same as before."""
+    mem = MemoryManager(40, torch.float32, 1, 1, 1, "cpu")
+    cache = PromptCache(mem, PrefixCacheRule())
+    walks = []
+    match = cache.match
+    cache.match = lambda req: walks.append(req.req_id) or match(req)
+    q = ReqQueue(40, running_max_req_size=2, mtp_step=0, prompt_cache=cache)
+    head = _req(1, list(range(100, 112)))
+    q.append(head)
+    assert q.pop_admissible(2) == [] and walks == []  # no running row free
+    q.reserved_per_group[0] = 36  # 36 + 1 + 4 > 40
+    assert q.pop_admissible(0) == [] and walks == []
+    q.reserved_per_group[0] = 35  # 35 + 1 + 4 fits at best; with nothing cached (12 + 4) it does not
+    assert q.pop_admissible(0) == [] and walks == [1]
+    q.reserved_per_group[0] = 24
+    assert q.pop_admissible(0) == [head] and walks == [1, 1] and head.kv_reserved == 16
+
+
 def test_a_prompt_is_cached_when_its_prefill_is_done_hand_computed():
     """Pool of 40. A 12-token prompt whose first 10 tokens are cached reserves 2 + 4 = 6. When its
     prefill is done the tree takes its 2 slots (reservation 4, 12 tokens locked); a request that
