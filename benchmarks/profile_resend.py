@@ -4,8 +4,9 @@ tokens appended (the texts of ``bench_e2e_throughput --prefix_cache``'s resend w
 with one new token, on an in-process engine (the embedded model) with the prompt cache on and off.
 
 Prints, per arm, the median of: tokenization (``tokenizer.encode`` on the whole text, and the
-server's ``PromptEncoder`` after the first send), the engine's whole ``generate`` (admission, steps, CUDA synchronized), and the backend's
-step calls inside it; then the host profile (cProfile) of the cached resends. Writes them as JSON.
+server's ``PromptEncoder`` after the first send), the engine's whole ``generate`` (admission, steps,
+CUDA synchronized), and the backend's step calls inside it; then the host profile (cProfile) of
+the cached resends. Writes them as JSON.
 The HTTP server's time to first token (``bench_e2e_throughput --prefix_cache``) less these two is
 the HTTP process and its queues.
 

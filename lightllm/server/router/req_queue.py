@@ -62,16 +62,14 @@ class ReqQueue:
         cache = self.prompt_cache
         while self.waiting:
             req = self.waiting[0]
-            if cache is not None and not self._may_fit(req, running, cache.locked_tokens):
+            # the least it can need: every prompt token but the last cached (a match never covers the last)
+            least = kv_reservation(req, self.mtp_step, req.prompt_len - 1)
+            if cache is not None and not self._groups_fitting(running, least, cache.locked_tokens):
                 break  # not even with its whole prompt cached: no need to walk the tree
             match = cache.match(req) if cache is not None else None
             need = kv_reservation(req, self.mtp_step, match.length if match is not None else 0)
             locked = cache.locked_tokens + match.lock_cost if match is not None else 0
-            fits = [
-                g for g in range(self.dp_size)
-                if running[g] < self.running_max_req_size
-                and self.reserved_per_group[g] + need + locked <= self.max_total_token_num
-            ]
+            fits = self._groups_fitting(running, need, locked)
             if not fits:
                 break
             g = min(fits, key=lambda g: (running[g], self.reserved_per_group[g], g))
@@ -85,13 +83,12 @@ class ReqQueue:
             admitted.append(req)
         return admitted
 
-    def _may_fit(self, req: InferReq, running: List[int], locked: int) -> bool:
-        """Whether ``req`` fits some group at the least it can need: a free running row, and its
-        reservation with every prompt token but the last cached (a match never covers the last)."""
-        least = kv_reservation(req, self.mtp_step, req.prompt_len - 1)
-        return any(running[g] < self.running_max_req_size
-                   and self.reserved_per_group[g] + least + locked <= self.max_total_token_num
-                   for g in range(self.dp_size))
+    def _groups_fitting(self, running: List[int], need: int, locked: int) -> List[int]:
+        """The groups with a free running row and room for a reservation of ``need`` beside the
+        others and ``locked`` tokens of the prompt cache."""
+        return [g for g in range(self.dp_size)
+                if running[g] < self.running_max_req_size
+                and self.reserved_per_group[g] + need + locked <= self.max_total_token_num]
 
     def release(self, req: InferReq) -> None:
         self.reserved_per_group[req.dp_rank] -= req.kv_reserved

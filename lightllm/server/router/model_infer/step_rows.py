@@ -64,10 +64,6 @@ class RowsBatch:
     first_row: List[int]  # per item
     num_decode_rows: int  # rows of the decode items (the first items)
     num_rows: int  # real rows
-    num_decode_items: int = 0  # the first items decode
-    # rows layout with gathered logits: the forward's logits are the decode rows', then the last
-    # row's of each prefill item (in item order); False: one per row
-    gathered_logits: bool = False
     # the target forward's input and output (set by ``forward``; the draft pass reads them)
     model_input: Optional[ModelInput] = None
     output: Optional[ModelOutput] = None
@@ -80,9 +76,10 @@ class RowsBatch:
         return list(range(self.num_decode_rows)) + [self.last_row(i) for i in sampled_items]
 
     def logit_positions(self, sampled_items: Sequence[int]) -> List[int]:
-        """Where ``sampled_rows`` are in a gathered-logits forward's output."""
-        d = self.num_decode_rows
-        return list(range(d)) + [d + i - self.num_decode_items for i in sampled_items]
+        """Where ``sampled_rows`` are in the output of a forward that computed the logits of the
+        decode rows, then of each prefill item's last row in item order (``max_logit_rows``)."""
+        d, decode_items = self.num_decode_rows, sum(it.tokens is None for it in self.items)
+        return list(range(d)) + [d + i - decode_items for i in sampled_items]
 
 
 def token_ladder(max_tokens: int) -> GraphLadder:
@@ -196,9 +193,9 @@ class StepRows:
             st[:real, STAGE_COLUMNS:] = tokens[1:].t()
         st[:real, STAGE_SLOT] = slots
         st[real:] = self._hold_row
-        gathered = size is not None and self.max_logit_rows is not None
-        if gathered:
-            logit_rows = list(range(num_decode)) + [first_row[i] + lens[i] - 1 for i in range(decode_items, len(items))]
+        batch = RowsBatch(size, list(items), first_row, num_decode, real)
+        if size is not None and self.max_logit_rows is not None:
+            logit_rows = batch.sampled_rows(range(decode_items, len(items)))
             if len(logit_rows) > self.logit_count(rows):
                 raise ValueError(f"{len(logit_rows)} sampled rows exceed max_logit_rows {self.max_logit_rows}")
             st[:, STAGE_LOGIT_ROW] = 0  # the unused entries name row 0
@@ -217,14 +214,14 @@ class StepRows:
         if self.k:
             self.known[:, :rows].copy_(staged[:, STAGE_COLUMNS:].t())
         self.staged_seq_len_cpu = seq_cpu
-        return RowsBatch(size, list(items), first_row, num_decode, real, decode_items, gathered)
+        return batch
 
     def logit_rows(self, batch: RowsBatch, sampled_items: Sequence[int]) -> torch.Tensor:
         """[decode rows + len(sampled_items)] device: the rows a step samples (every decode row,
         the last row of each sampled item) as indices into ``forward``'s logits."""
         if batch.size is None:  # items layout: the forward computed exactly these, in this order
             return torch.arange(batch.num_decode_rows + len(sampled_items), device=self.device)
-        if batch.gathered_logits:
+        if self.max_logit_rows is not None:
             return to_device(batch.logit_positions(sampled_items), self.device)
         return to_device(batch.sampled_rows(sampled_items), self.device)
 
