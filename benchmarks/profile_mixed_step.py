@@ -23,6 +23,7 @@ from lightllm.server.offline_engine import OfflineEngine  # noqa: E402
 from lightllm.tools.client import auto_max_req_total_len, model_dir_or_embedded  # noqa: E402
 
 PROFILE_ROWS = 30  # functions printed
+TRACE_FROM = 50  # the first mixed step torch.profiler records (past the start-up's odd shapes)
 
 
 def _timed(fn, clock, sync, profile=None):
@@ -41,6 +42,45 @@ def _timed(fn, clock, sync, profile=None):
     return wrapper
 
 
+class _MixedStepTracer:
+    """torch.profiler around mixed steps TRACE_FROM .. TRACE_FROM + n: their kernels' GPU time."""
+
+    def __init__(self, n: int, mixed_clock: list):
+        self.n, self.clock, self.prof, self.walls = n, mixed_clock, None, []
+
+    def wrap(self, step):
+        def traced(running, *a, **kw):
+            before = len(self.clock)
+            on = TRACE_FROM <= before < TRACE_FROM + self.n
+            if on and self.prof is None:
+                import torch
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                self.prof = torch.profiler.profile(activities=acts)
+                self.prof.start()
+            out = step(running, *a, **kw)
+            if on and len(self.clock) > before:
+                self.walls.append(self.clock[-1])
+                if len(self.walls) == self.n:
+                    self.prof.stop()
+            return out
+        return traced
+
+    def report(self):
+        if self.prof is None or len(self.walls) < self.n:
+            return None
+        import torch
+
+        events = self.prof.key_averages()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in kernels)
+        try:
+            table = events.table(sort_by="self_cuda_time_total", row_limit=PROFILE_ROWS)
+        except Exception:  # noqa: BLE001 - the sort key's name moved between torch versions
+            table = events.table(sort_by="self_device_time_total", row_limit=PROFILE_ROWS)
+        return {"steps": self.n, "gpu_ms_per_step": gpu_us / 1000 / self.n,
+                "wall_ms_per_step": 1000 * sum(self.walls) / self.n, "table": table}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--gsm8k", required=True)
@@ -51,6 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt_tokens", type=int, default=0,
                    help="prompts of exactly this many tokens (the long-context wave: 16 x 6000), not GSM8K chats")
     p.add_argument("--disable_mixed_steps", action="store_true", help="the alternating schedule, for comparison")
+    p.add_argument("--trace_steps", type=int, default=0,
+                   help="also record this many mixed steps (from the TRACE_FROM-th) with torch.profiler: GPU time by kernel")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -99,6 +141,9 @@ def main(argv=None) -> int:
         return _timed(run_step, step_clocks[kind], sync)(running, *a, **kw)
 
     b.run_step = timed_step
+    tracer = _MixedStepTracer(args.trace_steps, step_clocks["mixed"]) if args.trace_steps and on_gpu else None
+    if tracer is not None:
+        b.run_step = tracer.wrap(timed_step)
     t0 = time.perf_counter()
     res = eng.generate(prompts, [{"max_new_tokens": args.max_new_tokens, "ignore_eos": bool(args.prompt_tokens)}]
                        * len(prompts))
@@ -113,10 +158,15 @@ def main(argv=None) -> int:
     print(f"{tokens} tokens in {wall:.2f} s ({tokens / wall:.0f} tok/s); {summary}")
     print(f"engine steps (synchronized, by kind): {by_step}")
     print(s.getvalue())
+    trace = tracer.report() if tracer is not None else None
+    if trace is not None:
+        print(trace["table"])
+        print(f"traced mixed steps: {trace['steps']}, GPU kernel time per step {trace['gpu_ms_per_step']:.2f} ms, "
+              f"wall per step {trace['wall_ms_per_step']:.2f} ms")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "tokens": tokens, "wall_s": wall, "steps": summary, "engine_steps": by_step,
-                       "mixed_host_profile": s.getvalue()}, f, indent=1)
+                       "mixed_host_profile": s.getvalue(), "mixed_trace": trace}, f, indent=1)
     return 0
 
 
