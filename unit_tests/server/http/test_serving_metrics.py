@@ -140,9 +140,12 @@ def test_histogram_counts_follow_requests_and_tokens(server):
         results.append(_completion(c, 4))
         results.append(_chat_stream(c, 7))
     together = [None] * CONCURRENT
+    # sent at once: on a fast GPU a 10-token request ends before a thread that starts late sends
+    start = threading.Barrier(CONCURRENT)
 
     def run(i):
         with server.client() as c:
+            start.wait()
             together[i] = _generate(c, 10) if i % 2 else _generate_stream(c, 10)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(CONCURRENT)]
