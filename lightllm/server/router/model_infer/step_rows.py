@@ -39,10 +39,14 @@ PAD_TOKEN_ID = 0
 # Staged input id of a decode row: gather it from req_to_next_token_ids[req, mtp_index].
 GATHER_INPUT = -1
 # Host staging columns (one copy per step moves them to the device), then K columns of known tokens.
-# STAGE_LOGIT_ROW: entry i of that column is the row whose logits come i-th (rows layout).
-STAGE_INPUT_ID, STAGE_REQ_IDX, STAGE_SEQ_LEN, STAGE_SLOT, STAGE_MTP_INDEX, STAGE_LOGIT_ROW, STAGE_COLUMNS = range(7)
-# Row ladder past the largest prefill-only size: one captured size every this many rows.
-STEP_GROW_ROWS = 128
+# STAGE_LOGIT_ROW: entry i of that column is the row whose logits come i-th (rows layout);
+# STAGE_DRAFT_ROW: entry i is the i-th row whose draft guesses can be read (rows layout; unused: the size).
+(STAGE_INPUT_ID, STAGE_REQ_IDX, STAGE_SEQ_LEN, STAGE_SLOT, STAGE_MTP_INDEX, STAGE_LOGIT_ROW, STAGE_DRAFT_ROW,
+ STAGE_COLUMNS) = range(8)
+# Step ladder: powers of two below this many rows, then one captured size every STEP_GROW_ROWS rows
+# (a mixed step of 256 decode rows and a 400-token chunk pads to 768 rows, not 1024).
+STEP_SPLIT_ROWS = 512
+STEP_GROW_ROWS = 256
 
 
 @dataclass
@@ -75,6 +79,14 @@ class RowsBatch:
         """The rows a step samples: every decode row, then the last row of each sampled item."""
         return list(range(self.num_decode_rows)) + [self.last_row(i) for i in sampled_items]
 
+    def draft_rows(self, k: int) -> List[int]:
+        """The rows whose draft guesses a step can read: every decode row, and the last K rows of
+        each prefill item (a later depth there may take the guess before it; a finished prompt's
+        last row proposes). The other rows' next tokens are in the prompt."""
+        d = self.num_decode_rows
+        return list(range(d)) + [r for i, it in enumerate(self.items) if it.tokens is not None
+                                 for r in range(max(self.last_row(i) + 1 - k, self.first_row[i]), self.last_row(i) + 1)]
+
     def logit_positions(self, sampled_items: Sequence[int]) -> List[int]:
         """Where ``sampled_rows`` are in the output of a forward that computed the logits of the
         decode rows, then of each prefill item's last row in item order (``max_logit_rows``)."""
@@ -93,9 +105,10 @@ def max_sampled_rows(running_reqs: int, mtp_step: int) -> int:
 
 
 def step_ladder(max_prefill_tokens: int, max_rows: int) -> GraphLadder:
-    """The token ladder up to ``max_prefill_tokens`` (a prefill-only step), then every
-    STEP_GROW_ROWS rows up to ``max_rows`` (decode rows beside a chunk)."""
-    return GraphLadder.from_flags(max(max_rows, max_prefill_tokens), max_prefill_tokens, STEP_GROW_ROWS)
+    """Powers of two below STEP_SPLIT_ROWS, then every STEP_GROW_ROWS rows up to the larger of
+    ``max_prefill_tokens`` (a prefill-only step) and ``max_rows`` (decode rows beside a chunk)."""
+    return GraphLadder.from_flags(max(max_rows, max_prefill_tokens), min(max_prefill_tokens, STEP_SPLIT_ROWS),
+                                  STEP_GROW_ROWS)
 
 
 class StepRows:
@@ -117,7 +130,7 @@ class StepRows:
         self.max_tokens = ladder.max_size if ladder is not None else None
         self.max_logit_rows = max_logit_rows if ladder is not None else None
         self.device = model.device
-        hold = [PAD_TOKEN_ID, model.req_manager.HOLD_REQUEST_ID, 1, model.mem_manager.HOLD_SLOT, 0, 0]  # STAGE_COLUMNS
+        hold = [PAD_TOKEN_ID, model.req_manager.HOLD_REQUEST_ID, 1, model.mem_manager.HOLD_SLOT, 0, 0, 0]  # STAGE_COLUMNS
         self._hold_row = torch.tensor(hold + [UNKNOWN_TOKEN] * self.k, dtype=torch.int64)
         self._alloc(self.max_tokens if ladder is not None else (max_rows or 1))
         # the staging buffer is rewritten only after the GPU has read it (a step may not sync)
@@ -140,6 +153,7 @@ class StepRows:
         self.mem_indexes = torch.full((rows,), self.model.mem_manager.HOLD_SLOT, dtype=torch.int64, device=dev)
         self.b_mtp_index = torch.zeros((rows,), dtype=torch.int32, device=dev)
         self.logit_index = torch.zeros((rows,), dtype=torch.int64, device=dev)
+        self.draft_index = torch.zeros((rows,), dtype=torch.int64, device=dev)
 
     def logit_count(self, size: int) -> int:
         """Rows whose logits a rows-layout forward of ``size`` rows computes."""
@@ -200,6 +214,12 @@ class StepRows:
                 raise ValueError(f"{len(logit_rows)} sampled rows exceed max_logit_rows {self.max_logit_rows}")
             st[:, STAGE_LOGIT_ROW] = 0  # the unused entries name row 0
             st[:len(logit_rows), STAGE_LOGIT_ROW] = torch.tensor(logit_rows, dtype=torch.int64)
+            if self.k:
+                draft_rows = batch.draft_rows(self.k)
+                if len(draft_rows) > self.logit_count(rows):
+                    raise ValueError(f"{len(draft_rows)} draft rows exceed max_logit_rows {self.max_logit_rows}")
+                st[:, STAGE_DRAFT_ROW] = rows  # unused entries name the scratch row past the last
+                st[:len(draft_rows), STAGE_DRAFT_ROW] = torch.tensor(draft_rows, dtype=torch.int64)
         seq_cpu = st[:, STAGE_SEQ_LEN].to(torch.int32)  # a copy: the buffer is staged again later
         staged = self._staged[:rows]
         staged.copy_(st, non_blocking=True)
@@ -211,6 +231,7 @@ class StepRows:
         self.mem_indexes[:rows].copy_(staged[:, STAGE_SLOT])
         self.b_mtp_index[:rows].copy_(staged[:, STAGE_MTP_INDEX])
         self.logit_index[:rows].copy_(staged[:, STAGE_LOGIT_ROW])
+        self.draft_index[:rows].copy_(staged[:, STAGE_DRAFT_ROW])
         if self.k:
             self.known[:, :rows].copy_(staged[:, STAGE_COLUMNS:].t())
         self.staged_seq_len_cpu = seq_cpu
@@ -266,6 +287,8 @@ class StepRows:
         return mi, self.model.forward(mi)
 
     def _draft(self, mi: ModelInput, out: ModelOutput, known: torch.Tensor, sel: Optional[torch.Tensor] = None):
+        if sel is None and self.max_logit_rows is not None:  # rows layout: the staged draft rows
+            sel = self.draft_index[:self.logit_count(known.shape[1])]
         return self.draft.propose_rows(mi, out, known, sel)
 
     def forward_rows(self, batch: RowsBatch, sampled_items: Sequence[int] = ()) -> Tuple[ModelInput, ModelOutput]:
@@ -318,10 +341,7 @@ class StepRows:
         elif batch.size is not None:
             guesses = self._draft(mi, out, self.known[:, :batch.size])
         else:  # items layout: greedy guesses only where a later depth or the result reads them
-            need = list(range(d_rows)) + [r for i in range(len(batch.items)) if batch.items[i].tokens is not None
-                                          for r in range(max(batch.last_row(i) + 1 - self.k, batch.first_row[i]),
-                                                         batch.last_row(i) + 1)]
-            guesses = self._draft(mi, out, self.known[:, :batch.num_rows], to_device(need, dev))
+            guesses = self._draft(mi, out, self.known[:, :batch.num_rows], to_device(batch.draft_rows(self.k), dev))
         if not last:
             return guesses[:d_rows]
         return torch.cat([guesses[:d_rows], guesses[to_device(last, dev)]])

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, row_positions, tokens_ahead
-from lightllm.server.router.model_infer.step_rows import StepRows, max_sampled_rows, token_ladder
+from lightllm.server.router.model_infer.step_rows import (RowItem, RowsBatch, StepRows, max_sampled_rows, step_ladder,
+                                                          token_ladder)
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
 
@@ -18,6 +19,24 @@ def test_token_ladder_is_powers_of_two_then_the_limit():
     assert token_ladder(100).sizes == (1, 2, 4, 8, 16, 32, 64, 100)
     assert token_ladder(1).sizes == (1,)
     assert token_ladder(100).bucket_size(65) == 100 and token_ladder(100).bucket_size(101) is None
+
+
+def test_step_ladder_grows_in_steps_past_the_split():
+    # a mixed step of 256 decode rows and a 400-token chunk pads to 768 rows (not 1024)
+    assert step_ladder(2048, 2304).sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536,
+                                             1792, 2048, 2304)
+    assert step_ladder(2048, 2304).bucket_size(656) == 768
+    assert step_ladder(300, 300).sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300)
+    assert step_ladder(512, 640).sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 640)
+
+
+def test_draft_rows_are_the_decode_rows_and_each_chunks_last_k_rows():
+    # two decode items of 3 rows (K = 2), a 5-row chunk, a 1-row chunk: rows 0-5, 6-10, 11
+    items = [RowItem(0, 7, 3), RowItem(1, 4, 3), RowItem(2, 0, 5, tokens=list(range(9))),
+             RowItem(3, 2, 1, tokens=[5, 6, 7])]
+    batch = RowsBatch(16, items, [0, 3, 6, 11], num_decode_rows=6, num_rows=12)
+    assert batch.draft_rows(2) == [0, 1, 2, 3, 4, 5, 9, 10, 11]
+    assert batch.draft_rows(3) == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11]
 
 
 def test_row_positions_and_tokens_ahead_hand_computed():

@@ -8,7 +8,7 @@ Every proposer has the calls of ``proposer.Proposer`` (``make_draft_proposer`` p
     kv_needs(draft_dirs, mtp_step) -> DraftKvNeeds (before any model loads)
 
 A proposer with ``drafts_prefill_rows`` also drafts a short prefill run as decode rows
-(``propose_rows``, see prefill_rows.py); the others draft every prefill with
+(``propose_rows``, see step_rows.py); the others draft every prefill with
 ``propose_after_prefill``.
 
 A confidence is None or the proposals' confidences, one row per request: [requests, K] fp32.
@@ -104,19 +104,21 @@ class DraftProposer:
                      sel: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The K depths over prefilled rows: known [K, rows] is the token row s takes at depth d
         (UNKNOWN_TOKEN: its guess at depth d - 1). Writes the draft KV of every row; returns the
-        guesses [rows, K]. ``sel``: the only rows whose guesses can be needed (the others stay 0);
-        None: every row, a fixed shape with no host sync (CUDA graphs)."""
+        guesses [rows, K]. ``sel``: the only rows whose guesses can be needed (the others stay 0;
+        entries equal to rows are unused, so a fixed-size ``sel`` suits CUDA graphs); None: every row."""
         hidden = self.model.target_features(out)
-        guess = torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device)
+        rows = hidden.shape[0]
+        guess = torch.zeros(rows, dtype=torch.int64, device=hidden.device)
         guesses = []
         for d in range(self.mtp_step):
             tok = torch.where(known[d] == UNKNOWN_TOKEN, guess, known[d])
             hidden = self.model.forward_depth(d, model_input, hidden, tok)
             if sel is None:
                 guess = self._greedy(hidden)
-            else:
-                guess = torch.zeros_like(guess)
-                guess[sel] = self._greedy(hidden[sel])
+            else:  # one scratch row past the last takes the unused entries
+                scattered = torch.zeros(rows + 1, dtype=torch.int64, device=hidden.device)
+                scattered[sel] = self._greedy(hidden[sel.clamp(max=rows - 1)])
+                guess = scattered[:rows]
             guesses.append(guess)
         return torch.stack(guesses, dim=1)
 
