@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt_tokens", type=int, default=0,
                    help="prompts of exactly this many tokens (the long-context wave: 16 x 6000), not GSM8K chats")
     p.add_argument("--disable_mixed_steps", action="store_true", help="the alternating schedule, for comparison")
+    p.add_argument("--prompt_cache", action="store_true",
+                   help="keep the prompt cache on, as a server runs (the warm-up's prompts then hit it)")
     p.add_argument("--trace_steps", type=int, default=0,
                    help="also record this many mixed steps (from the TRACE_FROM-th) with torch.profiler: GPU time by kernel")
     p.add_argument("--out", default=None)
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
     max_len = auto_max_req_total_len([len(x) for x in prompts], args.max_new_tokens)
     start = StartArgs(running_max_req_size=args.concurrency, max_req_total_len=max(1024, max_len),
                       disable_mixed_steps=args.disable_mixed_steps,
-                      disable_dynamic_prompt_cache=True,  # the rounds resend the same prompts: prefill them all
+                      disable_dynamic_prompt_cache=not args.prompt_cache,  # default: prefill every prompt
                       **mtp)
     on_gpu = torch.cuda.is_available()  # CPU: a smoke run of the script (no performance number)
     eng = OfflineEngine(start, device="cuda" if on_gpu else "cpu", dtype="bfloat16" if on_gpu else "float32")
