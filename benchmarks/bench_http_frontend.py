@@ -15,8 +15,9 @@ Three processes, wired as the real server is:
   "length" at max_new_tokens. Token ids are GSM8K answers, so detokenization does real work;
 - the client (this process, plus ``--client_procs`` processes for the stream arm): closed loop,
   ``--concurrency`` in flight over ``--num_requests`` GSM8K chat prompts (~150 tokens),
-  ``--max_new_tokens`` each, ``/generate`` (arm ``generate``) and streamed ``/v1/completions`` with
-  log-probs and usage as the serving benchmark sends them (arm ``stream``).
+  ``--max_new_tokens`` each, ``/generate`` (arm ``generate``, on ``send_all``'s threads, as the
+  budget benchmark sends them) and streamed ``/v1/completions`` with log-probs and usage as the
+  serving benchmark sends them (arm ``stream``).
 
 Every request carries its index as ``seed``, so each side's clock (``time.time()``) can be joined
 per request: client send -> AddReq put by the HTTP process -> AddReq drained by the worker ->
@@ -761,12 +762,12 @@ def thread_group(name: str) -> str:
     return name
 
 
-async def _generate_one(client, item) -> dict:
-    from lightllm.tools.client import _post
+def _generate_one(conn, item) -> dict:
+    from lightllm.tools.client import _post_json
 
     i, body = item
     sent = time.time()
-    out = await _post(client, "/generate", body)
+    out = _post_json(conn, "/generate", body)
     return {"i": i, "sent": sent, "done": time.time(), "tokens": out["count_output_tokens"], "chunks": None}
 
 
@@ -790,16 +791,16 @@ def run_client(arm: str, url: str, workload: Workload, n: int, concurrency: int,
                seed_base: int, client_procs: int, lag: Optional[List[Tuple[float, float]]] = None) -> List[dict]:
     """n requests closed-loop at ``concurrency``; per request (by index): sent, done, tokens,
     chunks [(time, tokens)] (stream), all on time.time(). ``lag``: the client loop's lag samples
-    (one client process only: send_streamed's own loop for one process, as it runs it)."""
-    from lightllm.tools.client import _bounded, _streamed, completion_stream_body, generate_body, send_streamed
+    (one client process only: send_streamed's own loop for one process, as it runs it; the generate
+    arm's client is send_all's threads, without an event loop)."""
+    from lightllm.tools.client import _bounded, _streamed, _threaded, completion_stream_body, generate_body, send_streamed
 
     lag = [] if lag is None else lag
     texts = workload.prompts[:n] if len(workload.prompts) >= n else [workload.prompts[i % len(workload.prompts)]
                                                                      for i in range(n)]
     if arm == "generate":
         bodies = [generate_body(t, max_new_tokens, seed=seed_base + i) for i, t in enumerate(texts)]
-        return asyncio.run(_with_lag_probe(_bounded(url, list(enumerate(bodies)), concurrency, None, _generate_one),
-                                           lag))
+        return _threaded(url, list(enumerate(bodies)), concurrency, None, _generate_one)
     bodies = [completion_stream_body(t, max_new_tokens, seed=seed_base + i) for i, t in enumerate(texts)]
     offset = time.time() - time.perf_counter()  # perf_counter is CLOCK_MONOTONIC, one clock for all processes
     if client_procs <= 1:  # send_streamed's one-process path, with the probe

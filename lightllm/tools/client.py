@@ -1,16 +1,23 @@
 """The tools' and benchmarks' one way to run the engine and talk to it (docs/tools.md).
 
-httpx is imported only where a request is made: the in-process jobs run without it.
+Closed-loop waves (``send_all``, ``send_timed``) run one thread per request in flight, each on its
+own keep-alive ``http.client`` connection: a client must not be what limits the requests in
+flight, and httpx's asyncio client spent ~6 ms of CPU per request at 64 in flight (0.4 ms here;
+docs/decode_step.md). httpx (streams, the front-end benchmark) is imported only where used.
 """
 import argparse
 import asyncio
 import gc
+import http.client
 import json
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from urllib.parse import urlsplit
 
 from lightllm.server.metrics import ServerMetrics
 from lightllm.utils.server_launcher import SSE_DATA_PREFIX, Server, launch_server
@@ -130,6 +137,75 @@ def warm_up(url: str, texts: Sequence[str], max_new_tokens: int, concurrency: in
     send_all(url, [generate_body(t, n) for t in texts[:requests]], concurrency)
 
 
+class _Connection:
+    """One thread's keep-alive connection to the server."""
+
+    # a reused connection the server closed while it sat idle: open a new one and send again
+    STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
+    def __init__(self, url: str):
+        u = urlsplit(url)
+        self.host, self.port = u.hostname, u.port or 80
+        self.conn: Optional[http.client.HTTPConnection] = None
+
+    def post(self, path: str, body: Dict) -> http.client.HTTPResponse:
+        """Send ``body`` as JSON; the response with its body unread."""
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        for attempt in (0, 1):
+            fresh = self.conn is None
+            if fresh:
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
+            try:
+                self.conn.request("POST", path, body=data, headers=headers)
+                return self.conn.getresponse()
+            except self.STALE:
+                self.conn.close()
+                self.conn = None
+                if fresh or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+def _threaded(url: str, items: Sequence, concurrency: int, desc: Optional[str], call: Callable) -> List:
+    """``call(connection, item)`` for every item on ``concurrency`` threads (a keep-alive
+    connection each); results in order."""
+    from tqdm import tqdm
+
+    local, opened, lock = threading.local(), [], threading.Lock()
+    bar = tqdm(total=len(items), desc=desc, unit="req", disable=desc is None)
+
+    def one(item):
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = _Connection(url)
+            with lock:
+                opened.append(conn)
+        out = call(conn, item)
+        bar.update(1)
+        return out
+
+    try:
+        with ThreadPoolExecutor(max(1, min(concurrency, len(items))), thread_name_prefix="client") as pool:
+            return list(pool.map(one, items))
+    finally:
+        bar.close()
+        for conn in opened:
+            conn.close()
+
+
+def _post_json(conn: _Connection, path: str, body: Dict) -> Dict:
+    r = conn.post(path, body)
+    data = r.read()
+    if r.status != 200:
+        raise RuntimeError(f"{path} returned HTTP {r.status}: {data.decode(errors='replace')}")
+    return json.loads(data)
+
+
 async def _bounded(url: str, items: Sequence, concurrency: int, desc: Optional[str], call: Callable) -> List:
     """``await call(client, item)`` for every item, at most ``concurrency`` at once; results in order."""
     import httpx
@@ -160,8 +236,9 @@ async def _post(client, path: str, body: Dict) -> Dict:
 
 def send_all(url: str, bodies: Sequence[Dict], concurrency: int, desc: Optional[str] = None,
              path: str = "/generate") -> List[Dict]:
-    """POST every body to ``path`` (``/generate``, ``/v1/completions``, ...); the JSON responses in order."""
-    return asyncio.run(_bounded(url, bodies, concurrency, desc, lambda c, b: _post(c, path, b)))
+    """POST every body to ``path`` (``/generate``, ``/v1/completions``, ...), at most ``concurrency``
+    in flight; the JSON responses in order."""
+    return _threaded(url, bodies, concurrency, desc, lambda c, b: _post_json(c, path, b))
 
 
 @dataclass
@@ -174,22 +251,23 @@ class Timed:
     streamed_tokens: Optional[int] = None  # streamed only: events that carried a token
 
 
-async def _timed(client, body: Dict, stream: bool) -> Timed:
+def _timed(conn: _Connection, body: Dict, stream: bool) -> Timed:
     t0 = time.perf_counter()
     if not stream:
-        out = await _post(client, "/generate", body)
+        out = _post_json(conn, "/generate", body)
         return Timed(out, time.perf_counter() - t0)
     ttft, tokens, last = None, 0, None
-    async with client.stream("POST", "/generate_stream", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"/generate_stream returned HTTP {r.status_code}: {(await r.aread()).decode()}")
-        async for line in r.aiter_lines():
-            if not line.startswith(SSE_DATA_PREFIX):
-                continue
-            last = json.loads(line[len(SSE_DATA_PREFIX):])
-            if last.get("token") is not None:
-                tokens += 1
-                ttft = time.perf_counter() - t0 if ttft is None else ttft
+    r = conn.post("/generate_stream", body)
+    if r.status != 200:
+        raise RuntimeError(f"/generate_stream returned HTTP {r.status}: {r.read().decode(errors='replace')}")
+    prefix = SSE_DATA_PREFIX.encode()
+    for line in iter(r.readline, b""):
+        if not line.startswith(prefix):
+            continue
+        last = json.loads(line[len(prefix):])
+        if last.get("token") is not None:
+            tokens += 1
+            ttft = time.perf_counter() - t0 if ttft is None else ttft
     if last is None or not last.get("finished"):
         raise RuntimeError(f"/generate_stream ended without a finished event (last: {last})")
     return Timed(last, time.perf_counter() - t0, ttft, tokens)
@@ -199,7 +277,7 @@ def send_timed(url: str, bodies: Sequence[Dict], concurrency: int, stream: bool 
                desc: Optional[str] = None) -> Tuple[List[Timed], float]:
     """``/generate`` (or ``/generate_stream``) for every body; the timed responses in order and the wall time."""
     t0 = time.perf_counter()
-    out = asyncio.run(_bounded(url, bodies, concurrency, desc, lambda c, b: _timed(c, b, stream)))
+    out = _threaded(url, bodies, concurrency, desc, lambda c, b: _timed(c, b, stream))
     return out, time.perf_counter() - t0
 
 

@@ -214,3 +214,36 @@ def test_send_streamed_in_order_over_client_processes(local_server, procs):
     assert [t.mtp_accepted_token_num for t in traces] == [(2 + i % 3) // 2 for i in range(9)]
     assert all(t.sent_s < t.chunks[0][0] <= t.chunks[-1][0] <= t.done_s and t.ttft_s > 0 for t in traces)
     assert 1 <= state.most <= 4
+
+
+def test_a_connection_the_server_closed_while_idle_is_opened_again():
+    """HTTP/1.1 keep-alive, but the server closes each connection after one response (as an idle
+    timeout does): the next request on that connection goes out again on a new one."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    served = []
+
+    def serve():
+        for _ in range(3):
+            conn, _ = listener.accept()
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += conn.recv(4096)
+                headers, body = head.split(b"\r\n\r\n", 1)
+                length = int(next(h.split(b":")[1] for h in headers.split(b"\r\n") if h.lower().startswith(b"content-length")))
+                while len(body) < length:
+                    body += conn.recv(4096)
+                served.append(json.loads(body))
+                data = json.dumps({"n": len(served)}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(data), data))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    assert send_all(url, [{"i": 0}, {"i": 1}, {"i": 2}], concurrency=1) == [{"n": 1}, {"n": 2}, {"n": 3}]
+    assert served == [{"i": 0}, {"i": 1}, {"i": 2}]
+    thread.join(5)
+    listener.close()
