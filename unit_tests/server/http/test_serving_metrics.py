@@ -205,3 +205,24 @@ def test_request_clock_observes_vllm_semantics():
     assert hist(m.inter_token_latency) == {"count": 2, "sum": 0.125 + 0.5}
     assert hist(m.queue_time) == {"count": 1, "sum": 0.25}
     assert hist(m.e2e_latency) == {"count": 1, "sum": 1.25} == hist(m.request_latency)
+
+
+def test_loop_histogram_is_exposed_as_prometheus_clients_histogram():
+    """The same observations (on bucket bounds, between, above the last, 0) into a LoopHistogram
+    and into prometheus_client's own Histogram give the same exposition, but for ``_created``."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from lightllm.server.metrics import INTER_TOKEN_LATENCY_BUCKETS_S, LoopHistogram
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = LoopHistogram("x_seconds", "A histogram", INTER_TOKEN_LATENCY_BUCKETS_S, ours)
+    ref = Histogram("x_seconds", "A histogram", buckets=INTER_TOKEN_LATENCY_BUCKETS_S, registry=theirs)
+    for v in [0.0, 0.001, 0.0010001, 0.0025, 0.003, 0.5, 0.75, 80.0, 81.0, 1e6] + [0.01 * i for i in range(50)]:
+        fast.observe(v)
+        ref.observe(v)
+
+    def lines(registry):
+        return [x for x in generate_latest(registry).decode().splitlines() if "_created" not in x]
+
+    assert lines(ours) == lines(theirs)
+    assert any(x.startswith('x_seconds_bucket{le="+Inf"} 60.0') for x in lines(ours))
