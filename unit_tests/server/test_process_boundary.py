@@ -114,3 +114,19 @@ def test_router_reexports_the_messages():
                  "ReqStepUpdate", "decode_batch_bucket"):
         assert getattr(manager, name) is getattr(messages, name), name
     assert base_backend.ReqStepUpdate is messages.ReqStepUpdate
+
+
+def test_a_step_update_crosses_the_queue_with_every_field():
+    """ReqStepUpdate pickles as its values (``__reduce__``): every field, each set to a value
+    other than its default, comes back equal, and the compare=False queue time too."""
+    import dataclasses
+
+    from lightllm.server.core.objs.messages import ReqStepUpdate
+
+    values = dict(req_id=7, token_ids=[1, 2], logprobs=[-0.5, -0.25], finish_reason="stop", prompt_tokens=11,
+                  mtp_accepted_token_num=3, asd_relaxed_token_num=1, asd_regret_spent=0.75, accept_len=2,
+                  draft_confidence=[0.5, 0.25], top_logprobs=[[(1, -0.5)], [(2, -0.25)]], error="e",
+                  queue_time_s=0.125, prompt_cached_tokens=4)
+    assert set(values) == {f.name for f in dataclasses.fields(ReqStepUpdate)}  # a new field is added here too
+    back = pickle.loads(pickle.dumps([ReqStepUpdate(**values)]))[0]
+    assert type(back) is ReqStepUpdate and dataclasses.asdict(back) == values
