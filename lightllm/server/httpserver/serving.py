@@ -22,6 +22,7 @@ from typing import Callable, List, Optional
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from lightllm.utils.gc_freeze import freeze_start_up_objects
 from lightllm.utils.signals import signal_handlers
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ def make_server(app, manager, args, port: Optional[int] = None) -> GracefulServe
     """The server of ``app`` over ``manager`` with ``args``' connection limits (on ``port``, else --port)."""
     limits = ConnectionLimits.of(args)
     config = uvicorn_config(app, args.host, args.port if port is None else port, limits)
+    freeze_start_up_objects()
     return GracefulServer(config, on_shutdown=lambda: manager.begin_shutdown(limits.timeout_graceful_shutdown),
                           on_hurry=manager.hurry_shutdown)
 

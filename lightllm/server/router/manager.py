@@ -31,6 +31,7 @@ from lightllm.server.router.model_infer.infer_batch import FinishReason, InferRe
 from lightllm.server.router.model_infer.mode_backend.base_backend import StepResult
 from lightllm.server.router.req_queue import ReqQueue
 from lightllm.utils.dist_utils import NUM_OVERLAP_MICROBATCHES, ParallelContext, init_parallel, single_rank_context
+from lightllm.utils.gc_freeze import freeze_start_up_objects
 
 logger = logging.getLogger(__name__)
 
@@ -388,6 +389,7 @@ def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0
             out_q.put(WorkerError(errors[0]))
         parallel.destroy()
         return
+    freeze_start_up_objects()
     if parallel.is_driver:
         out_q.put(WorkerReady(backend.vocab_size, backend.mem_manager.size, device, dtype))
         # From here on, exiting never waits for the queue's feeder thread to flush into a pipe
