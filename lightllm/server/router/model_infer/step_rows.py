@@ -27,11 +27,13 @@ import itertools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.cuda_graph import CudaGraphSet, GraphLadder, capture_ladder
-from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, row_positions, tokens_ahead
+from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN
 from lightllm.utils.host_copy import to_device
 
 # Input token of a padding row (any valid id: its outputs are never read).
@@ -131,7 +133,7 @@ class StepRows:
         self.max_logit_rows = max_logit_rows if ladder is not None else None
         self.device = model.device
         hold = [PAD_TOKEN_ID, model.req_manager.HOLD_REQUEST_ID, 1, model.mem_manager.HOLD_SLOT, 0, 0, 0]  # STAGE_COLUMNS
-        self._hold_row = torch.tensor(hold + [UNKNOWN_TOKEN] * self.k, dtype=torch.int64)
+        self._hold_row_np = np.array(hold + [UNKNOWN_TOKEN] * self.k, dtype=np.int64)
         self._alloc(self.max_tokens if ladder is not None else (max_rows or 1))
         # the staging buffer is rewritten only after the GPU has read it (a step may not sync)
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -144,6 +146,7 @@ class StepRows:
         dev, on_gpu, width = self.device, self.device.type == "cuda", STAGE_COLUMNS + self.k
         self.capacity = rows
         self._stage_host = torch.zeros((rows, width), dtype=torch.int64, pin_memory=on_gpu)
+        self._stage_np = self._stage_host.numpy()
         self._staged = torch.zeros((rows, width), dtype=torch.int64, device=dev)
         # [K, rows]: the token each row takes at each draft depth (UNKNOWN_TOKEN: its guess)
         self.known = torch.full((self.k, rows), UNKNOWN_TOKEN, dtype=torch.int64, device=dev)
@@ -184,43 +187,48 @@ class StepRows:
         if self._copy_done is not None:
             self._copy_done.synchronize()
         st = self._stage_host[:rows]
+        sn = self._stage_np[:rows]  # the same memory as numpy: a few us per op, not a torch op's ~10
         first_row = [r - n for r, n in zip(itertools.accumulate(lens), lens)]
         decode_items = next((i for i, it in enumerate(items) if it.tokens is not None), len(items))
         if any(it.tokens is None for it in items[decode_items:]):
             raise ValueError("decode items come before prefill items")
         num_decode = sum(lens[:decode_items])
         if items:
-            item, pos = row_positions([it.start for it in items], lens)
-            st[:real, STAGE_REQ_IDX] = torch.tensor([it.req_idx for it in items])[item]
-            st[:real, STAGE_SEQ_LEN] = pos + 1
-            mtp_index = pos - torch.tensor([it.start for it in items])[item]
-            mtp_index[num_decode:] = 0  # a prefill row's input is staged, not gathered
-            st[:real, STAGE_MTP_INDEX] = mtp_index
-            # offset 0: the row's own token; 1..K: x_{s+d+1} inside the prompt (decode rows: on the device)
-            tokens = torch.full((self.k + 1, real), UNKNOWN_TOKEN, dtype=torch.int64)
-            if decode_items < len(items):
-                tokens[:, num_decode:] = tokens_ahead([it.tokens for it in items[decode_items:]],
-                                                      item[num_decode:] - decode_items, pos[num_decode:],
-                                                      range(self.k + 1))
-            tokens[0, :num_decode] = GATHER_INPUT
-            st[:real, STAGE_INPUT_ID] = tokens[0]
-            st[:real, STAGE_COLUMNS:] = tokens[1:].t()
+            lens_a, first_a = np.array(lens, dtype=np.int64), np.array(first_row, dtype=np.int64)
+            item = np.repeat(np.arange(len(items)), lens_a)
+            offset = np.arange(real) - first_a[item]  # the row's place in its item
+            sn[:real, STAGE_REQ_IDX] = np.array([it.req_idx for it in items], dtype=np.int64)[item]
+            sn[:real, STAGE_SEQ_LEN] = offset + np.array([it.start for it in items], dtype=np.int64)[item] + 1
+            offset[num_decode:] = 0  # a prefill row's input is staged, not gathered
+            sn[:real, STAGE_MTP_INDEX] = offset
+            sn[:num_decode, STAGE_INPUT_ID] = GATHER_INPUT
+            sn[:num_decode, STAGE_COLUMNS:] = UNKNOWN_TOKEN  # decode rows' known tokens are on the device
+            for i in range(decode_items, len(items)):
+                # row r at position s = start + r: the token at s (its input), then x_{s+1} .. x_{s+K}
+                # (the token depth d takes), UNKNOWN_TOKEN past the prompt
+                it, r0 = items[i], first_row[i]
+                window = np.full(it.n + self.k, UNKNOWN_TOKEN, dtype=np.int64)
+                known = it.tokens[it.start:it.start + it.n + self.k]
+                window[:len(known)] = known
+                ahead = sliding_window_view(window, self.k + 1)[:it.n]
+                sn[r0:r0 + it.n, STAGE_INPUT_ID] = ahead[:, 0]
+                sn[r0:r0 + it.n, STAGE_COLUMNS:] = ahead[:, 1:]
         st[:real, STAGE_SLOT] = slots
-        st[real:] = self._hold_row
+        sn[real:] = self._hold_row_np
         batch = RowsBatch(size, list(items), first_row, num_decode, real)
         if size is not None and self.max_logit_rows is not None:
             logit_rows = batch.sampled_rows(range(decode_items, len(items)))
             if len(logit_rows) > self.logit_count(rows):
                 raise ValueError(f"{len(logit_rows)} sampled rows exceed max_logit_rows {self.max_logit_rows}")
-            st[:, STAGE_LOGIT_ROW] = 0  # the unused entries name row 0
-            st[:len(logit_rows), STAGE_LOGIT_ROW] = torch.tensor(logit_rows, dtype=torch.int64)
+            sn[:, STAGE_LOGIT_ROW] = 0  # the unused entries name row 0
+            sn[:len(logit_rows), STAGE_LOGIT_ROW] = logit_rows
             if self.k:
                 draft_rows = batch.draft_rows(self.k)
                 if len(draft_rows) > self.logit_count(rows):
                     raise ValueError(f"{len(draft_rows)} draft rows exceed max_logit_rows {self.max_logit_rows}")
-                st[:, STAGE_DRAFT_ROW] = rows  # unused entries name the scratch row past the last
-                st[:len(draft_rows), STAGE_DRAFT_ROW] = torch.tensor(draft_rows, dtype=torch.int64)
-        seq_cpu = st[:, STAGE_SEQ_LEN].to(torch.int32)  # a copy: the buffer is staged again later
+                sn[:, STAGE_DRAFT_ROW] = rows  # unused entries name the scratch row past the last
+                sn[:len(draft_rows), STAGE_DRAFT_ROW] = draft_rows
+        seq_cpu = torch.from_numpy(sn[:, STAGE_SEQ_LEN].astype(np.int32))  # a copy: the buffer is staged again
         staged = self._staged[:rows]
         staged.copy_(st, non_blocking=True)
         if self._copy_done is not None:

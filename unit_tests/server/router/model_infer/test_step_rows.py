@@ -39,6 +39,33 @@ def test_draft_rows_are_the_decode_rows_and_each_chunks_last_k_rows():
     assert batch.draft_rows(3) == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11]
 
 
+def test_stage_lays_out_rows_hand_computed():
+    """A decode item and two prompt chunks (K = 2), padded to 10 rows: every staged column."""
+    from types import SimpleNamespace
+
+    from lightllm.server.router.model_infer.step_rows import GATHER_INPUT, PAD_TOKEN_ID
+
+    hold_req, hold_slot = 99, 999
+    model = SimpleNamespace(req_manager=SimpleNamespace(HOLD_REQUEST_ID=hold_req),
+                            mem_manager=SimpleNamespace(HOLD_SLOT=hold_slot), device=torch.device("cpu"))
+    rows = StepRows(model, None, token_ladder(16), use_graphs=False, draft=SimpleNamespace(mtp_step=2),
+                    max_logit_rows=12)
+    items = [RowItem(5, 7, 3), RowItem(6, 1, 3, tokens=[10, 11, 12, 13, 14]), RowItem(8, 0, 2, tokens=[20, 21])]
+    batch = rows.stage(items, torch.arange(100, 108), size=10)
+    g, u, n = GATHER_INPUT, UNKNOWN_TOKEN, 10
+    assert (batch.size, batch.num_rows, batch.num_decode_rows, batch.first_row) == (10, 8, 3, [0, 3, 6])
+    assert rows.b_req_idx[:n].tolist() == [5, 5, 5, 6, 6, 6, 8, 8, hold_req, hold_req]
+    assert rows.b_seq_len[:n].tolist() == [8, 9, 10, 2, 3, 4, 1, 2, 1, 1]
+    assert rows.b_mtp_index[:n].tolist() == [0, 1, 2, 0, 0, 0, 0, 0, 0, 0]
+    assert rows.staged_ids[:n].tolist() == [g, g, g, 11, 12, 13, 20, 21, PAD_TOKEN_ID, PAD_TOKEN_ID]
+    assert rows.mem_indexes[:n].tolist() == list(range(100, 108)) + [hold_slot] * 2
+    assert rows.known[:, :n].tolist() == [[u, u, u, 12, 13, 14, 21, u, u, u],  # depth 0 takes x_{s+1}
+                                          [u, u, u, 13, 14, u, u, u, u, u]]  # depth 1 takes x_{s+2}
+    assert rows.logit_index[:n].tolist() == [0, 1, 2, 5, 7, 0, 0, 0, 0, 0]
+    assert rows.draft_index[:n].tolist() == [0, 1, 2, 4, 5, 6, 7, n, n, n]
+    assert rows.staged_seq_len_cpu.tolist() == [8, 9, 10, 2, 3, 4, 1, 2, 1, 1]
+
+
 def test_row_positions_and_tokens_ahead_hand_computed():
     # item 0: positions 1..2 of [10, 11, 12]; item 1: positions 0..2 of [20, 21, 22, 23]
     item, pos = row_positions([1, 0], [2, 3])
