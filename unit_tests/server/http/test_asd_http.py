@@ -72,6 +72,8 @@ def test_budget_zero_is_token_identical_to_strict(servers, prompts):
         assert z["asd_relaxed_token_num"] == 0 and z["asd_regret_spent"] == 0.0
 
 
+# slow on CPU (52 s); the in-process ASD tests cover the budget, the GPU suite runs this too
+@pytest.mark.slow
 def test_positive_budget_raises_acceptance_and_stays_within_budget(servers, prompts):
     strict, asd = servers
     s = [_gen(strict, p) for p in prompts]

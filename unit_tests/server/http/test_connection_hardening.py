@@ -646,6 +646,8 @@ IDLE_CONNECTIONS = 1000
 SLOW_CONNECTIONS = 50
 
 
+# slow on CPU (27 s); test_sigterm_with_an_unfinished_body_exits_in_bound is the CPU suite's bound check
+@pytest.mark.slow
 def test_sigterm_with_many_idle_and_slow_connections_exits_in_bound(tmp_path):
     """Before: as above, and 1000 idle and 100 slow connections stayed open."""
     limit = _raise_open_file_limit(IDLE_CONNECTIONS + SLOW_CONNECTIONS + 512)

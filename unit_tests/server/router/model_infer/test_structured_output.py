@@ -79,6 +79,8 @@ def test_strict_mtp_equals_plain_decoding_under_the_grammar(questions, plain, co
     assert sum(r.mtp_accepted_token_num for r in res) > 0  # the draft is really used
 
 
+# slow on CPU (21 s); test_grammar checks that ASD never relaxes a forbidden draft
+@pytest.mark.slow
 def test_asd_usage_output_stays_valid(questions):
     tok, prompts = questions
     _, res, _ = _run(StartArgs(**MODES["asd_usage"], **COMMON), prompts[:NUM_ASD_QUESTIONS])
