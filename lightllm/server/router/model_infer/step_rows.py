@@ -29,11 +29,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.cuda_graph import CudaGraphSet, GraphLadder, capture_ladder
-from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN
+from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, tokens_ahead
 from lightllm.utils.host_copy import to_device
 
 # Input token of a padding row (any valid id: its outputs are never read).
@@ -207,10 +206,7 @@ class StepRows:
                 # row r at position s = start + r: the token at s (its input), then x_{s+1} .. x_{s+K}
                 # (the token depth d takes), UNKNOWN_TOKEN past the prompt
                 it, r0 = items[i], first_row[i]
-                window = np.full(it.n + self.k, UNKNOWN_TOKEN, dtype=np.int64)
-                known = it.tokens[it.start:it.start + it.n + self.k]
-                window[:len(known)] = known
-                ahead = sliding_window_view(window, self.k + 1)[:it.n]
+                ahead = tokens_ahead(it.tokens, it.start, it.n, self.k + 1)
                 sn[r0:r0 + it.n, STAGE_INPUT_ID] = ahead[:, 0]
                 sn[r0:r0 + it.n, STAGE_COLUMNS:] = ahead[:, 1:]
         st[:real, STAGE_SLOT] = slots

@@ -4,7 +4,7 @@ transformers' own generation, with prompts on both sides of the rows limit and c
 import pytest
 import torch
 
-from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, row_positions, tokens_ahead
+from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, tokens_ahead
 from lightllm.server.router.model_infer.step_rows import (RowItem, RowsBatch, StepRows, max_sampled_rows, step_ladder,
                                                           token_ladder)
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
@@ -66,19 +66,13 @@ def test_stage_lays_out_rows_hand_computed():
     assert rows.staged_seq_len_cpu.tolist() == [8, 9, 10, 2, 3, 4, 1, 2, 1, 1]
 
 
-def test_row_positions_and_tokens_ahead_hand_computed():
-    # item 0: positions 1..2 of [10, 11, 12]; item 1: positions 0..2 of [20, 21, 22, 23]
-    item, pos = row_positions([1, 0], [2, 3])
-    assert item.tolist() == [0, 0, 1, 1, 1] and pos.tolist() == [1, 2, 0, 1, 2]
+def test_tokens_ahead_hand_computed():
     u = UNKNOWN_TOKEN
-    assert tokens_ahead([[10, 11, 12], [20, 21, 22, 23]], item, pos, [0, 1, 2]).tolist() == [
-        [11, 12, 20, 21, 22],
-        [12, u, 21, 22, 23],
-        [u, u, 22, 23, u],
-    ]
-    item, pos = row_positions([], [])  # a DP rank with only padding items
-    assert item.dtype == pos.dtype == torch.int64 and pos.numel() == 0
-    assert tokens_ahead([], item, pos, [1, 2]).shape == (2, 0)
+    # positions 1..2 of [10, 11, 12]; positions 0..2 of [20, 21, 22, 23]; width 3 (offsets 0, 1, 2)
+    assert tokens_ahead([10, 11, 12], 1, 2, 3).tolist() == [[11, 12, u], [12, u, u]]
+    assert tokens_ahead([20, 21, 22, 23], 0, 3, 3).tolist() == [[20, 21, 22], [21, 22, 23], [22, 23, u]]
+    assert tokens_ahead([20, 21, 22, 23], 3, 1, 1).tolist() == [[23]]
+    assert tokens_ahead([], 0, 0, 3).shape == (0, 3)  # a DP rank with only padding items
 
 
 def _with_rows(eng) -> list:

@@ -14,9 +14,11 @@ A proposer with ``drafts_prefill_rows`` also drafts a short prefill run as decod
 A confidence is None or the proposals' confidences, one row per request: [requests, K] fp32.
 """
 import itertools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.models.llama_mtp.model import LlamaMTPDraftModel
@@ -27,30 +29,16 @@ from lightllm.server.router.model_infer.mtp_speculative.proposer import (
 UNKNOWN_TOKEN = -1  # prefill: the next token of this position is not known yet
 
 
-def row_positions(starts: Sequence[int], lens: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Prefill rows, item after item (item i: positions starts[i] .. starts[i] + lens[i] - 1):
-    each row's item and position, [sum(lens)] host int64 each."""
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    rows = int(lens_t.sum())
-    item = torch.repeat_interleave(torch.arange(len(lens)), lens_t, output_size=rows)
-    first_row = torch.cumsum(lens_t, 0) - lens_t
-    return item, torch.arange(rows) - first_row[item] + torch.tensor(starts, dtype=torch.int64)[item]
-
-
-def tokens_ahead(seqs: Sequence[Sequence[int]], item: torch.Tensor, pos: torch.Tensor,
-                 offsets: Sequence[int]) -> torch.Tensor:
-    """[len(offsets), rows] host int64: the prefill row of item i's position s (``row_positions``)
-    holds seqs[i][s + o] for each offset o, UNKNOWN_TOKEN past the end of seqs[i]."""
-    out = torch.full((len(offsets), pos.shape[0]), UNKNOWN_TOKEN, dtype=torch.int64)
-    if pos.shape[0] == 0:
-        return out
-    seq_lens = torch.tensor([len(q) for q in seqs], dtype=torch.int64)
-    flat = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)
-    base, end = (torch.cumsum(seq_lens, 0) - seq_lens)[item], seq_lens[item]
-    for j, o in enumerate(offsets):
-        q = pos + o
-        out[j] = torch.where(q < end, flat[base + torch.minimum(q, end - 1)], UNKNOWN_TOKEN)
-    return out
+def tokens_ahead(tokens: Sequence[int], start: int, n: int, width: int) -> np.ndarray:
+    """[n, width] host int64 (a read-only view): row r, the prefill row of position s = start + r,
+    holds tokens[s], tokens[s + 1], ..., tokens[s + width - 1], UNKNOWN_TOKEN past the end of
+    ``tokens``. Reads only the rows' window of ``tokens``."""
+    if n == 0:
+        return np.empty((0, width), dtype=np.int64)
+    window = np.full(n + width - 1, UNKNOWN_TOKEN, dtype=np.int64)
+    known = tokens[start:start + n + width - 1]
+    window[:len(known)] = known
+    return sliding_window_view(window, width)[:n]
 
 
 class DraftProposer:
@@ -135,13 +123,15 @@ class DraftProposer:
         # Position s of depth d takes token x_{s+d+1}: known inside the prompt (and the first
         # generated token); otherwise the previous depth's greedy guess at s.
         lens = [req.kv_len - start for req, start in zip(reqs, chunk_starts)]
-        seqs = [req.prompt_ids + ([first_tokens[i]] if i in first_tokens else []) for i, req in enumerate(reqs)]
-        known = torch.full((k, out.hidden_states.shape[0]), UNKNOWN_TOKEN, dtype=torch.int64)  # padding items (DP) too
-        known[:, :sum(lens)] = tokens_ahead(seqs, *row_positions(chunk_starts, lens), range(1, k + 1))
         last_rows = list(itertools.accumulate(lens))  # one past each item's last row
+        known = np.full((k, out.hidden_states.shape[0]), UNKNOWN_TOKEN, dtype=np.int64)  # padding items (DP) too
+        for i, (req, start, n, end) in enumerate(zip(reqs, chunk_starts, lens, last_rows)):
+            # a finished prompt's window ends with its first token
+            window = req.prompt_ids[start:start + n + k] + ([first_tokens[i]] if i in first_tokens else [])
+            known[:, end - n:end] = tokens_ahead(window, 0, n, k + 1)[:, 1:].T
         sel = torch.tensor([r for end, n in zip(last_rows, lens) for r in range(end - min(n, k), end)],
                            dtype=torch.int64, device=dev)
-        guesses = self.propose_rows(model_input, out, known.to(dev), sel)
+        guesses = self.propose_rows(model_input, out, torch.from_numpy(known).to(dev), sel)
         done = sorted(first_tokens)
         if not done:
             return None
