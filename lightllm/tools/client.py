@@ -151,24 +151,25 @@ class _Connection:
     def post(self, path: str, body: Dict) -> http.client.HTTPResponse:
         """Send ``body`` as JSON; the response with its body unread."""
         data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        for attempt in (0, 1):
-            fresh = self.conn is None
-            if fresh:
-                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
-            try:
-                self.conn.request("POST", path, body=data, headers=headers)
-                return self.conn.getresponse()
-            except self.STALE:
-                self.conn.close()
-                self.conn = None
-                if fresh or attempt:
-                    raise
-        raise AssertionError("unreachable")
+        reused = self.conn is not None
+        try:
+            return self._send(path, data)
+        except self.STALE:
+            self.close()
+            if not reused:
+                raise
+        return self._send(path, data)
+
+    def _send(self, path: str, data: bytes) -> http.client.HTTPResponse:
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
+        self.conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        return self.conn.getresponse()
 
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
+            self.conn = None
 
 
 def _threaded(url: str, items: Sequence, concurrency: int, desc: Optional[str], call: Callable) -> List:
@@ -225,13 +226,6 @@ async def _bounded(url: str, items: Sequence, concurrency: int, desc: Optional[s
             return list(await asyncio.gather(*(one(x) for x in items)))
         finally:
             bar.close()
-
-
-async def _post(client, path: str, body: Dict) -> Dict:
-    r = await client.post(path, json=body)
-    if r.status_code != 200:
-        raise RuntimeError(f"{path} returned HTTP {r.status_code}: {r.text}")
-    return r.json()
 
 
 def send_all(url: str, bodies: Sequence[Dict], concurrency: int, desc: Optional[str] = None,
