@@ -1,11 +1,13 @@
 """Where a mixed step's time goes: an in-process engine (the embedded model, eagle K = 3 by default)
 serves GSM8K prompts at a fixed concurrency, so most steps mix decode rows with prompt chunks.
-Prints the wall time per mixed / decode step (CUDA synchronized around each) and the host
-profile (cProfile) of the mixed steps, and writes them as JSON.
+Prints the wall time per mixed / decode step (CUDA synchronized around each), the host
+profile (cProfile) of the mixed and the (not overlapped) decode steps, with ``--trace_steps`` the GPU
+kernel time of each kind of step, and writes them as JSON.
 
     python benchmarks/profile_mixed_step.py --gsm8k .data/test.jsonl --out mixed_profile.json
 """
 import argparse
+import bisect
 import cProfile
 import io
 import json
@@ -23,7 +25,11 @@ from lightllm.server.offline_engine import OfflineEngine  # noqa: E402
 from lightllm.tools.client import auto_max_req_total_len, model_dir_or_embedded  # noqa: E402
 
 PROFILE_ROWS = 30  # functions printed
-TRACE_FROM = 50  # the first mixed step torch.profiler records (past the start-up's odd shapes)
+TRACE_FROM = int(os.environ.get("PROFILE_MIXED_TRACE_FROM", 50))  # the mixed step torch.profiler starts at (past the start-up's odd shapes)
+TRACE_MAX_FACTOR = 8  # the trace stops after this many times --trace_steps engine steps in all
+STEP_KINDS = ("mixed", "prefill", "decode")
+STEP_RANGE_PREFIX = "engine_step:"
+KERNEL_NAME_WIDTH = 90
 
 
 def _timed(fn, clock, sync, profile=None):
@@ -42,43 +48,69 @@ def _timed(fn, clock, sync, profile=None):
     return wrapper
 
 
-class _MixedStepTracer:
-    """torch.profiler around mixed steps TRACE_FROM .. TRACE_FROM + n: their kernels' GPU time."""
+class _StepTracer:
+    """torch.profiler over ``n`` engine steps of each kind from the TRACE_FROM-th mixed step on:
+    each step runs in a ``record_function`` range and ends synchronized, so a kernel belongs to
+    the step whose range holds its start; GPU kernel time and wall per step, by kind."""
 
     def __init__(self, n: int, mixed_clock: list):
-        self.n, self.clock, self.prof, self.walls = n, mixed_clock, None, []
+        self.n, self.mixed_clock, self.prof = n, mixed_clock, None
+        self.walls = {k: [] for k in STEP_KINDS}
+        self.done = False
 
-    def wrap(self, step):
+    def wrap(self, step, kind_of):
         def traced(running, *a, **kw):
-            before = len(self.clock)
-            on = TRACE_FROM <= before < TRACE_FROM + self.n
-            if on and self.prof is None:
-                import torch
-                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            kind = kind_of(running)
+            if self.done or len(self.mixed_clock) < TRACE_FROM:
+                return step(running, *a, **kw)
+            import torch
+            if self.prof is None:
+                acts = [torch.profiler.ProfilerActivity.CPU]
+                acts += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
                 self.prof = torch.profiler.profile(activities=acts)
                 self.prof.start()
-            out = step(running, *a, **kw)
-            if on and len(self.clock) > before:
-                self.walls.append(self.clock[-1])
-                if len(self.walls) == self.n:
-                    self.prof.stop()
+            t0 = time.perf_counter()
+            with torch.profiler.record_function(f"{STEP_RANGE_PREFIX}{kind}"):
+                out = step(running, *a, **kw)
+            self.walls[kind].append(time.perf_counter() - t0)
+            if all(len(self.walls[k]) >= self.n for k in ("mixed", "decode")) or \
+                    sum(map(len, self.walls.values())) >= TRACE_MAX_FACTOR * self.n:
+                self.prof.stop()
+                self.done = True
             return out
         return traced
 
     def report(self):
-        if self.prof is None or len(self.walls) < self.n:
+        if not self.done:
             return None
         import torch
 
-        events = self.prof.key_averages()
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in kernels)
-        try:
-            table = events.table(sort_by="self_cuda_time_total", row_limit=PROFILE_ROWS)
-        except Exception:  # noqa: BLE001 - the sort key's name moved between torch versions
-            table = events.table(sort_by="self_device_time_total", row_limit=PROFILE_ROWS)
-        return {"steps": self.n, "gpu_ms_per_step": gpu_us / 1000 / self.n,
-                "wall_ms_per_step": 1000 * sum(self.walls) / self.n, "table": table}
+        cuda = torch.autograd.DeviceType.CUDA
+        events = list(self.prof.events())
+        ranges = sorted((e.time_range.start, e.time_range.end, e.name[len(STEP_RANGE_PREFIX):]) for e in events
+                        if e.device_type != cuda and e.name.startswith(STEP_RANGE_PREFIX))
+        starts = [r[0] for r in ranges]
+        gpu_us = {k: 0.0 for k in STEP_KINDS}
+        by_name = {k: {} for k in STEP_KINDS}
+        for e in events:
+            if e.device_type != cuda:
+                continue
+            i = bisect.bisect_right(starts, e.time_range.start) - 1
+            if i < 0 or e.time_range.start > ranges[i][1]:
+                continue
+            kind, dur = ranges[i][2], e.time_range.end - e.time_range.start
+            gpu_us[kind] += dur
+            by_name[kind][e.name] = by_name[kind].get(e.name, 0.0) + dur
+        out = {}
+        for k in STEP_KINDS:
+            steps = len(self.walls[k])
+            if not steps:
+                continue
+            top = sorted(by_name[k].items(), key=lambda kv: -kv[1])[:PROFILE_ROWS]
+            out[k] = {"steps": steps, "gpu_ms_per_step": gpu_us[k] / 1000 / steps,
+                      "wall_ms_per_step": 1000 * sum(self.walls[k]) / steps,
+                      "kernels_us_per_step": [[name[:KERNEL_NAME_WIDTH], us / steps] for name, us in top]}
+        return out
 
 
 def main(argv=None) -> int:
@@ -94,7 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt_cache", action="store_true",
                    help="keep the prompt cache on, as a server runs (the warm-up's prompts then hit it)")
     p.add_argument("--trace_steps", type=int, default=0,
-                   help="also record this many mixed steps (from the TRACE_FROM-th) with torch.profiler: GPU time by kernel")
+                   help="also record this many mixed and decode steps (from the TRACE_FROM-th mixed one) with "
+                        "torch.profiler: GPU time per step by kind and kernel")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -126,49 +159,62 @@ def main(argv=None) -> int:
     warm = [{"max_new_tokens": 8}] * min(len(prompts), args.concurrency)
     eng.generate(prompts[:len(warm)], warm)
     clocks = {"mixed": [], "decode": [], "prefill": []}
-    profile = cProfile.Profile()
+    profiles = {"mixed": cProfile.Profile(), "decode": cProfile.Profile()}
     b = eng.backend
-    b.mixed = _timed(b.mixed, clocks["mixed"], sync, profile)
-    b.decode = _timed(b.decode, clocks["decode"], sync)
+    b.mixed = _timed(b.mixed, clocks["mixed"], sync, profiles["mixed"])
+    b.decode = _timed(b.decode, clocks["decode"], sync, profiles["decode"])
     b.prefill_chunks = _timed(b.prefill_chunks, clocks["prefill"], sync)
     # every engine step, by what it ran (overlapped decode steps run outside b.decode)
-    step_clocks = {"mixed": [], "prefill": [], "decode": []}
+    step_clocks = {k: [] for k in STEP_KINDS}
+    decode_reqs = []  # requests per decode step
     run_step = b.run_step
 
-    def timed_step(running, *a, **kw):
+    def kind_of(running) -> str:
         prefilling = any(r.in_prefill for r in running)
         decoding = any(not r.in_prefill for r in running)
-        kind = "mixed" if prefilling and decoding and b.mixed_rows is not None else (
+        return "mixed" if prefilling and decoding and b.mixed_rows is not None else (
             "prefill" if prefilling and not decoding else "decode")
+
+    def timed_step(running, *a, **kw):
+        kind = kind_of(running)
+        if kind == "decode":
+            decode_reqs.append(sum(not r.in_prefill and r.finish_reason is None for r in running))
         return _timed(run_step, step_clocks[kind], sync)(running, *a, **kw)
 
     b.run_step = timed_step
-    tracer = _MixedStepTracer(args.trace_steps, step_clocks["mixed"]) if args.trace_steps and on_gpu else None
+    tracer = _StepTracer(args.trace_steps, step_clocks["mixed"]) if args.trace_steps else None
     if tracer is not None:
-        b.run_step = tracer.wrap(timed_step)
+        b.run_step = tracer.wrap(timed_step, kind_of)
     t0 = time.perf_counter()
     res = eng.generate(prompts, [{"max_new_tokens": args.max_new_tokens, "ignore_eos": bool(args.prompt_tokens)}]
                        * len(prompts))
     wall = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in res)
-    s = io.StringIO()
-    if clocks["mixed"]:  # pstats refuses a profile that never ran
-        pstats.Stats(profile, stream=s).sort_stats("tottime").print_stats(PROFILE_ROWS)
+    host_profiles = {}
+    for kind, prof in profiles.items():
+        if clocks[kind]:  # pstats refuses a profile that never ran
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(PROFILE_ROWS)
+            host_profiles[kind] = s.getvalue()
     summary = {k: {"steps": len(v), "ms_mean": 1000 * sum(v) / max(1, len(v))} for k, v in clocks.items()}
     by_step = {k: {"steps": len(v), "ms_mean": 1000 * sum(v) / max(1, len(v)), "s_total": sum(v)}
                for k, v in step_clocks.items()}
+    mean_decode_batch = sum(decode_reqs) / max(1, len(decode_reqs))
     print(f"{tokens} tokens in {wall:.2f} s ({tokens / wall:.0f} tok/s); {summary}")
-    print(f"engine steps (synchronized, by kind): {by_step}")
-    print(s.getvalue())
+    print(f"engine steps (synchronized, by kind): {by_step}; mean decode batch {mean_decode_batch:.1f}")
+    for kind, text in host_profiles.items():
+        print(f"host profile of the {kind} steps (cProfile):\n{text}")
     trace = tracer.report() if tracer is not None else None
-    if trace is not None:
-        print(trace["table"])
-        print(f"traced mixed steps: {trace['steps']}, GPU kernel time per step {trace['gpu_ms_per_step']:.2f} ms, "
-              f"wall per step {trace['wall_ms_per_step']:.2f} ms")
+    for kind, t in (trace or {}).items():
+        print(f"traced {kind} steps: {t['steps']}, GPU kernel time per step {t['gpu_ms_per_step']:.2f} ms, "
+              f"wall per step {t['wall_ms_per_step']:.2f} ms")
+        for name, us in t["kernels_us_per_step"]:
+            print(f"  {us:9.1f} us  {name}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "tokens": tokens, "wall_s": wall, "steps": summary, "engine_steps": by_step,
-                       "mixed_host_profile": s.getvalue(), "mixed_trace": trace}, f, indent=1)
+                       "mean_decode_batch": mean_decode_batch, "host_profiles": host_profiles, "trace": trace},
+                      f, indent=1)
     return 0
 
 
