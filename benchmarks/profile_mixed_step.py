@@ -93,7 +93,7 @@ class _StepTracer:
         gpu_us = {k: 0.0 for k in STEP_KINDS}
         by_name = {k: {} for k in STEP_KINDS}
         for e in events:
-            if e.device_type != cuda:
+            if e.device_type != cuda or e.name.startswith(STEP_RANGE_PREFIX):  # kernels only, not the ranges
                 continue
             i = bisect.bisect_right(starts, e.time_range.start) - 1
             if i < 0 or e.time_range.start > ranges[i][1]:

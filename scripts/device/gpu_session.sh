@@ -36,6 +36,9 @@
 #                                       interleaved rounds of NQ questions (default all 1319) at concurrency CONC:
 #                                       ASD's tok/s ratio to B = 0 (OUT/budgets_kK_cCONC$BUDGETS_NAME.json;
 #                                       BUDGETS_SERVER_ARGS: more server flags, e.g. --disable_mixed_steps)
+#   gpu_session.sh spy OUT [SECONDS]    B = 0 budgets waves (K = 3, concurrency 64) with py-spy (carried in .pyspy/)
+#                                       sampling the router process for SECONDS (default 25) once the first wave
+#                                       runs: OUT/router_spy.txt, collapsed stacks of every thread, idle included
 #   gpu_session.sh prefix OUT           the prompt cache on vs off (bench_e2e_throughput --prefix_cache)
 #   gpu_session.sh resend OUT           a resent 6k-token prompt: where its time to first token goes in-process
 #                                       (profile_resend.py), then over HTTP (--prefix_cache's resend workload)
@@ -152,6 +155,19 @@ resend)
     timeout 300 python benchmarks/bench_e2e_throughput.py --prefix_cache --prefix_workloads resend \
         --gsm8k .data/test.jsonl --out "$out/prefix_resend.json" > "$out/prefix_resend.log" 2>&1; s2=$?
     grep -v " INFO " "$out/prefix_resend.log" | grep -v "req/s\]" | tail -25; exit $((s1 | s2))
+    ;;
+spy)
+    out=${1:?OUT}; secs=${2:-25}; mkdir -p "$out" /tmp/pyspy
+    python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl || exit 1
+    python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step 3 --budgets 0 --rounds 3 \
+        --concurrency 64 --max_new_tokens "$EVAL_NEW_TOKENS" --out "$out/spy_budgets.json" > "$out/spy_budgets.log" 2>&1 &
+    bench=$!
+    until grep -q "round 0 B=0" "$out/spy_budgets.log" 2>/dev/null; do sleep 0.5; kill -0 $bench || break; done
+    pid=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | head -1)
+    echo "router pid $pid"
+    /tmp/pyspy/bin/py-spy record --pid "$pid" --duration "$secs" --rate 1000 --format raw --idle --threads \
+        --nonblocking -o "$out/router_spy.txt" > "$out/spy.log" 2>&1; echo "py-spy rc $?"; tail -3 "$out/spy.log"
+    wait $bench; grep -E "^\|" "$out/spy_budgets.log"
     ;;
 serving)
     # 3 arms, each: server start, a 64-request warm-up, 512 requests (about 30-60 s); the JSON is written after every arm

@@ -199,11 +199,7 @@ def commit_step(
             free_slots.extend(slots[start:start + k1])
             commits.append(None)
             continue
-        kept = 0
-        for j in range(a):
-            kept += 1
-            if req.append_token(host.ids[start + j], host.logprobs[start + j]):
-                break
+        kept = req.append_tokens(host.ids[start:start + a], host.logprobs[start:start + a])
         req.decode_steps += 1
         req.mtp_accepted_token_num += min(kept, a - 1)
         if host.relaxed is not None:

@@ -80,3 +80,26 @@ class InferReq:
         elif len(self.output_ids) >= p.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None
+
+    def append_tokens(self, ids: List[int], logprobs: List[float]) -> int:
+        """Commit ``ids`` in order until one finishes the request; returns how many were kept.
+        The same as ``append_token`` per token; without a grammar or stop sequences, one pass
+        finds where EOS or max_new_tokens ends it."""
+        p = self.params
+        if self.grammar is not None or p.stop_token_ids:
+            for j in range(len(ids)):
+                if self.append_token(ids[j], logprobs[j]):
+                    return j + 1
+            return len(ids)
+        n = min(len(ids), max(1, p.max_new_tokens - len(self.output_ids)))
+        reason = FinishReason.LENGTH if len(self.output_ids) + n >= p.max_new_tokens else None
+        if not p.ignore_eos:
+            eos = self.eos_token_ids
+            for j in range(n):
+                if ids[j] in eos:  # EOS wins over the length limit at the same token
+                    n, reason = j + 1, FinishReason.EOS
+                    break
+        self.output_ids.extend(ids[:n])
+        self.output_logprobs.extend(logprobs[:n])
+        self.finish_reason = reason
+        return n

@@ -116,6 +116,39 @@ def test_commit_drops_a_request_that_finished_before_the_step():
     assert (a.slots, a.kv_len, a.mtp_accepted_token_num, a.asd_regret_spent) == ([100, 101], 5, 1, 0.5)
     assert (c.slots, c.kv_len, c.mtp_accepted_token_num, c.finish_reason) == ([300, 301], 5, 2, FinishReason.STOP)
 
+def _kept_by_rule(output_len, ids, max_new, eos, ignore_eos):
+    """The documented per-token rule, written out: each token is kept; EOS (unless ignored) ends the
+    request at that token, else reaching max_new_tokens does. Returns (kept, finish reason)."""
+    for j, t in enumerate(ids):
+        if not ignore_eos and t in eos:
+            return j + 1, FinishReason.EOS
+        if output_len + j + 1 >= max_new:
+            return j + 1, FinishReason.LENGTH
+    return len(ids), None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_append_tokens_keeps_what_the_per_token_rule_keeps(seed):
+    """The one-pass append (no grammar, no stop sequences) against the rule above, over random
+    blocks: EOS inside / at the end / past a length cut, ignore_eos, several EOS ids."""
+    rng = torch.Generator().manual_seed(seed)
+    for case in range(200):
+        eos = [5, 9][: 1 + case % 2]
+        ignore = case % 5 == 0
+        max_new = int(torch.randint(1, 8, (1,), generator=rng))
+        done_before = int(torch.randint(0, max_new, (1,), generator=rng))
+        ids = torch.randint(3, 12, (int(torch.randint(1, 5, (1,), generator=rng)),), generator=rng).tolist()
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=ignore)
+        req = InferReq(req_id=1, prompt_ids=[1], params=params, eos_token_ids=eos)
+        req.output_ids, req.output_logprobs = [4] * done_before, [-1.0] * done_before
+        lps = [-0.1 * (j + 1) for j in range(len(ids))]
+        kept = req.append_tokens(ids, lps)
+        want, reason = _kept_by_rule(done_before, ids, max_new, eos, ignore)
+        assert (kept, req.finish_reason) == (want, reason), (ids, max_new, done_before, eos, ignore)
+        assert req.output_ids == [4] * done_before + ids[:want]
+        assert req.output_logprobs == [-1.0] * done_before + lps[:want]
+
+
 @pytest.fixture(scope="module")
 def config_only_dir(tmp_path_factory):
     """A model dir with config.json only (no weights)."""
