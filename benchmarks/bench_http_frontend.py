@@ -7,7 +7,7 @@ Three processes, wired as the real server is:
   as ``api_start._launch_subprocesses`` does; it spawns
 - a FAKE worker process over multiprocessing queues (``fake_worker_main``): the driver loop of
   ``router.manager.serve_steps`` without a model. It drains ``in_q`` with the real
-  ``_poll_messages`` (blocking only while idle), admits AddReq between steps (at most
+  ``MessageInbox`` (blocking only while idle), admits AddReq between steps (at most
   ``--running_max_req_size`` running), sends the gauges before a step whose request counts changed
   (``GaugePublisher.before_step``), and every ``--step_ms`` gives each running request
   ``--tokens_per_step`` tokens (its first step, the prefill, gives 1), sending
@@ -55,9 +55,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
-from lightllm.server.router.manager import (  # noqa: E402 (after the path set-up)
-    AbortReq, AddReq, StepTiming, WorkerReady, WorkerStats)
-from lightllm.server.router.model_infer.mode_backend.base_backend import ReqStepUpdate  # noqa: E402
+from lightllm.server.core.objs.messages import (  # noqa: E402 (after the path set-up)
+    AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats)
 from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
 
 DEFAULT_OUT = os.path.join("docs", "data", "perf", "http_frontend.json")
@@ -89,7 +88,9 @@ DEFINITIONS = {
     "worker_mean_running": "the worker's running requests averaged over its steps in the timed window",
     "worker_time_mean_running": "the same weighted by time over the window (idle time counts 0)",
     "intake_ms": "client send -> AddReq drained by the worker; split into http (client send -> AddReq put by "
-                 "the HTTP process: body, validation, tokenizer thread) and in_q (put -> drained between steps)",
+                 "the HTTP process: body, validation, tokenizer thread) and in_q (put -> drained between steps); "
+                 "http is reach (client send -> the endpoint's receipt, its arrival) + prep (-> manager.generate: "
+                 "body read, validated, tokenized) + the put",
     "admit_ms": "AddReq drained -> the worker's put of the request's first update (one step)",
     "egress_ms": "the worker's put of the request's last update -> the client has the response; split into "
                  "out_q (put -> returned by the HTTP reader thread's get), handover (-> its _dispatch runs on "
@@ -310,7 +311,7 @@ def fake_worker_main(cfg: WorkerConfig, in_q, out_q, watch_parent: bool = True) 
     between steps, a step of ``step_ms``, its updates and gauges sent after it; on None, the
     records go to ``cfg.record_path``. ``watch_parent``: exit with the HTTP process (as the real
     worker; tests run this in a thread over queue.Queue without it)."""
-    from lightllm.server.router.manager import _poll_messages, exit_with_parent
+    from lightllm.server.router.manager import MessageInbox, exit_with_parent
 
     if watch_parent:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s fake-worker: %(message)s")
@@ -331,10 +332,11 @@ def fake_worker_main(cfg: WorkerConfig, in_q, out_q, watch_parent: bool = True) 
         now = time.time()
         engine.mark_sent(updates, now, len(messages))
         messages.append((now, len(updates)))
-        out_q.put((updates, WorkerStats(engine.kv_used(), *sent_counts, t)))
+        out_q.put((StepUpdates(updates), WorkerStats(engine.kv_used(), *sent_counts, t)))
 
+    inbox = MessageInbox(in_q)
     while True:
-        msgs = _poll_messages(in_q, block=not engine.has_work)
+        msgs = inbox.poll(block=not engine.has_work)
         now = time.time()
         updates: List[ReqStepUpdate] = []
         for m in msgs:
@@ -372,6 +374,8 @@ class Probe:
 
     def __init__(self):
         self.puts: Dict[int, float] = {}
+        self.arrivals: Dict[int, float] = {}  # by seed: the endpoint's receipt (its ``arrival``), as time.time()
+        self.generate_calls: Dict[int, float] = {}  # by seed: manager.generate called (body read, tokenized)
         self.gets: List[float] = []
         self.dispatches: List[Tuple[float, float]] = []  # (start, seconds)
         self.lag: List[Tuple[float, float]] = []  # (time, seconds late)
@@ -386,7 +390,7 @@ class Probe:
 
     def dump(self) -> dict:
         self.note_threads()
-        return {"puts": self.puts, "gets": self.gets, "dispatches": self.dispatches, "lag": self.lag,
+        return {"puts": self.puts, "arrivals": self.arrivals, "generate_calls": self.generate_calls, "gets": self.gets, "dispatches": self.dispatches, "lag": self.lag,
                 "threads": self.threads}
 
 
@@ -559,6 +563,13 @@ def serve_main(config_path: str) -> None:
     probe = Probe()
 
     class TimedManager(HttpServerManager):
+        def generate(self, prompt_ids, params, is_disconnected=None, arrival=None, final_only=False):
+            if params.seed is not None:
+                now = time.time()
+                probe.generate_calls[params.seed] = now
+                probe.arrivals[params.seed] = now if arrival is None else now - (time.monotonic() - arrival)
+            return super().generate(prompt_ids, params, is_disconnected, arrival, final_only)
+
         def _dispatch(self, updates, stats, received=None) -> None:
             t0 = time.time()
             super()._dispatch(updates, stats, received)
@@ -819,9 +830,11 @@ def summarize(arm: str, args, client: List[dict], worker: dict, probe: dict, cpu
     tokens = sum(r["tokens"] for r in client)
     by_seed = {w["seed"]: w for w in worker["reqs"] if w["seed"] is not None}
     puts = {int(k): v for k, v in probe["puts"].items()}
+    arrivals = {int(k): v for k, v in probe.get("arrivals", {}).items()}
+    calls = {int(k): v for k, v in probe.get("generate_calls", {}).items()}
     msgs = worker["messages"]
     gets, disp = probe["gets"], probe["dispatches"]
-    http_ms, inq_ms, intake_ms, admit_ms = [], [], [], []
+    http_ms, inq_ms, intake_ms, admit_ms, reach_ms, prep_ms = [], [], [], [], [], []
     out_ms, hand_ms, to_client_ms, egress_ms, first_egress_ms = [], [], [], [], []
     for r in client:
         w = by_seed.get(r["i"])
@@ -832,6 +845,9 @@ def summarize(arm: str, args, client: List[dict], worker: dict, probe: dict, cpu
         if put is not None:
             http_ms.append(put - r["sent"])
             inq_ms.append(w["arrival"] - put)
+        if r["i"] in arrivals and r["i"] in calls:
+            reach_ms.append(arrivals[r["i"]] - r["sent"])
+            prep_ms.append(calls[r["i"]] - arrivals[r["i"]])
         if w["first_put"] is not None:
             admit_ms.append(w["first_put"] - w["arrival"])
         k = w["last_msg"]
@@ -855,6 +871,7 @@ def summarize(arm: str, args, client: List[dict], worker: dict, probe: dict, cpu
     ideal_latency = args.step_ms / 1e3 * (1 + math.ceil((args.max_new_tokens - 1) / args.tokens_per_step))
     row["ideal_latency_s"] = ideal_latency
     for name, xs in (("intake_ms", intake_ms), ("intake_http_ms", http_ms), ("intake_in_q_ms", inq_ms),
+                     ("intake_reach_ms", reach_ms), ("intake_prep_ms", prep_ms),
                      ("admit_ms", admit_ms), ("egress_ms", egress_ms), ("egress_out_q_ms", out_ms),
                      ("egress_handover_ms", hand_ms), ("egress_loop_to_client_ms", to_client_ms)):
         row.update(percentiles(name, xs, scale=1e3))
@@ -952,6 +969,8 @@ COLUMNS = [
     Column("intake_ms_p50", "intake p50", ".1f"),
     Column("intake_ms_p99", "p99", ".1f"),
     Column("intake_http_ms_p50", "http p50", ".1f"),
+    Column("intake_reach_ms_p50", "reach p50", ".1f"),
+    Column("intake_prep_ms_p50", "prep p50", ".1f"),
     Column("intake_in_q_ms_p50", "in_q p50", ".2f"),
     Column("admit_ms_p50", "admit p50", ".2f"),
     Column("egress_ms_p50", "egress p50", ".1f"),

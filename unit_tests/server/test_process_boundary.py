@@ -130,3 +130,19 @@ def test_a_step_update_crosses_the_queue_with_every_field():
     assert set(values) == {f.name for f in dataclasses.fields(ReqStepUpdate)}  # a new field is added here too
     back = pickle.loads(pickle.dumps([ReqStepUpdate(**values)]))[0]
     assert type(back) is ReqStepUpdate and dataclasses.asdict(back) == values
+
+
+def test_a_steps_updates_cross_the_queue_as_columns():
+    """StepUpdates pickles a step's updates by field and unpickles as the list of updates, equal
+    field by field (the queue time too), for several updates and for none."""
+    import dataclasses
+
+    from lightllm.server.core.objs.messages import ReqStepUpdate, StepUpdates
+
+    ups = [ReqStepUpdate(i, [i, i + 1][: 1 + i % 2], [-0.5 * i][: 1], "eos" if i == 2 else None, 10 + i, i, 0,
+                         0.25 * i, 1 + i % 2, [0.5] if i else None, None, None, 0.125 * i, i) for i in range(3)]
+    back = pickle.loads(pickle.dumps(StepUpdates(ups)))
+    assert type(back) is list and all(type(u) is ReqStepUpdate for u in back)
+    assert [dataclasses.asdict(u) for u in back] == [dataclasses.asdict(u) for u in ups]
+    assert [u.queue_time_s for u in back] == [u.queue_time_s for u in ups]
+    assert pickle.loads(pickle.dumps(StepUpdates([]))) == []

@@ -92,6 +92,21 @@ class ReqStepUpdate:
 _update_values = operator.attrgetter(*(f.name for f in fields(ReqStepUpdate)))
 
 
+class StepUpdates(list):
+    """One step's updates (a list) on their way to the HTTP process: pickled as one tuple per field,
+    which takes about a third less time under the router's GIL than one object per update (the
+    queue's feeder thread pickles while the step loop runs); unpickled, a plain list again."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return _updates_from_columns, (tuple(zip(*map(_update_values, self))),)
+
+
+def _updates_from_columns(columns: tuple) -> List[ReqStepUpdate]:
+    return [ReqStepUpdate(*values) for values in zip(*columns)]
+
+
 class BatchLadder(Protocol):
     """What decode_batch_bucket needs of a CUDA graph ladder
     (``lightllm.common.basemodel.cuda_graph.GraphLadder``)."""

@@ -1,6 +1,7 @@
 """Request state inside the model worker."""
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, List, Optional
 
 from lightllm.server.core.objs.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ class InferReq:
     def in_prefill(self) -> bool:
         return self.kv_len < self.prompt_len
 
-    @property
+    @cached_property  # a request's sampling parameters never change
     def has_penalty(self) -> bool:
         p = self.params
         return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

@@ -118,15 +118,16 @@ def sample(
     """Forbidden tokens (``token_bitmask``) get -inf after the penalties and biases: no bias revives
     them, and the processed logits (log-probs, ASD regrets) are those under the grammar."""
     logits = logits.float()
-    penalty_rows = [i for i, r in enumerate(reqs) if r.has_penalty]
-    if penalty_rows:  # only the rows that use a penalty pay for it
+    distinct = list({id(r): r for r in reqs}.values())  # a decode step has K + 1 rows per request
+    if any(r.has_penalty for r in distinct):  # only the rows that use a penalty pay for it
+        penalty_rows = [i for i, r in enumerate(reqs) if r.has_penalty]
         rows = None if len(penalty_rows) == len(reqs) else torch.tensor(penalty_rows, device=logits.device)
         logits = _apply_penalties(logits, b_req_idx, pm, rows)
-    if any(r.params.logit_bias for r in reqs):
+    if any(r.params.logit_bias for r in distinct):
         logits = _apply_logit_bias(logits, [r.params.logit_bias for r in reqs])
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
-    all_greedy = all(r.params.top_k == TOP_K_GREEDY for r in reqs)
+    all_greedy = all(r.params.top_k == TOP_K_GREEDY for r in distinct)
     if all_greedy:
         return SampleOutput(torch.argmax(logits, dim=-1), logits)
     idx = b_req_idx.long()
@@ -143,9 +144,9 @@ def sample(
 
 
 def token_logprobs(processed_logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log p(token) under the processed logits: [rows, vocab], [rows] -> [rows] fp32."""
-    logz = torch.logsumexp(processed_logits, dim=-1)
-    return processed_logits.gather(1, token_ids.long().unsqueeze(1)).squeeze(1) - logz
+    """log p(token) under the processed logits: [rows, vocab], [rows] -> [rows] fp32. One fused
+    log_softmax and a gather (torch.logsumexp is about six kernels and reads the logits four times)."""
+    return torch.log_softmax(processed_logits, dim=-1).gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
 
 
 def top_logprobs(processed_logits: torch.Tensor, k: int):
