@@ -44,13 +44,14 @@ from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
     DECODE_CLOCK,
     DECODE_CLOCK_BY_BATCH,
     ENGINE_CLOCK,
+    LATENCY_METRICS,
     MIXED_CLOCK,
     USAGE,
     AsdSetting,
     auto_max_req_total_len,
     generate_body,
     model_dir_or_embedded,
-    send_all,
+    send_timed,
     serve,
     server_flags,
     warm_up,
@@ -101,6 +102,13 @@ class Wave:
     mixed_s: float = 0.0
     mixed_steps: int = 0
     mixed_reqs: int = 0
+    # where a request's time went, summed over the wave's requests: the client's latency, and from
+    # /metrics the server's (receipt to last output), the router queue's and the time to first token
+    client_latency_s: float = 0.0
+    server_e2e_s: float = 0.0
+    server_queue_s: float = 0.0
+    server_ttft_s: float = 0.0
+    requests: int = 0
 
     @property
     def decoding_steps(self) -> int:
@@ -142,6 +150,13 @@ class BudgetRow:
     step_ratio_equal_batch: float  # median over rounds of equal_batch_step_ratio (EQUAL_BATCH_DEFINITION)
     step_ratio_equal_batch_rounds: List[float]
     equal_batch_coverage: float  # B = 0's decode steps at the batch sizes compared / all, pooled over rounds
+    # per request, pooled (ms): the client's latency, the server's receipt to last output, the part
+    # outside it (the client, the wire, the HTTP server around its receipt and reply), queue, TTFT
+    client_latency_ms: float = float("nan")
+    server_e2e_ms: float = float("nan")
+    outside_server_ms: float = float("nan")
+    server_queue_ms: float = float("nan")
+    server_ttft_ms: float = float("nan")
 
 
 def round_orders(budgets: Sequence[float], rounds: int) -> List[List[float]]:
@@ -188,7 +203,13 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
             _pooled(ws, "output_tokens", "batch_steps") / _pooled(b0s, "output_tokens", "batch_steps"),
             _pooled(ws, "decode_s", "decode_steps", 1000), _pooled(ws, "decoding_reqs", "decoding_steps"),
             _median(step_ratios), _median(equal_ratios), equal_ratios,
-            sum(n for _, n in equal) / b0_steps if b0_steps else float("nan")))
+            sum(n for _, n in equal) / b0_steps if b0_steps else float("nan"),
+            *(_pooled(ws, name, "requests", 1000) if any(w.requests for w in ws) else float("nan")
+              for name in ("client_latency_s", "server_e2e_s")),
+            _pooled(ws, "client_latency_s", "requests", 1000) - _pooled(ws, "server_e2e_s", "requests", 1000)
+            if any(w.requests for w in ws) else float("nan"),
+            *(_pooled(ws, name, "requests", 1000) if any(w.requests for w in ws) else float("nan")
+              for name in ("server_queue_s", "server_ttft_s"))))
     return rows
 
 
@@ -253,6 +274,9 @@ TABLE = (
            ".3f", "x"),
     Column("step_ratio_equal_batch_rounds", "per round", _ratios),
     Column("equal_batch_coverage", "B = 0 steps covered", ".1%"),
+    Column("client_latency_ms", "client latency ms", ".1f"), Column("server_e2e_ms", "server e2e ms", ".1f"),
+    Column("outside_server_ms", "outside ms", ".1f"), Column("server_queue_ms", "queue ms", ".2f"),
+    Column("server_ttft_ms", "TTFT ms", ".1f"),
 )
 
 
@@ -323,8 +347,9 @@ def main(argv=None) -> int:
                 bodies = [generate_body(p, args.max_new_tokens, b, return_details=True) for p in prompts]
                 before = scrape(server.url)
                 t0 = time.perf_counter()
-                res = send_all(server.url, bodies, args.concurrency, f"round {r} B={b:g}")
+                timed, _ = send_timed(server.url, bodies, args.concurrency, desc=f"round {r} B={b:g}")
                 wall = time.perf_counter() - t0
+                res = [t.response for t in timed]
                 grown = scrape(server.url) - before
                 engine_s, batch_steps, batch_reqs = (grown.value(n) for n in ENGINE_CLOCK)
                 decode_s, decode_steps, decode_reqs = (grown.value(n) for n in DECODE_CLOCK)
@@ -335,7 +360,8 @@ def main(argv=None) -> int:
                     sum(x["asd_relaxed_token_num"] for x in res), engine_s, int(batch_steps), int(batch_reqs),
                     [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None,
                     decode_s, int(decode_steps), int(decode_reqs), decode_clock_by_batch(grown),
-                    mixed_s, int(mixed_steps), int(mixed_reqs)))
+                    mixed_s, int(mixed_steps), int(mixed_reqs), sum(t.latency_s for t in timed),
+                    *(grown.value(f"{n}_sum") for n in LATENCY_METRICS), len(timed)))
             if args.out:  # after every round: a run cut short keeps its finished rounds
                 write_results(args.out, args, flags, waves)
     print_tables(waves, args.budgets, b0_rounds_identical(waves))

@@ -421,6 +421,8 @@ MIXED_CLOCK = tuple(_sample_name(m) for m in (_NAMES.mixed_step_seconds, _NAMES.
 DECODE_CLOCK_BY_BATCH = tuple(_sample_name(m) for m in (  # the same by batch size (label DECODE_BATCH_LABEL)
     _NAMES.decode_step_seconds_by_batch, _NAMES.decode_steps_by_batch, _NAMES.decode_step_requests_by_batch))
 MTP_ACCEPT_LEN = _sample_name(_NAMES.mtp_accept_len)  # a histogram
+# histograms (their _sum / _count samples): receipt to last output, router queue, time to first token
+LATENCY_METRICS = tuple(_sample_name(m) for m in (_NAMES.e2e_latency, _NAMES.queue_time, _NAMES.ttft))
 REQUEST_COUNT = _sample_name(_NAMES.requests)  # label: finish_reason
 RUNNING_REQUESTS = _sample_name(_NAMES.running_reqs)
 KV_USED_TOKENS = _sample_name(_NAMES.kv_used_tokens)

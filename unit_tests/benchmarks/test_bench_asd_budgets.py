@@ -2,6 +2,7 @@
 import argparse
 import importlib.util
 import json
+import math
 import os
 
 import pytest
@@ -69,6 +70,19 @@ def test_summarize_pairs_each_wave_with_its_rounds_b0():
             "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 116.67 | 27.5 | 1.250x | 1.500x | - |") in table
     with pytest.raises(ValueError, match="B = 0"):
         bench.summarize([_wave(0, 2.0, 1.0, 1, 1)], [2.0])
+
+
+def test_latency_split_pools_over_requests():
+    """Client latency, the server's e2e and what lies outside it, per request over both waves:
+    (2.0 + 1.0) s over 30 requests = 100 ms; server (1.5 + 0.6) / 30 = 70 ms; outside 30 ms."""
+    waves = [_wave(0, 0.0, 1.0, 10, 5), _wave(1, 0.0, 1.0, 10, 5)]
+    for w, (client, e2e, queue, ttft, n) in zip(waves, ((2.0, 1.5, 0.03, 0.3, 20), (1.0, 0.6, 0.0, 0.15, 10))):
+        w.client_latency_s, w.server_e2e_s, w.server_queue_s, w.server_ttft_s, w.requests = client, e2e, queue, ttft, n
+    (row,) = bench.summarize(waves, [0.0])
+    assert (row.client_latency_ms, row.server_e2e_ms, row.outside_server_ms) == pytest.approx((100.0, 70.0, 30.0))
+    assert (row.server_queue_ms, row.server_ttft_ms) == pytest.approx((1.0, 15.0))
+    (old,) = bench.summarize([_wave(0, 0.0, 1.0, 10, 5)], [0.0])  # a run saved before the split: no numbers
+    assert math.isnan(old.client_latency_ms) and math.isnan(old.outside_server_ms)
 
 
 def test_equal_batch_step_ratio_by_hand():
@@ -148,6 +162,10 @@ def test_real_run_on_cpu(tmp_path, capsys):
     assert all(sum(n for _, _, n, _ in w["decode_by_batch"]) == w["decode_steps"] for w in waves)
     assert all(1 <= b <= 3 for w in waves for b, _, _, _ in w["decode_by_batch"])
     assert rows[0.0]["step_ratio_equal_batch"] == 1.0 and rows[8.0]["step_ratio_equal_batch"] > 0
+    # every request's latency: the client's covers the server's receipt-to-last-output
+    assert all(w["requests"] == 3 and w["client_latency_s"] >= w["server_e2e_s"] > 0 for w in waves)
+    assert all(0 <= w["server_queue_s"] and 0 < w["server_ttft_s"] <= w["server_e2e_s"] for w in waves)
+    assert all(r["outside_server_ms"] >= 0 for r in rows.values())
     assert "step_ratio_equal_batch" in res["definitions"] and res["decode_by_batch"]
     capsys.readouterr()  # the run's own table
     assert bench.main(["--from_json", str(out)]) == 0
