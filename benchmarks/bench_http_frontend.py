@@ -390,7 +390,8 @@ class Probe:
 
     def dump(self) -> dict:
         self.note_threads()
-        return {"puts": self.puts, "arrivals": self.arrivals, "generate_calls": self.generate_calls, "gets": self.gets, "dispatches": self.dispatches, "lag": self.lag,
+        return {"puts": self.puts, "arrivals": self.arrivals, "generate_calls": self.generate_calls,
+                "gets": self.gets, "dispatches": self.dispatches, "lag": self.lag,
                 "threads": self.threads}
 
 

@@ -25,7 +25,8 @@ from lightllm.server.offline_engine import OfflineEngine  # noqa: E402
 from lightllm.tools.client import auto_max_req_total_len, model_dir_or_embedded  # noqa: E402
 
 PROFILE_ROWS = 30  # functions printed
-TRACE_FROM = int(os.environ.get("PROFILE_MIXED_TRACE_FROM", 50))  # the mixed step torch.profiler starts at (past the start-up's odd shapes)
+# the mixed step torch.profiler starts at (past the start-up's odd shapes; the env var: a CPU smoke run)
+TRACE_FROM = int(os.environ.get("PROFILE_MIXED_TRACE_FROM", 50))
 TRACE_MAX_FACTOR = 8  # the trace stops after this many times --trace_steps engine steps in all
 STEP_KINDS = ("mixed", "prefill", "decode")
 STEP_RANGE_PREFIX = "engine_step:"

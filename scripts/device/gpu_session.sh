@@ -160,7 +160,8 @@ spy)
     out=${1:?OUT}; secs=${2:-25}; mkdir -p "$out" /tmp/pyspy
     python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl || exit 1
     python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step 3 --budgets 0 --rounds 3 \
-        --concurrency 64 --max_new_tokens "$EVAL_NEW_TOKENS" --out "$out/spy_budgets.json" > "$out/spy_budgets.log" 2>&1 &
+        --concurrency 64 --max_new_tokens "$EVAL_NEW_TOKENS" --out "$out/spy_budgets.json" \
+        > "$out/spy_budgets.log" 2>&1 &
     bench=$!
     until grep -q "round 0 B=0" "$out/spy_budgets.log" 2>/dev/null; do sleep 0.5; kill -0 $bench || break; done
     pid=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | head -1)
