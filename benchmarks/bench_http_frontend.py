@@ -800,7 +800,8 @@ async def _with_lag_probe(coro, lag: List[Tuple[float, float]]):
 
 
 def run_client(arm: str, url: str, workload: Workload, n: int, concurrency: int, max_new_tokens: int,
-               seed_base: int, client_procs: int, lag: Optional[List[Tuple[float, float]]] = None) -> List[dict]:
+               seed_base: int, client_procs: int, lag: Optional[List[Tuple[float, float]]] = None,
+               details: bool = False) -> List[dict]:
     """n requests closed-loop at ``concurrency``; per request (by index): sent, done, tokens,
     chunks [(time, tokens)] (stream), all on time.time(). ``lag``: the client loop's lag samples
     (one client process only: send_streamed's own loop for one process, as it runs it; the generate
@@ -811,7 +812,8 @@ def run_client(arm: str, url: str, workload: Workload, n: int, concurrency: int,
     texts = workload.prompts[:n] if len(workload.prompts) >= n else [workload.prompts[i % len(workload.prompts)]
                                                                      for i in range(n)]
     if arm == "generate":
-        bodies = [generate_body(t, max_new_tokens, seed=seed_base + i) for i, t in enumerate(texts)]
+        extra = {"return_details": True} if details else {}  # bench_asd_budgets' requests ask for them
+        bodies = [generate_body(t, max_new_tokens, seed=seed_base + i, **extra) for i, t in enumerate(texts)]
         return _threaded(url, list(enumerate(bodies)), concurrency, None, _generate_one)
     bodies = [completion_stream_body(t, max_new_tokens, seed=seed_base + i) for i, t in enumerate(texts)]
     offset = time.time() - time.perf_counter()  # perf_counter is CLOCK_MONOTONIC, one clock for all processes
@@ -911,14 +913,14 @@ def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False)
     try:
         warm = min(args.concurrency * 2, args.num_requests)
         run_client(arm, stack.url, workload, warm, args.concurrency, WARMUP_MAX_NEW_TOKENS, WARMUP_SEED_BASE,
-                   args.client_procs)
+                   args.client_procs, details=args.return_details)
         clock = CpuClock(stack.proc.pid, stack.worker_pid)
         stack.proc.send_signal(signal.SIGUSR1)
         time.sleep(0.2)  # the handler runs (and the profiles' base snapshot is taken) before the run
         before = clock.read()
         client_lag: List[Tuple[float, float]] = []
         client = run_client(arm, stack.url, workload, args.num_requests, args.concurrency, args.max_new_tokens, 0,
-                            args.client_procs, client_lag)
+                            args.client_procs, client_lag, details=args.return_details)
         after = clock.read()
         probe_path = os.path.join(tmp, f"{name}.probe.json")
         stack.proc.send_signal(signal.SIGUSR2)
@@ -1064,6 +1066,8 @@ def parse_args(argv=None):
     p.add_argument("--num_requests", type=int, default=DEFAULT_NUM_REQUESTS)
     p.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--running_max_req_size", type=int, default=64)
+    p.add_argument("--return_details", action="store_true",
+                   help="generate arm: every request asks for per-token details (as bench_asd_budgets' do)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--profile", choices=ARMS + ("none",), default="none",
                    help="also run this arm with the HTTP process under cProfile (all threads)")

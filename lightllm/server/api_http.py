@@ -182,6 +182,14 @@ def _client_text(s: str, limit: Optional[int] = None) -> str:
     return s if limit is None or len(s) <= limit else s[:limit] + "..."
 
 
+def _json_response(content: Dict[str, Any]) -> JSONResponse:
+    """A 200 reply of plain JSON values (dicts, lists, str, int, float, None), serialized at once:
+    a dict returned from an endpoint goes through FastAPI's jsonable_encoder first, which walks
+    every value in Python (3.7 ms for /generate's 256 per-token details on this CPU, 0.4 for
+    json.dumps) on the event loop that also takes in every other request."""
+    return JSONResponse(content)
+
+
 def _error(status: int, field: Optional[str], message: str) -> JSONResponse:
     field = None if field is None else _client_text(field, MAX_FIELD_NAME_CHARS)
     text = message if field is None else f"{field}: {message}"
@@ -642,7 +650,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         }
         if params.return_details:
             out["tokens"] = [{k: v for k, v in _token(res, i).items() if k != "special"} for i in range(len(res.token_ids))]
-        return out
+        return _json_response(out)
 
     @app.post("/generate_stream")
     async def generate_stream(request: Request):
@@ -845,10 +853,11 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             failed = next((r for r in results if r.finish_reason == "error"), None)
             if failed is not None:
                 return _error(500, None, _worker_failed_message(failed))
-            return {"id": rid, "object": obj, "created": created, "model": manager.model_name,
-                    "choices": [choice(i, r.text, r.finish_reason, False, logprobs_of(r, 0, len(r.token_ids)))
-                                for i, r in enumerate(results)],
-                    "usage": _usage(results), **_asd_total(results)}
+            return _json_response({"id": rid, "object": obj, "created": created, "model": manager.model_name,
+                                   "choices": [choice(i, r.text, r.finish_reason, False,
+                                                      logprobs_of(r, 0, len(r.token_ids)))
+                                               for i, r in enumerate(results)],
+                                   "usage": _usage(results), **_asd_total(results)})
 
         async def events():
             n = len(choice_params)
