@@ -13,6 +13,7 @@ import torch
 
 from lightllm.common.kv_cache_mem_manager import MemoryManager
 from lightllm.server.core.objs.sampling_params import MAX_TOP_LOGPROBS
+from lightllm.utils.host_copy import to_device
 from lightllm.utils.numbers import is_number
 
 
@@ -136,10 +137,10 @@ class ReqSamplingParamsManager:
         self.req_to_repetition_penalty[idx] = p.repetition_penalty
         self.req_to_presence_penalty[idx] = p.presence_penalty
         self.req_to_frequency_penalty[idx] = p.frequency_penalty
-        self.req_to_out_token_counts[idx].zero_()
-        self.req_to_token_seen[idx].zero_()
-        if req.has_penalty:
-            prompt = torch.tensor(req.prompt_ids, dtype=torch.int64, device=self.device)
+        if req.has_penalty:  # only such requests read or write their counts (two vocabulary-wide rows)
+            self.req_to_out_token_counts[idx].zero_()
+            self.req_to_token_seen[idx].zero_()
+            prompt = to_device(req.prompt_ids, self.device)  # pinned: no stream sync
             self.req_to_token_seen[idx, prompt] = True
         if self.req_to_asd_cum_regret is not None:
             self.req_to_asd_cum_regret[idx] = 0.0
