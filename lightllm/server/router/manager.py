@@ -296,7 +296,8 @@ def build_backend(args, device: str, dtype: str, parallel: Optional[ParallelCont
 class MessageInbox:
     """The driver's messages from the HTTP process, read by a thread: the step loop's check for
     new ones is a SimpleQueue's (microseconds), not a poll of the pipe (a selector per call, ~5%
-    of a loaded router's time). A None (shut down) ends the thread; so does a broken pipe."""
+    of a loaded router's time). A None (shut down) ends the thread; so does a broken pipe; a message
+    that cannot be read is logged and skipped."""
 
     def __init__(self, in_q):
         self._msgs: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -309,6 +310,9 @@ class MessageInbox:
                 msg = in_q.get()
             except (EOFError, OSError):  # the HTTP process is gone
                 msg = None
+            except Exception:  # a message that does not unpickle: the others still come through
+                logger.exception("the router could not read a message from the HTTP process")
+                continue
             self._msgs.put(msg)
             if msg is None:
                 return
