@@ -31,6 +31,9 @@ TOKENIZER_THREADS = 4
 # tokenize at once, so the other tokenizer threads stay free for everyone else
 LARGE_PROMPT_CHARS = 16384
 LARGE_PROMPT_TOKENIZERS = 1
+# Prompts up to this many characters tokenize on the event loop itself (tens of microseconds): a
+# tokenizer thread's round trip waits twice for the loop, which under load is the longer wait
+INLINE_PROMPT_CHARS = 1024
 # A text the tokenizer must give back unchanged (decode(encode(text)) == text) for the prompt
 # length bound to hold: runs of spaces, tabs and newlines, control and zero-width characters, a
 # combining accent, a compatibility ligature, a full-width letter, an astral character
@@ -338,8 +341,11 @@ class HttpServerManager:
                 f"can hold (a token is at most {self.max_token_chars} characters)")
 
     async def _tokenize(self, fn, arg, chars: int) -> List[int]:
-        """``fn(arg)`` on a tokenizer thread, so the event loop (and /health) never waits for it;
-        large prompts take turns on LARGE_PROMPT_TOKENIZERS of the threads."""
+        """``fn(arg)`` on a tokenizer thread, so the event loop (and /health) never waits for it
+        (short prompts, INLINE_PROMPT_CHARS, on the loop); large prompts take turns on
+        LARGE_PROMPT_TOKENIZERS of the threads."""
+        if chars <= INLINE_PROMPT_CHARS:
+            return fn(arg)
         loop = asyncio.get_running_loop()
         if chars <= LARGE_PROMPT_CHARS:
             return await loop.run_in_executor(self._tokenizer_pool, fn, arg)
