@@ -196,6 +196,12 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
         equal = [equal_batch_step_ratio(w, b0) for w, b0 in paired]
         equal_ratios = [r for r, _ in equal if r is not None]
         b0_steps = sum(n for _, b0 in paired for _, _, n, _ in b0.decode_by_batch)
+
+        def per_request_ms(name: str) -> float:
+            """ms per request, pooled; NaN for waves saved before the latency split."""
+            return _pooled(ws, name, "requests", 1000) if any(w.requests for w in ws) else float("nan")
+
+        client_ms, e2e_ms = per_request_ms("client_latency_s"), per_request_ms("server_e2e_s")
         rows.append(BudgetRow(
             b, len(ws), per_step, statistics.median(rates), min(rates), max(rates), _median(ratios), ratios,
             per_step / _pooled(b0s, "output_tokens", "steps") - 1, _median(engine_ratios), engine_ratios,
@@ -204,12 +210,7 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
             _pooled(ws, "decode_s", "decode_steps", 1000), _pooled(ws, "decoding_reqs", "decoding_steps"),
             _median(step_ratios), _median(equal_ratios), equal_ratios,
             sum(n for _, n in equal) / b0_steps if b0_steps else float("nan"),
-            *(_pooled(ws, name, "requests", 1000) if any(w.requests for w in ws) else float("nan")
-              for name in ("client_latency_s", "server_e2e_s")),
-            _pooled(ws, "client_latency_s", "requests", 1000) - _pooled(ws, "server_e2e_s", "requests", 1000)
-            if any(w.requests for w in ws) else float("nan"),
-            *(_pooled(ws, name, "requests", 1000) if any(w.requests for w in ws) else float("nan")
-              for name in ("server_queue_s", "server_ttft_s"))))
+            client_ms, e2e_ms, client_ms - e2e_ms, *(per_request_ms(n) for n in ("server_queue_s", "server_ttft_s"))))
     return rows
 
 

@@ -25,8 +25,7 @@ from lightllm.server.offline_engine import OfflineEngine  # noqa: E402
 from lightllm.tools.client import auto_max_req_total_len, model_dir_or_embedded  # noqa: E402
 
 PROFILE_ROWS = 30  # functions printed
-# the mixed step torch.profiler starts at (past the start-up's odd shapes; the env var: a CPU smoke run)
-TRACE_FROM = int(os.environ.get("PROFILE_MIXED_TRACE_FROM", 50))
+TRACE_FROM = 50  # the mixed step torch.profiler starts at by default (past the start-up's odd shapes)
 TRACE_MAX_FACTOR = 8  # the trace stops after this many times --trace_steps engine steps in all
 STEP_KINDS = ("mixed", "prefill", "decode")
 STEP_RANGE_PREFIX = "engine_step:"
@@ -50,19 +49,19 @@ def _timed(fn, clock, sync, profile=None):
 
 
 class _StepTracer:
-    """torch.profiler over ``n`` engine steps of each kind from the TRACE_FROM-th mixed step on:
+    """torch.profiler over ``n`` engine steps of each kind from the ``start``-th mixed step on:
     each step runs in a ``record_function`` range and ends synchronized, so a kernel belongs to
     the step whose range holds its start; GPU kernel time and wall per step, by kind."""
 
-    def __init__(self, n: int, mixed_clock: list):
-        self.n, self.mixed_clock, self.prof = n, mixed_clock, None
+    def __init__(self, n: int, mixed_clock: list, start: int = TRACE_FROM):
+        self.n, self.mixed_clock, self.start, self.prof = n, mixed_clock, start, None
         self.walls = {k: [] for k in STEP_KINDS}
         self.done = False
 
     def wrap(self, step, kind_of):
         def traced(running, *a, **kw):
             kind = kind_of(running)
-            if self.done or len(self.mixed_clock) < TRACE_FROM:
+            if self.done or len(self.mixed_clock) < self.start:
                 return step(running, *a, **kw)
             import torch
             if self.prof is None:
@@ -127,8 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt_cache", action="store_true",
                    help="keep the prompt cache on, as a server runs (the warm-up's prompts then hit it)")
     p.add_argument("--trace_steps", type=int, default=0,
-                   help="also record this many mixed and decode steps (from the TRACE_FROM-th mixed one) with "
+                   help="also record this many mixed and decode steps (from the --trace_from-th mixed one) with "
                         "torch.profiler: GPU time per step by kind and kernel")
+    p.add_argument("--trace_from", type=int, default=TRACE_FROM, help="the mixed step the trace starts at")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         return _timed(run_step, step_clocks[kind], sync)(running, *a, **kw)
 
     b.run_step = timed_step
-    tracer = _StepTracer(args.trace_steps, step_clocks["mixed"]) if args.trace_steps else None
+    tracer = _StepTracer(args.trace_steps, step_clocks["mixed"], args.trace_from) if args.trace_steps else None
     if tracer is not None:
         b.run_step = tracer.wrap(timed_step, kind_of)
     t0 = time.perf_counter()

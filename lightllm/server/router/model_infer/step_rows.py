@@ -209,7 +209,7 @@ class StepRows:
                 ahead = tokens_ahead(it.tokens, it.start, it.n, self.k + 1)
                 sn[r0:r0 + it.n, STAGE_INPUT_ID] = ahead[:, 0]
                 sn[r0:r0 + it.n, STAGE_COLUMNS:] = ahead[:, 1:]
-        st[:real, STAGE_SLOT] = slots
+        sn[:real, STAGE_SLOT] = slots.numpy()
         sn[real:] = self._hold_row_np
         batch = RowsBatch(size, list(items), first_row, num_decode, real)
         if size is not None and self.max_logit_rows is not None:
