@@ -20,12 +20,40 @@ VARIANTS = [(32, 2, (128, 4, 2)), (64, 4, (128, 4, 2)), (64, 4, (64, 4, 2)), (16
             (32, 2, (64, 4, 2)), (32, 2, (128, 8, 2)), (128, 8, (64, 4, 2))]
 
 
+def mixed_lengths(gen, rows_out):
+    """Batch 64 of the serving mix (20% of requests at 4000 keys, the rest at 150): kernel time against the
+    same batch all short and all long (an unsplit grid: does a long row's program hold the layer?)."""
+    from lightllm.models.llama.triton_kernel.unified_attention import plan_attention, unified_attention
+    for shape in ("embedded", "8b"):
+        for q_len in (1, 4):
+            h = ba.HEAD_SHAPES[shape]
+            case = ba.Case("decode", h, 64, q_len, 4000)
+            layers = [ba.make_inputs(case, gen) for _ in range(ba.GRAPH_LAYERS)]
+            for name, long_every in (("short", 0), ("mixed", 5), ("long", 1)):
+                lens = torch.full((64,), 150, dtype=torch.int32, device="cuda")
+                if long_every:
+                    lens[::long_every] = 4000
+                row_len = (lens.repeat_interleave(q_len) - (q_len - 1)
+                           + torch.arange(q_len, device="cuda", dtype=torch.int32).repeat(64))
+                x = layers[0]
+                plan = plan_attention(x.row_req_idx, row_len, h.q_heads, h.kv_heads, q_len, 64, head_dim=h.head_dim)
+                fn = lambda: [unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, plan, 0.125)  # noqa: E731
+                              for y in layers]
+                ms, _ = ba.time_ms(fn, True, 25, 200)
+                kv = int(lens.sum()) * h.kv_heads * h.head_dim * 2 * 2
+                r = dict(case="mixed_lengths", heads=shape, q_len=q_len, lengths=name, splits=plan.num_kv_splits,
+                         us_per_layer=ms / len(layers) * 1e3, gb_s=kv / (ms / len(layers)) / 1e6)
+                rows_out.append(r)
+                print(r, flush=True)
+
+
 def main():
     out = sys.argv[1]
     args = argparse.Namespace(deterministic=False, no_graphs=False, warmup_ms=25, rep_ms=200)
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = ba.measure_copy_gb_s(25, 200)
     rows = []
+    mixed_lengths(gen, rows)
     for max_splits, per_sm, (bn, warps, stages) in VARIANTS:
         ua.MAX_KV_SPLITS, ua.SPLIT_PROGRAMS_PER_SM = max_splits, per_sm
         ua.DECODE_SPLIT_CONFIG = ua.LaunchConfig(bn, warps, stages)
