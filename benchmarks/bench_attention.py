@@ -12,8 +12,6 @@ Cases, bf16, for each head shape (the 8B shape: 32 query / 8 KV heads of 128; th
   ``copy_frac`` = that over the device-to-device copy bandwidth measured in the same run
   (``dst.copy_(src)`` of COPY_BYTES, counting the bytes read and written). SDPA: q length 1
   against contiguous K/V.
-  A split plan (few programs: flash-decoding) is also timed with a second kernel that combines the
-  splits (``two_kernel_ms``; ``vs_two_kernel`` = that / engine_ms) instead of the kernel's own.
 - ``mtp_rows``: batch 64 over KV 1024, K + 1 = 4 rows per request (row_seq_len L-3..L);
   ``vs_one_row`` = its time over the decode case of 1 row per request at the same batch and KV.
   SDPA: the flash backend with a bottom-right causal mask (``causal_lower_right``).
@@ -225,8 +223,7 @@ COLUMNS = (
     Column("sdpa_ms", "sdpa ms", ".4f"), Column("vs_sdpa", "x sdpa", ".2f"),
     Column("tflops", "TFLOP/s", ".1f"), Column("sdpa_tflops", "sdpa TFLOP/s", ".1f"),
     Column("gb_s", "GB/s", ".0f"), Column("sdpa_gb_s", "sdpa GB/s", ".0f"), Column("copy_frac", "of copy", ".2f"),
-    Column("vs_one_row", "x 1 row", ".2f"), Column("two_kernel_ms", "2-kernel ms", ".4f"),
-    Column("vs_two_kernel", "2-kernel / fused", ".2f"), Column("plan_ms", "plan ms", ".3f"),
+    Column("vs_one_row", "x 1 row", ".2f"), Column("plan_ms", "plan ms", ".3f"),
     Column("max_abs_diff", "max |diff|", ".2e"), Column("target", "target"),
     Column("met", "met", lambda v: "yes" if v else "NO"),
 )
@@ -368,16 +365,16 @@ def bench_case(case: Case, args, gen: torch.Generator, copy_bw: float, commit: s
     x = layers[0]
     sm_scale = 1.0 / math.sqrt(h.head_dim)
 
-    def plan(fused_combine: bool = True):
+    def plan():
         return plan_attention(x.row_req_idx, x.row_seq_len, q_heads=h.q_heads, kv_heads=h.kv_heads,
                               max_q_len=case.q_len, max_seqs=case.batch, deterministic=args.deterministic,
-                              head_dim=h.head_dim, fused_combine=fused_combine)
+                              head_dim=h.head_dim)
 
     built = plan()
     plan_ms = host_ms(plan)
 
-    def engine_layer(y: Inputs, p=built):
-        return unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, p, sm_scale)
+    def engine_layer(y: Inputs):
+        return unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, built, sm_scale)
 
     sdpa_layers = [sdpa_fn(case, y) for y in layers]
     gqa = sdpa_layers[0][1]
@@ -395,14 +392,8 @@ def bench_case(case: Case, args, gen: torch.Generator, copy_bw: float, commit: s
     engine_ms, sdpa_ms = engine_ms / len(layers), sdpa_ms / len(layers)
     if len(layers) > 1:
         timing += f" of {len(layers)} layers, per layer"
-    row = result_row(case, engine_ms, sdpa_ms, plan_ms=plan_ms, max_abs_diff=diff, copy_bw=copy_bw,
-                     commit=commit, timing=timing, sdpa_gqa=gqa)
-    if built.split_counter is not None:  # split KV: the same plan with a second kernel that combines
-        two = plan(fused_combine=False)
-        two_ms, _ = time_ms(lambda: [engine_layer(y, two) for y in layers], use_graph, args.warmup_ms, args.rep_ms)
-        row.update(splits=built.num_kv_splits, two_kernel_ms=two_ms / len(layers),
-                   vs_two_kernel=two_ms / len(layers) / engine_ms)
-    return row
+    return result_row(case, engine_ms, sdpa_ms, plan_ms=plan_ms, max_abs_diff=diff, copy_bw=copy_bw,
+                      commit=commit, timing=timing, sdpa_gqa=gqa)
 
 
 def main(argv=None) -> int:

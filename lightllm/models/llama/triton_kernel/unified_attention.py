@@ -11,8 +11,7 @@ Scores and the weighted sum are ``tl.dot`` tiles of [BLOCK_M rows, BLOCK_N posit
 softmax is online in fp32 (base 2).
 
 Decode-shaped plans (small blocks, few programs) also split each block's KV range over
-``num_kv_splits`` programs (flash-decoding); the block's last split to finish combines them
-(a counter per block and KV head), so no second kernel launches. The split
+``num_kv_splits`` programs and combine them in a second kernel (flash-decoding). The split
 count depends only on the plan's static shape, so a CUDA graph and the eager path at the
 same padded shape run the same programs.
 
@@ -128,7 +127,6 @@ def _unified_attention_kernel(
     part_ml_ptr,  # [rows, q_heads, splits, 2] fp32: their running max and sum
     active_blocks_ptr,  # [1] int32: blocks that hold rows (DYNAMIC_SPLITS)
     row_split_ptr,  # [rows, 2] int32: each row's splits and partial-sum row (DYNAMIC_SPLITS)
-    split_counter_ptr,  # [max_blocks, kv_heads] int32 zeros: splits done (FUSED_COMBINE; the last resets it)
     num_rows,
     num_part_rows,  # DYNAMIC_SPLITS: partial-sum rows (blocks past them do not split)
     fill_programs,  # DYNAMIC_SPLITS: programs that fill the GPU (its SMs): no split from there on
@@ -154,7 +152,6 @@ def _unified_attention_kernel(
     EVEN_D: tl.constexpr,  # HEAD_DIM == BLOCK_DMODEL
     DYNAMIC_SPLITS: tl.constexpr = False,
     SPLIT_KEYS: tl.constexpr = DYNAMIC_SPLIT_KEYS,  # DYNAMIC_SPLITS: fewest keys per split
-    FUSED_COMBINE: tl.constexpr = False,  # static splits: the block's last split combines them
 ):
     kv_head = tl.program_id(1)
     if DYNAMIC_SPLITS:
@@ -237,43 +234,10 @@ def _unified_attention_kernel(
                 tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
                 tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
         else:
-            base = (row_c * GROUP * tl.num_programs(1) + head) * NUM_SPLITS  # [BLOCK_M]: split 0's entries
-            tl.store(part_acc_ptr + (base + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
-            tl.store(part_ml_ptr + (base + split) * 2, m_i, mask=valid)
-            tl.store(part_ml_ptr + (base + split) * 2 + 1, l_i, mask=valid)
-            if FUSED_COMBINE:
-                # Every thread's stores, then one release per program; the last of the block's splits
-                # (acquire) resets the counter for the next launch and merges the splits in order.
-                tl.debug_barrier()
-                counter = split_counter_ptr + block * tl.num_programs(1) + kv_head
-                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                    _merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, base, row_c, head, offs_d, valid, store_mask,
-                                  stride_out_row, stride_out_head, HEAD_DIM, BLOCK_M, BLOCK_DMODEL, NUM_SPLITS)
-
-
-@triton.jit
-def _merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, base, row_c, head, offs_d, valid, store_mask, stride_out_row,
-                  stride_out_head, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DMODEL: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr):
-    """The tile rows' NUM_SPLITS partial sums merged in split order (the result does not depend on which
-    program merges); .cg reads the other programs' partials from L2, not a stale L1 line."""
-    m = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m_s = tl.load(part_ml_ptr + (base + s) * 2, mask=valid, other=-float("inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
-        a_s = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=store_mask, other=0.0,
-                      cache_modifier=".cg")
-        m_new = tl.maximum(m, m_s)
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        beta = tl.math.exp2(m_s - m_safe)
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        l = l * alpha + l_s * beta
-        m = m_new
-    _store_out(out_ptr, row_c, head, offs_d, acc, l, store_mask, stride_out_row, stride_out_head)
+            part = (row_c * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
+            tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
 
 
 @triton.jit
@@ -373,9 +337,6 @@ class AttentionPlan:
     active_blocks: Optional[torch.Tensor] = None  # [1] int32: blocks that hold rows
     num_part_blocks: int = 0  # blocks with room for partial sums (the first ones: a split needs few)
     split_keys: int = DYNAMIC_SPLIT_KEYS  # fewest keys per dynamic split
-    # Static splits: [max_blocks * kv_heads] int32 zeros, the kernel's counters (the splits combine in
-    # the kernel); None: a second kernel combines them
-    split_counter: Optional[torch.Tensor] = None
 
 
 def block_shape(group: int, max_q_len: int, deterministic: bool) -> Tuple[int, int]:
@@ -447,7 +408,6 @@ def plan_attention(
     max_seqs: int,  # host: at most this many runs of consecutive rows of one request
     deterministic: bool = False,
     head_dim: int = TARGET_HEAD_DIM,
-    fused_combine: bool = True,
 ) -> AttentionPlan:
     """Group consecutive rows of one request into sequences and cut them into blocks, on the
     device (no host sync; a fixed shape for a fixed number of rows: CUDA-graph safe)."""
@@ -484,11 +444,7 @@ def plan_attention(
         return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m,
                              DYNAMIC_MAX_SPLITS, True, active, part_blocks)
     splits = num_kv_splits_for(max_blocks, kv_heads, block_m, deterministic, head_dim, sms)
-    counter = None
-    if splits > 1 and fused_combine:
-        counter = torch.zeros(max_blocks * kv_heads, dtype=torch.int32, device=idx.device)
-    return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m, splits,
-                         split_counter=counter)
+    return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m, splits)
 
 
 def unified_attention(
@@ -532,8 +488,6 @@ def unified_attention(
         active = plan.active_blocks
     else:
         row_split = active = plan.row_seq_len  # not read
-    fused = plan.split_counter is not None and splits > 1 and not dynamic
-    counter = plan.split_counter if fused else plan.row_seq_len  # not read unless fused
     sms = sm_count(q.device)
     target = split_target_programs(head_dim, sms)
     block_dmodel = triton.next_power_of_2(head_dim)
@@ -542,13 +496,12 @@ def unified_attention(
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,
         plan.block_first_row,
-        out, part_acc, part_ml, active, row_split, counter, rows, part_rows, sms, target, sm_scale * LOG2E,
+        out, part_acc, part_ml, active, row_split, rows, part_rows, sms, target, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token_indexs.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, GROUP=plan.group, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_DMODEL=block_dmodel,
         BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IEEE_DOT=q.dtype == torch.float32, EVEN_D=head_dim == block_dmodel,
-        DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, FUSED_COMBINE=fused, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if dynamic:
         _combine_dynamic_splits_kernel[(rows,)](
@@ -556,7 +509,7 @@ def unified_attention(
             HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits,
             num_warps=2,
         )
-    elif splits > 1 and not fused:
+    elif splits > 1:
         _combine_splits_kernel[(rows, q_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits, num_warps=1,

@@ -57,22 +57,6 @@ def test_matches_reference_fp32_cpu(q_heads, kv_heads, head_dim, hint):
 
 
 @needs_triton_cpu
-@pytest.mark.parametrize("fused_combine", [True, False])
-def test_split_combines_match_reference_cpu(fused_combine):
-    """One-row blocks whose KV is split: the block's last split merges them (counters back at zero for
-    the next launch) or a second kernel does; both give the reference's values."""
-    batch = make_batch(SMALL_RUNS[1:], 6, 2, 20, torch.float32, "cpu")
-    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, 6, 2, 1, batch.num_runs, fused_combine=fused_combine)
-    assert plan.num_kv_splits > 1 and (plan.split_counter is not None) == fused_combine
-    scale = batch.q.shape[2] ** -0.5
-    for _ in range(2):  # the second launch starts from the counters the first left
-        out = unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale)
-        torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
-        if fused_combine:
-            assert not plan.split_counter.any()
-
-
-@needs_triton_cpu
 def test_dynamic_splits_match_reference_cpu():
     """Prefill-shaped blocks that split their KV on the device (a split per BLOCK_N keys here, so
     small shapes split) with the programs of blocks that hold no rows: chunks after a cached
@@ -219,26 +203,6 @@ def test_cuda_graph_replay_equals_eager_cuda():
     batch = make_batch(((0, 3000, MTP_ROWS), (1, 50, MTP_ROWS), (2, 8000, MTP_ROWS)), 32, 8, 128, torch.bfloat16,
                        "cuda")
     _graph_replay_equals_eager(batch, 32, 8, MTP_ROWS, batch.num_runs, (0, -1000, -7990))  # within the slot table
-
-@needs_cuda
-def test_fused_split_combine_is_stable_cuda():
-    """Decode rows over long KV (split 32 ways at batch 1): 200 launches of one plan give one result, bit
-    for bit, whichever split merges; the counters end at zero; the two-kernel combine and a graph
-    replay on new lengths agree with the reference."""
-    batch = make_batch(((0, 8192, 1),), 32, 8, 128, torch.bfloat16, "cuda")
-    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, 32, 8, 1, 1)
-    assert plan.num_kv_splits > 1 and plan.split_counter is not None
-    scale = batch.q.shape[2] ** -0.5
-    args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token)
-    first = unified_attention(*args, plan, scale)
-    assert all(torch.equal(first, unified_attention(*args, plan, scale)) for _ in range(200))
-    assert not plan.split_counter.any()
-    torch.testing.assert_close(first.float(), batch.reference(scale), atol=HALF_ATOL[torch.bfloat16], rtol=0)
-    two_kernels = plan_attention(batch.row_req_idx, batch.row_seq_len, 32, 8, 1, 1, fused_combine=False)
-    torch.testing.assert_close(unified_attention(*args, two_kernels, scale).float(), first.float(), atol=1e-2, rtol=0)
-    decode = make_batch(tuple((i, 8192 - 37 * i, 1) for i in range(3)), 32, 8, 128, torch.bfloat16, "cuda")
-    _graph_replay_equals_eager(decode, 32, 8, 1, 3, (0, -4000, -8100))
-
 
 # Few rows over long KV, planned as the rows graphs plan them (as many blocks as rows): the blocks that
 # hold rows are few, so the others' programs read their KV splits (dynamic splits).
