@@ -1,4 +1,4 @@
-"""Decode split sweep (eighteenth session): bench_attention's decode cases with the split count's bound
+"""Ran at 7eb3135 (its fused_combine was backed out in e04ecd4). Decode split sweep (eighteenth session): bench_attention's decode cases with the split count's bound
 (MAX_KV_SPLITS, SPLIT_PROGRAMS_PER_SM) and the split tile (DECODE_SPLIT_CONFIG) patched, the fused
 combine against the two-kernel one in each. Run from the repository root on a GPU:
     python docs/data/perf/session18/split_sweep.py OUT.json"""

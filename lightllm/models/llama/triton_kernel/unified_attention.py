@@ -10,10 +10,13 @@ query head of one KV head (GQA packing: tile row m is query row m // group, head
 Scores and the weighted sum are ``tl.dot`` tiles of [BLOCK_M rows, BLOCK_N positions]; the
 softmax is online in fp32 (base 2).
 
-Decode-shaped plans (small blocks, few programs) also split each block's KV range over
-``num_kv_splits`` programs and combine them in a second kernel (flash-decoding). The split
-count depends only on the plan's static shape, so a CUDA graph and the eager path at the
-same padded shape run the same programs.
+Decode-shaped plans (small blocks: decode rows, MTP's verify rows, draft rows) split each
+block's KV by its length (flash-decoding with a work list): ``plan_attention`` gives every block
+about one share of the batch's keys per program of a fixed grid (more splits for a long row, one
+for a short one, at most ``num_kv_splits``), so a few long requests in a batch of short ones no
+longer hold the layer while one program walks their keys, and a batch of one fills the GPU. A
+second kernel merges the splits. The work list is built on the device from the plan's tensors
+(a fixed shape per row count), so a CUDA graph and the eager path run the same programs.
 
 Prefill-shaped plans split on the device (``dynamic_splits``): when the blocks that hold rows
 are too few to fill the GPU (a short chunk after a long cached prefix, a few long requests'
@@ -42,13 +45,15 @@ MIN_BLOCK_M = 16
 MAX_BLOCK_M = 128
 # Plans whose tile height is at most this are decode-shaped and may split the KV.
 SPLIT_MAX_BLOCK_M = 32
-# The KV is split only when the unsplit grid is smaller than the GPU's SM count (a larger one fills
-# it already, and splitting would add partial sums to combine); a split plan aims for this many
-# programs per SM at head_dim 128, proportionally more for smaller heads (fewer bytes per tile).
+# Decode-shaped plans split each block's KV by its length: the work list aims for this many programs
+# per SM at head_dim 128, proportionally more for smaller heads (fewer bytes per tile), and has room
+# for at least one more split per block; a split reads at least DECODE_SPLIT_KEYS keys.
 SPLIT_PROGRAMS_PER_SM = 2
 TARGET_HEAD_DIM = 128
 H200_SMS = 132  # without CUDA (the interpreter)
 MAX_KV_SPLITS = 32
+DECODE_SPLIT_KEYS = 256
+WORK_FIELDS = 3  # a work item: block (-1: none), split, the block's splits
 # Prefill-shaped plans: most splits of one block's KV, and fewest keys per split.
 DYNAMIC_MAX_SPLITS = 8
 DYNAMIC_SPLIT_KEYS = 512
@@ -126,7 +131,8 @@ def _unified_attention_kernel(
     part_acc_ptr,  # [rows, q_heads, splits, head_dim] fp32: ... or the splits' partial sums
     part_ml_ptr,  # [rows, q_heads, splits, 2] fp32: their running max and sum
     active_blocks_ptr,  # [1] int32: blocks that hold rows (DYNAMIC_SPLITS)
-    row_split_ptr,  # [rows, 2] int32: each row's splits and partial-sum row (DYNAMIC_SPLITS)
+    row_split_ptr,  # [rows, 2] int32: each row's splits and partial-sum row (DYNAMIC_SPLITS, LENGTH_SPLITS)
+    work_ptr,  # [programs, 3] int32: block (-1: none), split, the block's splits (LENGTH_SPLITS)
     num_rows,
     num_part_rows,  # DYNAMIC_SPLITS: partial-sum rows (blocks past them do not split)
     fill_programs,  # DYNAMIC_SPLITS: programs that fill the GPU (its SMs): no split from there on
@@ -152,6 +158,7 @@ def _unified_attention_kernel(
     EVEN_D: tl.constexpr,  # HEAD_DIM == BLOCK_DMODEL
     DYNAMIC_SPLITS: tl.constexpr = False,
     SPLIT_KEYS: tl.constexpr = DYNAMIC_SPLIT_KEYS,  # DYNAMIC_SPLITS: fewest keys per split
+    LENGTH_SPLITS: tl.constexpr = False,  # decode-shaped plans: each program's (block, split) from the work list
 ):
     kv_head = tl.program_id(1)
     if DYNAMIC_SPLITS:
@@ -161,10 +168,15 @@ def _unified_attention_kernel(
         num_active = tl.maximum(tl.load(active_blocks_ptr), 1)
         block = tl.where(pid < num_active, pid, (pid - num_active) % num_active)
         split = tl.where(pid < num_active, 0, 1 + (pid - num_active) // num_active)
+    elif LENGTH_SPLITS:
+        pid = tl.program_id(0)
+        block = tl.load(work_ptr + pid * 3)
+        split = tl.load(work_ptr + pid * 3 + 1)
     else:
+        tl.static_assert(NUM_SPLITS == 1, "a split plan takes DYNAMIC_SPLITS or LENGTH_SPLITS")
         block = tl.program_id(0)
-        split = tl.program_id(2)
-    first_row = tl.load(block_first_row_ptr + block)
+        split = 0
+    first_row = tl.load(block_first_row_ptr + block, mask=block >= 0, other=-1)  # -1: a work item past the list
     if first_row >= 0:
         req_idx = tl.load(row_req_idx_ptr + first_row)
         seq = tl.load(row_seq_start_ptr + first_row)
@@ -189,8 +201,10 @@ def _unified_attention_kernel(
             n_split = tl.minimum(tl.minimum(n_split, tl.cdiv(hi, SPLIT_KEYS)), NUM_SPLITS)
             n_split = tl.minimum(n_split, (tl.num_programs(0) - block + num_active - 1) // num_active)
             n_split = tl.where((block + 1) * BLOCK_Q > num_part_rows, 1, tl.maximum(n_split, 1))
+        elif LENGTH_SPLITS:
+            n_split = tl.load(work_ptr + pid * 3 + 2)
         else:
-            n_split = NUM_SPLITS
+            n_split = 1
         offs_d = tl.arange(0, BLOCK_DMODEL)
         d_mask = offs_d < HEAD_DIM
         q_mask = valid[:, None] & d_mask[None, :]
@@ -221,58 +235,24 @@ def _unified_attention_kernel(
         store_mask = valid[:, None] & d_mask[None, :]
         if NUM_SPLITS == 1:
             _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
-        elif DYNAMIC_SPLITS:
-            part_row = block * BLOCK_Q + q_off  # this block's rows of the partial sums
+        else:
+            if LENGTH_SPLITS:  # the block's splits are consecutive work items: the first one's rows
+                part_row = (pid - split) * BLOCK_Q + q_off
+            else:
+                part_row = block * BLOCK_Q + q_off  # this block's rows of the partial sums
             if split == 0:
                 tl.store(row_split_ptr + row_c * 2, tl.zeros_like(row_c) + n_split, mask=valid)
                 tl.store(row_split_ptr + row_c * 2 + 1, part_row, mask=valid)
             if (n_split == 1) & (split == 0):
                 _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
             elif split < n_split:
-                part = (part_row * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
+                if LENGTH_SPLITS:  # one partial-sum row per work item's tile row
+                    part = (part_row + split * BLOCK_Q) * GROUP * tl.num_programs(1) + head  # [BLOCK_M]
+                else:
+                    part = (part_row * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
                 tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
                 tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
                 tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
-        else:
-            part = (row_c * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
-            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
-            tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
-            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
-
-
-@triton.jit
-def _combine_splits_kernel(
-    part_acc_ptr,  # [rows, q_heads, splits, head_dim] fp32
-    part_ml_ptr,  # [rows, q_heads, splits, 2] fp32
-    out_ptr,  # [rows, q_heads, head_dim]
-    stride_out_row,
-    stride_out_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_DMODEL: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_DMODEL)
-    d_mask = offs_d < HEAD_DIM
-    base = (row * tl.num_programs(1) + head) * NUM_SPLITS
-    m = -float("inf")
-    l = 0.0
-    acc = tl.zeros([BLOCK_DMODEL], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m_s = tl.load(part_ml_ptr + (base + s) * 2)
-        l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1)
-        a_s = tl.load(part_acc_ptr + (base + s) * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_safe)
-        beta = tl.math.exp2(m_s - m_safe)
-        acc = acc * alpha + a_s * beta
-        l = l * alpha + l_s * beta
-        m = m_new
-    out = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
-    tl.store(out_ptr + row * stride_out_row + head * stride_out_head + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=d_mask)
 
 
 @triton.jit
@@ -289,9 +269,12 @@ def _combine_dynamic_splits_kernel(
     BLOCK_H: tl.constexpr,  # >= Q_HEADS, a power of two
     BLOCK_DMODEL: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLIT_STRIDE: tl.constexpr = 0,  # LENGTH_SPLITS: partial-sum entries between one row's splits (0: adjacent)
 ):
     """One row, every head: the row's splits merged (a row that did not split was written already;
-    a row no block holds, only with a wrong ``max_seqs``, is left alone rather than read off bounds)."""
+    a row no block holds, only with a wrong ``max_seqs``, is left alone rather than read off bounds).
+    A partial-sum row's entries: (part_row, head, split) of DYNAMIC_SPLITS, or (part_row + split * BLOCK_Q,
+    head) of LENGTH_SPLITS (SPLIT_STRIDE = BLOCK_Q * Q_HEADS)."""
     row = tl.program_id(0)
     n = tl.load(row_split_ptr + row * 2)
     part_row = tl.load(row_split_ptr + row * 2 + 1)
@@ -300,14 +283,20 @@ def _combine_dynamic_splits_kernel(
         offs_d = tl.arange(0, BLOCK_DMODEL)
         h_mask = offs_h < Q_HEADS
         hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-        base = (part_row * Q_HEADS + offs_h) * NUM_SPLITS  # [BLOCK_H]
+        if SPLIT_STRIDE == 0:
+            base = (part_row * Q_HEADS + offs_h) * NUM_SPLITS  # [BLOCK_H]
+            step = 1
+        else:
+            base = part_row * Q_HEADS + offs_h
+            step = SPLIT_STRIDE
         m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DMODEL], dtype=tl.float32)
         for s in range(0, n):
-            m_s = tl.load(part_ml_ptr + (base + s) * 2, mask=h_mask, other=-float("inf"))
-            l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=h_mask, other=0.0)
-            a_s = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=hd_mask, other=0.0)
+            entry = base + s * step
+            m_s = tl.load(part_ml_ptr + entry * 2, mask=h_mask, other=-float("inf"))
+            l_s = tl.load(part_ml_ptr + entry * 2 + 1, mask=h_mask, other=0.0)
+            a_s = tl.load(part_acc_ptr + entry[:, None] * HEAD_DIM + offs_d[None, :], mask=hd_mask, other=0.0)
             m_new = tl.maximum(m, m_s)
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
             alpha = tl.math.exp2(m - m_safe)
@@ -331,12 +320,15 @@ class AttentionPlan:
     group: int  # query heads per KV head
     block_q: int  # query rows per block
     block_m: int  # tile height (block_q * group, padded to a power of two)
-    num_kv_splits: int  # dynamic_splits: at most this many
+    num_kv_splits: int  # at most this many per block
     # Prefill-shaped plans: blocks split their KV on the device while too few hold rows
     dynamic_splits: bool = False
     active_blocks: Optional[torch.Tensor] = None  # [1] int32: blocks that hold rows
     num_part_blocks: int = 0  # blocks with room for partial sums (the first ones: a split needs few)
     split_keys: int = DYNAMIC_SPLIT_KEYS  # fewest keys per dynamic split
+    # Decode-shaped plans: [programs, WORK_FIELDS] int32, each program's block and split (length splits)
+    work: Optional[torch.Tensor] = None
+    wide_tiles: bool = False  # few blocks: the split launch configuration (more bytes in flight per program)
 
 
 def block_shape(group: int, max_q_len: int, deterministic: bool) -> Tuple[int, int]:
@@ -356,14 +348,34 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_kv_splits_for(max_blocks: int, kv_heads: int, block_m: int, deterministic: bool,
-                      head_dim: int = TARGET_HEAD_DIM, sms: int = H200_SMS) -> int:
-    """KV splits of a decode-shaped plan whose grid would not fill the GPU's ``sms`` SMs: enough
-    programs to fill it (one for prefill-shaped plans, deterministic ones and large grids)."""
-    programs = max(1, max_blocks * kv_heads)
-    if deterministic or block_m > SPLIT_MAX_BLOCK_M or programs >= sms:
-        return 1
-    return max(1, min(MAX_KV_SPLITS, split_target_programs(head_dim, sms) // programs))
+def length_split_programs(max_blocks: int, kv_heads: int, head_dim: int = TARGET_HEAD_DIM,
+                          sms: int = H200_SMS) -> int:
+    """Work items per KV head of a decode-shaped plan: one per block, and as many more as fill the GPU,
+    at least one more per block (so the long blocks of a grid that is full already split too)."""
+    return max_blocks + max(max_blocks, triton.cdiv(split_target_programs(head_dim, sms), kv_heads))
+
+
+def length_split_work(block_len: torch.Tensor, programs: int, max_splits: int = MAX_KV_SPLITS,
+                      min_keys: int = DECODE_SPLIT_KEYS) -> torch.Tensor:
+    """The work list of blocks whose rows see ``block_len`` keys at most (-1: no block): each block splits
+    into cdiv(len, keys) programs (1 to ``max_splits``), keys = the batch's keys over the programs left
+    after one per block (at least ``min_keys``), so the splits always fit in ``programs``. Returns
+    [programs, WORK_FIELDS] int32: (block, split, the block's splits), consecutive per block; (-1, 0, 0)
+    past the list. Device ops only (no host sync: CUDA-graph safe)."""
+    blocks = block_len.shape[0]
+    block_len = block_len.to(torch.int64)
+    used = block_len >= 0
+    spare = (programs - used.sum()).clamp(min=1)
+    keys = ((block_len.clamp(min=0).sum() + spare - 1) // spare).clamp(min=min_keys)
+    n = torch.where(used, ((block_len + keys - 1) // keys).clamp(1, max_splits), 0)
+    end = torch.cumsum(n, 0)
+    p = torch.arange(programs, device=block_len.device)
+    block = torch.searchsorted(end, p, right=True)
+    inside = block < blocks
+    b = block.clamp(max=blocks - 1)
+    split = p - (end[b] - n[b])
+    work = torch.stack((torch.where(inside, block, -1), torch.where(inside, split, 0), torch.where(inside, n[b], 0)), 1)
+    return work.to(torch.int32)
 
 
 def split_target_programs(head_dim: int, sms: int) -> int:
@@ -379,7 +391,7 @@ class LaunchConfig:
 
 
 # Launch configurations, from sweeps on an H200 (docs/attention.md). Prefill-shaped tiles by head_dim;
-# decode-shaped tiles: bigger KV tiles when the KV is split (few programs: more bytes in flight each).
+# decode-shaped tiles: bigger KV tiles when the plan has few blocks (few programs: more bytes in flight each).
 PREFILL_CONFIGS = {64: LaunchConfig(BLOCK_N, 4, 3), 128: LaunchConfig(2 * BLOCK_N, 8, 3)}
 PREFILL_DEFAULT = LaunchConfig(BLOCK_N, 4, 2)
 DECODE_CONFIG = LaunchConfig(BLOCK_N, 4, 2)
@@ -387,10 +399,11 @@ DECODE_SPLIT_CONFIG = LaunchConfig(2 * BLOCK_N, 4, 2)
 HALF_BYTES = 2  # the tables above are for bf16 / fp16; fp32 tiles take half the positions
 
 
-def launch_config(block_m: int, block_dmodel: int, num_splits: int = 1, elem_bytes: int = HALF_BYTES) -> LaunchConfig:
+def launch_config(block_m: int, block_dmodel: int, wide: bool = False, elem_bytes: int = HALF_BYTES) -> LaunchConfig:
+    """``wide``: a decode-shaped plan of few blocks (few programs, each reading more keys)."""
     if block_m > SPLIT_MAX_BLOCK_M:
         cfg = PREFILL_CONFIGS.get(block_dmodel, PREFILL_DEFAULT)
-    elif num_splits > 1:
+    elif wide:
         cfg = DECODE_SPLIT_CONFIG
     else:
         cfg = DECODE_CONFIG
@@ -443,8 +456,20 @@ def plan_attention(
         part_blocks = min(max_blocks, triton.cdiv(sms, kv_heads))
         return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m,
                              DYNAMIC_MAX_SPLITS, True, active, part_blocks)
-    splits = num_kv_splits_for(max_blocks, kv_heads, block_m, deterministic, head_dim, sms)
-    return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m, splits)
+    seq_start = seq_start.to(torch.int32)
+    if deterministic or block_m > SPLIT_MAX_BLOCK_M:
+        return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, 1)
+    if block_q == 1:
+        block_len = row_seq_len
+    else:  # a block's longest row; its rows follow its leader
+        row_block = (torch.cumsum(leader, 0) - 1).clamp_(0, max_blocks - 1)
+        block_len = torch.zeros(max_blocks, dtype=torch.int32, device=idx.device)
+        block_len = block_len.scatter_reduce_(0, row_block, row_seq_len, "amax")
+        block_len = torch.where(first >= 0, block_len, -1)
+    programs = length_split_programs(max_blocks, kv_heads, head_dim, sms)
+    work = length_split_work(block_len, programs)
+    return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, MAX_KV_SPLITS,
+                         work=work, wide_tiles=max_blocks * kv_heads < sms)
 
 
 def unified_attention(
@@ -477,41 +502,44 @@ def unified_attention(
         return out
     splits = plan.num_kv_splits
     dynamic = plan.dynamic_splits
-    part_rows = plan.num_part_blocks * plan.block_q if dynamic else rows
+    by_length = plan.work is not None
+    if dynamic:  # partial sums: (part row, head, split)
+        part_rows = plan.num_part_blocks * plan.block_q
+        part_shape = (part_rows, q_heads, splits)
+    elif by_length:  # one partial-sum row per work item's query row: (part row, head)
+        part_rows = plan.work.shape[0] * plan.block_q
+        part_shape = (part_rows, q_heads)
+    else:
+        part_rows = 0
     if splits > 1:
-        part_acc = torch.empty((part_rows, q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        part_ml = torch.empty((part_rows, q_heads, splits, 2), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((*part_shape, 2), dtype=torch.float32, device=q.device)
+        row_split = torch.empty((rows, 2), dtype=torch.int32, device=q.device)
     else:
         part_acc = part_ml = out  # not read
-    if dynamic:
-        row_split = torch.empty((rows, 2), dtype=torch.int32, device=q.device)
-        active = plan.active_blocks
-    else:
-        row_split = active = plan.row_seq_len  # not read
+        row_split = plan.row_seq_len  # not read
+    active = plan.active_blocks if dynamic else plan.row_seq_len  # not read unless dynamic
+    work = plan.work if by_length else plan.row_seq_len  # not read unless by length
     sms = sm_count(q.device)
     target = split_target_programs(head_dim, sms)
     block_dmodel = triton.next_power_of_2(head_dim)
-    cfg = launch_config(plan.block_m, block_dmodel, 1 if dynamic else splits, q.element_size())
-    grid = (plan.block_first_row.shape[0], kv_heads, 1 if dynamic else splits)
+    cfg = launch_config(plan.block_m, block_dmodel, plan.wide_tiles, q.element_size())
+    grid = (plan.work.shape[0] if by_length else plan.block_first_row.shape[0], kv_heads)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,
         plan.block_first_row,
-        out, part_acc, part_ml, active, row_split, rows, part_rows, sms, target, sm_scale * LOG2E,
+        out, part_acc, part_ml, active, row_split, work, rows, part_rows, sms, target, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token_indexs.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, GROUP=plan.group, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_DMODEL=block_dmodel,
         BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IEEE_DOT=q.dtype == torch.float32, EVEN_D=head_dim == block_dmodel,
-        DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, LENGTH_SPLITS=by_length and splits > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if dynamic:
+    if splits > 1:
         _combine_dynamic_splits_kernel[(rows,)](
             part_acc, part_ml, out, row_split, part_rows, out.stride(0), out.stride(1), Q_HEADS=q_heads,
             HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits,
-            num_warps=2,
-        )
-    elif splits > 1:
-        _combine_splits_kernel[(rows, q_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits, num_warps=1,
+            SPLIT_STRIDE=plan.block_q * q_heads if by_length else 0, num_warps=2,
         )
     return out

@@ -12,8 +12,10 @@ import torch
 
 from lightllm.models.llama.triton_kernel.unified_attention import (
     BLOCK_N,
+    DECODE_SPLIT_KEYS,
     MAX_BLOCK_M,
     block_shape,
+    length_split_work,
     plan_attention,
     unified_attention,
 )
@@ -54,6 +56,56 @@ def test_matches_reference_fp32_cpu(q_heads, kv_heads, head_dim, hint):
     assert (plan.num_kv_splits > 1 and not plan.dynamic_splits) == (hint == "one_row")
     assert plan.dynamic_splits == (hint == "runs")
     torch.testing.assert_close(out.float(), batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
+
+
+def test_length_split_work_by_hand():
+    """Blocks of 100, 4000, none (-1) and 50 keys over 10 programs: 4150 keys over the 7 programs left after
+    one per block -> 593 keys a split; the 4000-key block takes 7 consecutive programs, the others one (a
+    block of no keys too: it writes zeros)."""
+    work = length_split_work(torch.tensor([100, 4000, -1, 50], dtype=torch.int32), 10, max_splits=8, min_keys=64)
+    assert work.tolist() == [[0, 0, 1]] + [[1, s, 7] for s in range(7)] + [[3, 0, 1], [-1, 0, 0]]
+    assert length_split_work(torch.tensor([0, -1], dtype=torch.int32), 3).tolist() == [[0, 0, 1]] + [[-1, 0, 0]] * 2
+    # at least min_keys a split, at most max_splits, and a batch of short blocks does not split
+    assert length_split_work(torch.tensor([4000], dtype=torch.int32), 40, max_splits=8, min_keys=64)[:, 2].max() == 8
+    short = length_split_work(torch.full((64,), DECODE_SPLIT_KEYS, dtype=torch.int32), 128)
+    assert short[:64, 2].tolist() == [1] * 64 and short[:64, 0].tolist() == list(range(64))
+
+
+def test_length_split_work_fits_its_programs():
+    """Random lengths: every block with keys gets its splits (consecutive, 0..n-1) inside the programs."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        blocks = int(torch.randint(1, 70, (1,), generator=gen))
+        lens = torch.randint(0, 9000, (blocks,), generator=gen, dtype=torch.int32)
+        lens[torch.rand(blocks, generator=gen) < 0.3] = -1
+        programs = blocks + int(torch.randint(1, 200, (1,), generator=gen))
+        work = length_split_work(lens, programs).tolist()
+        got = {}
+        for block, split, n in work:
+            if block >= 0:
+                got.setdefault(block, []).append((split, n))
+        assert set(got) == {b for b in range(blocks) if lens[b] >= 0}, trial
+        for block, items in got.items():
+            n = items[0][1]
+            assert items == [(s, n) for s in range(n)], (trial, block)
+
+
+@needs_triton_cpu
+def test_long_rows_among_short_ones_split_by_length_cpu():
+    """Decode rows and MTP rows of very different lengths: the long blocks split (more than one work item),
+    the short ones do not, and the merged result is the reference's."""
+    runs = ((0, 900, 1), (1, 3, 1), (2, 40, MTP_ROWS), (3, 700, MTP_ROWS), (4, 1, 1), (5, 60, 1))
+    batch = make_batch(runs, 6, 2, 20, torch.float32, "cpu")
+    for max_q_len in (1, MTP_ROWS):
+        if max_q_len == 1:
+            batch.num_runs = len(batch.row_req_idx)  # one-row blocks: every row is its own run
+        out, plan, scale = _run(batch, max_q_len)
+        splits = {}
+        for block, _, n in plan.work.tolist():
+            if block >= 0:
+                splits[block] = n
+        assert max(splits.values()) > 1 and min(splits.values()) == 1, splits
+        torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
 
 
 @needs_triton_cpu

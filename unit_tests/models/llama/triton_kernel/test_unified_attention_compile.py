@@ -9,56 +9,53 @@ from unit_tests.triton_compile_util import run_compile_child
 COMPILE_SCRIPT = """
 from unit_tests.triton_compile_util import compile_for_sm90
 from lightllm.models.llama.triton_kernel.unified_attention import (
-    DYNAMIC_SPLIT_KEYS, _combine_dynamic_splits_kernel, _combine_splits_kernel, _unified_attention_kernel,
+    DYNAMIC_SPLIT_KEYS, _combine_dynamic_splits_kernel, _unified_attention_kernel,
     block_shape, launch_config)
 
 SM90_SHARED_BYTES = 232448  # an H100 / H200 block's shared memory limit
 
 ATTENTION_ARGS = ["q_ptr", "k_ptr", "v_ptr", "req_to_token_ptr", "row_req_idx_ptr", "row_seq_len_ptr",
                   "row_seq_start_ptr", "block_first_row_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr",
-                  "active_blocks_ptr", "row_split_ptr", "num_rows", "num_part_rows", "fill_programs",
+                  "active_blocks_ptr", "row_split_ptr", "work_ptr", "num_rows", "num_part_rows", "fill_programs",
                   "target_programs", "qk_scale", "stride_q_row", "stride_q_head", "stride_k_slot", "stride_k_head",
                   "stride_v_slot", "stride_v_head", "stride_req_row", "stride_out_row", "stride_out_head"]
 TYPES = {"req_to_token_ptr": "*i64", "row_req_idx_ptr": "*i64", "row_seq_len_ptr": "*i32", "row_seq_start_ptr": "*i32",
          "block_first_row_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "active_blocks_ptr": "*i32",
-         "row_split_ptr": "*i32", "qk_scale": "fp32"}
+         "row_split_ptr": "*i32", "work_ptr": "*i32", "qk_scale": "fp32"}
 # (dtype, head_dim, group, rows per block hint, splits, dynamic): SmolLM2-135M prefill (dynamic splits) /
-# decode / MTP, Llama-3-8B prefill (dynamic) / split decode / MTP rows, fp32 prefill at head_dim 128 and
-# with one that is not a power of two, and without dynamic splits
+# decode / MTP (splits by length), Llama-3-8B prefill (dynamic) / decode / MTP rows, fp32 prefill at head_dim
+# 128 and with one that is not a power of two, without dynamic splits, and a deterministic (unsplit) decode
 CASES = (("*bf16", 64, 3, 4096, 8, True), ("*bf16", 64, 3, 1, 16, False), ("*bf16", 64, 3, 4, 1, False),
          ("*bf16", 128, 4, 8192, 8, True), ("*bf16", 128, 4, 1, 8, False), ("*bf16", 128, 4, 4, 1, False),
          ("*fp16", 128, 8, 4, 4, False), ("*fp32", 128, 4, 8192, 8, True), ("*fp32", 80, 2, 64, 8, True),
-         ("*bf16", 64, 3, 4096, 1, False))
+         ("*bf16", 64, 3, 4096, 1, False), ("*bf16", 128, 4, 1, 1, False), ("*fp32", 64, 3, 4, 32, False))
 ELEM_BYTES = {"*bf16": 2, "*fp16": 2, "*fp32": 4}
 for dtype, head_dim, group, rows, splits, dynamic in CASES:
     block_q, block_m = block_shape(group, rows, deterministic=False)
     block_dmodel = 1 << (head_dim - 1).bit_length()
-    cfg = launch_config(block_m, block_dmodel, 1 if dynamic else splits, ELEM_BYTES[dtype])
+    by_length = splits > 1 and not dynamic
+    cfg = launch_config(block_m, block_dmodel, by_length and rows == 1, ELEM_BYTES[dtype])
     signature = {name: TYPES.get(name, dtype if name.endswith("_ptr") else "i32") for name in ATTENTION_ARGS}
     constexprs = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": block_m,
                   "BLOCK_DMODEL": block_dmodel, "BLOCK_N": cfg.block_n, "NUM_SPLITS": splits,
                   "IEEE_DOT": dtype == "*fp32", "EVEN_D": head_dim == block_dmodel, "DYNAMIC_SPLITS": dynamic,
-                  "SPLIT_KEYS": DYNAMIC_SPLIT_KEYS}
+                  "SPLIT_KEYS": DYNAMIC_SPLIT_KEYS, "LENGTH_SPLITS": by_length}
     signature.update({name: "constexpr" for name in constexprs})
     compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs,
                                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     assert "ptx" in compiled.asm, (dtype, head_dim, group)
     # the launch would fail with OutOfResources past the limit
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, (dtype, head_dim, rows, compiled.metadata.shared)
-    if dynamic:
+    if splits > 1:
         sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": dtype, "row_split_ptr": "*i32",
-               "num_part_rows": "i32", "stride_out_row": "i32", "stride_out_head": "i32", "Q_HEADS": "constexpr", "HEAD_DIM": "constexpr",
-               "BLOCK_H": "constexpr", "BLOCK_DMODEL": "constexpr", "NUM_SPLITS": "constexpr"}
+               "num_part_rows": "i32", "stride_out_row": "i32", "stride_out_head": "i32", "Q_HEADS": "constexpr",
+               "HEAD_DIM": "constexpr", "BLOCK_H": "constexpr", "BLOCK_DMODEL": "constexpr", "NUM_SPLITS": "constexpr",
+               "SPLIT_STRIDE": "constexpr"}
         q_heads = group * 3
         compiled = compile_for_sm90(_combine_dynamic_splits_kernel, sig, {
             "Q_HEADS": q_heads, "HEAD_DIM": head_dim, "BLOCK_H": 1 << (q_heads - 1).bit_length(),
-            "BLOCK_DMODEL": block_dmodel, "NUM_SPLITS": splits}, {"num_warps": 2})
-        assert "ptx" in compiled.asm
-    elif splits > 1:
-        sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": dtype, "stride_out_row": "i32",
-               "stride_out_head": "i32", "HEAD_DIM": "constexpr", "BLOCK_DMODEL": "constexpr", "NUM_SPLITS": "constexpr"}
-        compiled = compile_for_sm90(_combine_splits_kernel, sig,
-                                    {"HEAD_DIM": head_dim, "BLOCK_DMODEL": block_dmodel, "NUM_SPLITS": splits})
+            "BLOCK_DMODEL": block_dmodel, "NUM_SPLITS": splits,
+            "SPLIT_STRIDE": block_q * q_heads if by_length else 0}, {"num_warps": 2})
         assert "ptx" in compiled.asm
 print("compiled", len(CASES))
 """
