@@ -14,8 +14,9 @@ Decode-shaped plans (small blocks: decode rows, MTP's verify rows, draft rows) s
 block's KV by its length (flash-decoding with a work list): ``plan_attention`` gives every block
 about one share of the batch's keys per program of a fixed grid (more splits for a long row, one
 for a short one, at most ``num_kv_splits``), so a few long requests in a batch of short ones no
-longer hold the layer while one program walks their keys, and a batch of one fills the GPU. A
-second kernel merges the splits. The work list is built on the device from the plan's tensors
+longer hold the layer while one program walks their keys, and a batch of one fills the GPU. The
+block's last split to finish merges them (a counter per block and KV head, which it resets), so no
+second kernel launches. The work list is built on the device from the plan's tensors
 (a fixed shape per row count), so a CUDA graph and the eager path run the same programs.
 
 Prefill-shaped plans split on the device (``dynamic_splits``): when the blocks that hold rows
@@ -133,6 +134,7 @@ def _unified_attention_kernel(
     active_blocks_ptr,  # [1] int32: blocks that hold rows (DYNAMIC_SPLITS)
     row_split_ptr,  # [rows, 2] int32: each row's splits and partial-sum row (DYNAMIC_SPLITS, LENGTH_SPLITS)
     work_ptr,  # [programs, 3] int32: block (-1: none), split, the block's splits (LENGTH_SPLITS)
+    split_counter_ptr,  # [max_blocks, kv_heads] int32 zeros: splits done (LENGTH_SPLITS; the last resets it)
     num_rows,
     num_part_rows,  # DYNAMIC_SPLITS: partial-sum rows (blocks past them do not split)
     fill_programs,  # DYNAMIC_SPLITS: programs that fill the GPU (its SMs): no split from there on
@@ -235,24 +237,66 @@ def _unified_attention_kernel(
         store_mask = valid[:, None] & d_mask[None, :]
         if NUM_SPLITS == 1:
             _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
-        else:
-            if LENGTH_SPLITS:  # the block's splits are consecutive work items: the first one's rows
-                part_row = (pid - split) * BLOCK_Q + q_off
+        elif LENGTH_SPLITS:
+            if n_split == 1:
+                _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
             else:
-                part_row = block * BLOCK_Q + q_off  # this block's rows of the partial sums
+                # One partial-sum row per work item's tile row (a block's splits are consecutive work items).
+                # Every thread's stores, then one release per program; the block's last split (acquire)
+                # resets the counter for the next launch and merges the splits in their order.
+                q_heads = GROUP * tl.num_programs(1)
+                first_part = ((pid - split) * BLOCK_Q + q_off) * q_heads + head  # [BLOCK_M]: split 0's entries
+                split_stride = BLOCK_Q * q_heads
+                part = first_part + split * split_stride
+                tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
+                tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
+                tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
+                tl.debug_barrier()
+                counter = split_counter_ptr + block * tl.num_programs(1) + kv_head
+                if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                    _merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, first_part, split_stride, n_split, row_c, head,
+                                  offs_d, valid, store_mask, stride_out_row, stride_out_head, HEAD_DIM, BLOCK_M,
+                                  BLOCK_DMODEL, NUM_SPLITS)
+        else:
+            part_row = block * BLOCK_Q + q_off  # this block's rows of the partial sums
             if split == 0:
                 tl.store(row_split_ptr + row_c * 2, tl.zeros_like(row_c) + n_split, mask=valid)
                 tl.store(row_split_ptr + row_c * 2 + 1, part_row, mask=valid)
             if (n_split == 1) & (split == 0):
                 _store_out(out_ptr, row_c, head, offs_d, acc, l_i, store_mask, stride_out_row, stride_out_head)
             elif split < n_split:
-                if LENGTH_SPLITS:  # one partial-sum row per work item's tile row
-                    part = (part_row + split * BLOCK_Q) * GROUP * tl.num_programs(1) + head  # [BLOCK_M]
-                else:
-                    part = (part_row * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
+                part = (part_row * GROUP * tl.num_programs(1) + head) * NUM_SPLITS + split  # [BLOCK_M]
                 tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_mask)
                 tl.store(part_ml_ptr + part * 2, m_i, mask=valid)
                 tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=valid)
+
+
+@triton.jit
+def _merge_splits(part_acc_ptr, part_ml_ptr, out_ptr, first_part, split_stride, n_split, row_c, head, offs_d, valid,
+                  store_mask, stride_out_row, stride_out_head, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_DMODEL: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """The tile rows' n_split partial sums (entries first_part + s * split_stride) merged in split order, so
+    the result does not depend on which program merges; unrolled, every load in flight at once; .cg reads
+    the other programs' partials from L2, not a stale L1 line."""
+    m = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        use = valid & (s < n_split)
+        entry = first_part + s * split_stride
+        m_s = tl.load(part_ml_ptr + entry * 2, mask=use, other=-float("inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + entry * 2 + 1, mask=use, other=0.0, cache_modifier=".cg")
+        a_s = tl.load(part_acc_ptr + entry[:, None] * HEAD_DIM + offs_d[None, :], mask=use[:, None] & store_mask,
+                      other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_safe)
+        beta = tl.math.exp2(m_s - m_safe)
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        l = l * alpha + l_s * beta
+        m = m_new
+    _store_out(out_ptr, row_c, head, offs_d, acc, l, store_mask, stride_out_row, stride_out_head)
 
 
 @triton.jit
@@ -269,12 +313,9 @@ def _combine_dynamic_splits_kernel(
     BLOCK_H: tl.constexpr,  # >= Q_HEADS, a power of two
     BLOCK_DMODEL: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLIT_STRIDE: tl.constexpr = 0,  # LENGTH_SPLITS: partial-sum entries between one row's splits (0: adjacent)
 ):
     """One row, every head: the row's splits merged (a row that did not split was written already;
-    a row no block holds, only with a wrong ``max_seqs``, is left alone rather than read off bounds).
-    A partial-sum row's entries: (part_row, head, split) of DYNAMIC_SPLITS, or (part_row + split * BLOCK_Q,
-    head) of LENGTH_SPLITS (SPLIT_STRIDE = BLOCK_Q * Q_HEADS)."""
+    a row no block holds, only with a wrong ``max_seqs``, is left alone rather than read off bounds)."""
     row = tl.program_id(0)
     n = tl.load(row_split_ptr + row * 2)
     part_row = tl.load(row_split_ptr + row * 2 + 1)
@@ -283,17 +324,12 @@ def _combine_dynamic_splits_kernel(
         offs_d = tl.arange(0, BLOCK_DMODEL)
         h_mask = offs_h < Q_HEADS
         hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-        if SPLIT_STRIDE == 0:
-            base = (part_row * Q_HEADS + offs_h) * NUM_SPLITS  # [BLOCK_H]
-            step = 1
-        else:
-            base = part_row * Q_HEADS + offs_h
-            step = SPLIT_STRIDE
+        base = (part_row * Q_HEADS + offs_h) * NUM_SPLITS  # [BLOCK_H]
         m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DMODEL], dtype=tl.float32)
         for s in range(0, n):
-            entry = base + s * step
+            entry = base + s
             m_s = tl.load(part_ml_ptr + entry * 2, mask=h_mask, other=-float("inf"))
             l_s = tl.load(part_ml_ptr + entry * 2 + 1, mask=h_mask, other=0.0)
             a_s = tl.load(part_acc_ptr + entry[:, None] * HEAD_DIM + offs_d[None, :], mask=hd_mask, other=0.0)
@@ -328,6 +364,7 @@ class AttentionPlan:
     split_keys: int = DYNAMIC_SPLIT_KEYS  # fewest keys per dynamic split
     # Decode-shaped plans: [programs, WORK_FIELDS] int32, each program's block and split (length splits)
     work: Optional[torch.Tensor] = None
+    split_counter: Optional[torch.Tensor] = None  # [max_blocks * kv_heads] int32 zeros, the kernel's counters
     wide_tiles: bool = False  # few blocks: the split launch configuration (more bytes in flight per program)
 
 
@@ -469,7 +506,8 @@ def plan_attention(
     programs = length_split_programs(max_blocks, kv_heads, head_dim, sms)
     work = length_split_work(block_len, programs)
     return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, MAX_KV_SPLITS,
-                         work=work, wide_tiles=max_blocks * kv_heads < sms)
+                         work=work, wide_tiles=max_blocks * kv_heads < sms,
+                         split_counter=torch.zeros(max_blocks * kv_heads, dtype=torch.int32, device=idx.device))
 
 
 def unified_attention(
@@ -514,12 +552,12 @@ def unified_attention(
     if splits > 1:
         part_acc = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((*part_shape, 2), dtype=torch.float32, device=q.device)
-        row_split = torch.empty((rows, 2), dtype=torch.int32, device=q.device)
     else:
         part_acc = part_ml = out  # not read
-        row_split = plan.row_seq_len  # not read
-    active = plan.active_blocks if dynamic else plan.row_seq_len  # not read unless dynamic
-    work = plan.work if by_length else plan.row_seq_len  # not read unless by length
+    unread = plan.row_seq_len
+    row_split = torch.empty((rows, 2), dtype=torch.int32, device=q.device) if dynamic else unread
+    active = plan.active_blocks if dynamic else unread
+    work, counter = (plan.work, plan.split_counter) if by_length else (unread, unread)
     sms = sm_count(q.device)
     target = split_target_programs(head_dim, sms)
     block_dmodel = triton.next_power_of_2(head_dim)
@@ -528,7 +566,7 @@ def unified_attention(
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,
         plan.block_first_row,
-        out, part_acc, part_ml, active, row_split, work, rows, part_rows, sms, target, sm_scale * LOG2E,
+        out, part_acc, part_ml, active, row_split, work, counter, rows, part_rows, sms, target, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token_indexs.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, GROUP=plan.group, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_DMODEL=block_dmodel,
@@ -536,10 +574,10 @@ def unified_attention(
         DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, LENGTH_SPLITS=by_length and splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
+    if dynamic:
         _combine_dynamic_splits_kernel[(rows,)](
             part_acc, part_ml, out, row_split, part_rows, out.stride(0), out.stride(1), Q_HEADS=q_heads,
             HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(q_heads), BLOCK_DMODEL=block_dmodel, NUM_SPLITS=splits,
-            SPLIT_STRIDE=plan.block_q * q_heads if by_length else 0, num_warps=2,
+            num_warps=2,
         )
     return out

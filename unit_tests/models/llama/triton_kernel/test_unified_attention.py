@@ -106,6 +106,9 @@ def test_long_rows_among_short_ones_split_by_length_cpu():
                 splits[block] = n
         assert max(splits.values()) > 1 and min(splits.values()) == 1, splits
         torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
+        assert not plan.split_counter.any()  # the merging split reset them for the next launch
+        again = unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale)
+        assert torch.equal(again, out)
 
 
 @needs_triton_cpu
@@ -255,6 +258,30 @@ def test_cuda_graph_replay_equals_eager_cuda():
     batch = make_batch(((0, 3000, MTP_ROWS), (1, 50, MTP_ROWS), (2, 8000, MTP_ROWS)), 32, 8, 128, torch.bfloat16,
                        "cuda")
     _graph_replay_equals_eager(batch, 32, 8, MTP_ROWS, batch.num_runs, (0, -1000, -7990))  # within the slot table
+
+@needs_cuda
+def test_length_splits_are_stable_cuda():
+    """Decode rows at 8192 keys among short ones, and one row alone (32 splits): 200 launches of one plan
+    give one result bit for bit, whichever split merges, and leave the counters at zero."""
+    for runs in (((0, 8192, 1), (1, 40, 1), (2, 5000, 1), (3, 7, 1)), ((0, 8192, 1),)):
+        batch = make_batch(runs, 32, 8, 128, torch.bfloat16, "cuda")
+        plan = plan_attention(batch.row_req_idx, batch.row_seq_len, 32, 8, 1, len(runs))
+        assert int(plan.work[:, 2].max()) > 1
+        scale = batch.q.shape[2] ** -0.5
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale)
+        first = unified_attention(*args)
+        assert all(torch.equal(first, unified_attention(*args)) for _ in range(200))
+        assert not plan.split_counter.any()
+        torch.testing.assert_close(first.float(), batch.reference(scale), atol=HALF_ATOL[torch.bfloat16], rtol=0)
+
+
+@needs_cuda
+def test_decode_graph_replay_equals_eager_cuda():
+    """Decode rows captured once, replayed on lengths that split differently: bit-exact with eager."""
+    batch = make_batch(tuple((i, 8192 - 37 * i if i % 3 == 0 else 100 + i, 1) for i in range(9)), 32, 8, 128,
+                       torch.bfloat16, "cuda")
+    _graph_replay_equals_eager(batch, 32, 8, 1, 9, (0, -4000, -99))
+
 
 # Few rows over long KV, planned as the rows graphs plan them (as many blocks as rows): the blocks that
 # hold rows are few, so the others' programs read their KV splits (dynamic splits).

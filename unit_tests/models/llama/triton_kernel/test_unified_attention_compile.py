@@ -16,12 +16,13 @@ SM90_SHARED_BYTES = 232448  # an H100 / H200 block's shared memory limit
 
 ATTENTION_ARGS = ["q_ptr", "k_ptr", "v_ptr", "req_to_token_ptr", "row_req_idx_ptr", "row_seq_len_ptr",
                   "row_seq_start_ptr", "block_first_row_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr",
-                  "active_blocks_ptr", "row_split_ptr", "work_ptr", "num_rows", "num_part_rows", "fill_programs",
+                  "active_blocks_ptr", "row_split_ptr", "work_ptr", "split_counter_ptr", "num_rows", "num_part_rows", "fill_programs",
                   "target_programs", "qk_scale", "stride_q_row", "stride_q_head", "stride_k_slot", "stride_k_head",
                   "stride_v_slot", "stride_v_head", "stride_req_row", "stride_out_row", "stride_out_head"]
 TYPES = {"req_to_token_ptr": "*i64", "row_req_idx_ptr": "*i64", "row_seq_len_ptr": "*i32", "row_seq_start_ptr": "*i32",
          "block_first_row_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "active_blocks_ptr": "*i32",
-         "row_split_ptr": "*i32", "work_ptr": "*i32", "qk_scale": "fp32"}
+         "row_split_ptr": "*i32", "work_ptr": "*i32", "split_counter_ptr": "*i32",
+         "qk_scale": "fp32"}
 # (dtype, head_dim, group, rows per block hint, splits, dynamic): SmolLM2-135M prefill (dynamic splits) /
 # decode / MTP (splits by length), Llama-3-8B prefill (dynamic) / decode / MTP rows, fp32 prefill at head_dim
 # 128 and with one that is not a power of two, without dynamic splits, and a deterministic (unsplit) decode
@@ -46,16 +47,16 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
     assert "ptx" in compiled.asm, (dtype, head_dim, group)
     # the launch would fail with OutOfResources past the limit
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, (dtype, head_dim, rows, compiled.metadata.shared)
-    if splits > 1:
+    # the length splits' merge: one acquire-release add per split program
+    assert by_length == ("atom.global.gpu.acq_rel.add" in compiled.asm["ptx"]), (dtype, head_dim, rows)
+    if dynamic:
         sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": dtype, "row_split_ptr": "*i32",
                "num_part_rows": "i32", "stride_out_row": "i32", "stride_out_head": "i32", "Q_HEADS": "constexpr",
-               "HEAD_DIM": "constexpr", "BLOCK_H": "constexpr", "BLOCK_DMODEL": "constexpr", "NUM_SPLITS": "constexpr",
-               "SPLIT_STRIDE": "constexpr"}
+               "HEAD_DIM": "constexpr", "BLOCK_H": "constexpr", "BLOCK_DMODEL": "constexpr", "NUM_SPLITS": "constexpr"}
         q_heads = group * 3
         compiled = compile_for_sm90(_combine_dynamic_splits_kernel, sig, {
             "Q_HEADS": q_heads, "HEAD_DIM": head_dim, "BLOCK_H": 1 << (q_heads - 1).bit_length(),
-            "BLOCK_DMODEL": block_dmodel, "NUM_SPLITS": splits,
-            "SPLIT_STRIDE": block_q * q_heads if by_length else 0}, {"num_warps": 2})
+            "BLOCK_DMODEL": block_dmodel, "NUM_SPLITS": splits}, {"num_warps": 2})
         assert "ptx" in compiled.asm
 print("compiled", len(CASES))
 """
