@@ -15,7 +15,7 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
-from lightllm.server.core.objs.messages import AbortReq, AddReq
+from lightllm.server.core.objs.messages import AbortReq, AddReq, ReqStepUpdate
 from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError
 from lightllm.server.httpserver.detokenize import REPLACEMENT_CHAR, DetokenizerVocab, IncrementalDetokenizer
 from lightllm.server.httpserver.prompt_encoder import PromptEncoder
@@ -425,9 +425,10 @@ class HttpServerManager:
         if self.throughput is not None:
             self.throughput.add_prompt(len(prompt_ids))
         self._schedule_poll()
+        pending: List[object] = []  # a signal taken while catching up: handled after that result
         try:
             while True:
-                u = await q.get()
+                u = pending.pop() if pending else await q.get()
                 if u is WORKER_DIED:
                     raise self._worker_died()
                 if u is SHUTTING_DOWN:
@@ -442,7 +443,17 @@ class HttpServerManager:
                 held = self._held.get(req_id)
                 if held:
                     self._held[req_id] = []
-                for v in (held or []) + [u]:
+                steps = (held or []) + [u]
+                # Behind the worker (a loaded loop): every update already here makes one result, so a
+                # stream writes one chunk of several steps' tokens rather than a burst of chunks.
+                while u.finish_reason is None and u.error is None and not q.empty():
+                    nxt = q.get_nowait()
+                    if not isinstance(nxt, ReqStepUpdate):
+                        pending.append(nxt)
+                        break
+                    steps.append(nxt)
+                    u = nxt
+                for v in steps:
                     res.token_ids.extend(v.token_ids)
                     res.logprobs.extend(v.logprobs)
                     if params.top_logprobs:

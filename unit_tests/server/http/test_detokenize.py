@@ -382,9 +382,10 @@ def test_update_text_matches_full_decode_implementation(model_dirs, kind):
 
 
 def _run_generate(manager: HttpServerManager, ids: List[int], params: SamplingParams, final_only: bool,
-                  split: List[int]) -> List[ReqResult]:
+                  split: List[int], paced: bool = False) -> List[ReqResult]:
     """``generate`` over hand-dispatched worker updates (``split``: tokens per update, the last
-    finishes); a copy of every result it yields."""
+    finishes); a copy of every result it yields. ``paced``: each update waits for the result before it
+    (a caller that keeps up with the worker), else all are dispatched before the first is read."""
     import asyncio
     import copy
 
@@ -392,6 +393,7 @@ def _run_generate(manager: HttpServerManager, ids: List[int], params: SamplingPa
 
     async def main():
         manager._loop = asyncio.get_running_loop()
+        seen = []
         gen = manager.generate([1, 2], params, final_only=final_only)
         first = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0)  # generate() registered the request
@@ -401,7 +403,13 @@ def _run_generate(manager: HttpServerManager, ids: List[int], params: SamplingPa
                               "length" if j == len(split) - 1 else None, 2, 0, 0, 0.0)
             manager._dispatch([u], WorkerStats(0, 1, 0, StepTiming()))
             start += n
-        seen = [copy.deepcopy(await first)]
+            if paced:
+                try:
+                    seen.append(copy.deepcopy(await (first if j == 0 else gen.__anext__())))
+                except StopAsyncIteration:  # a stop string ended it
+                    return seen
+        if not paced:
+            seen.append(copy.deepcopy(await first))
         async for res in gen:
             seen.append(copy.deepcopy(res))
         return seen
@@ -411,7 +419,9 @@ def _run_generate(manager: HttpServerManager, ids: List[int], params: SamplingPa
 
 def test_final_only_takes_the_updates_together(model_dirs):
     """A caller that reads only the final result is woken once (without stop strings), and that
-    result equals the last of the per-update results; with a stop string it is served per update."""
+    result equals the last of the per-update results, with a stop string too (a stop string is looked for
+    at every result, here over all the updates that waited). A stream behind the worker takes the
+    updates waiting for it as one result (one chunk, not a burst)."""
     manager = _manager(_model_dir(model_dirs, "smollm2"))
     rng = random.Random(7)
     try:
@@ -419,16 +429,18 @@ def test_final_only_takes_the_updates_together(model_dirs):
             ids = _random_ids(manager.tokenizer, rng)
             cuts = sorted(rng.sample(range(1, len(ids)), min(4, len(ids) - 1)))
             split = [b - a for a, b in zip([0] + cuts, cuts + [len(ids)])]
-            each = _run_generate(manager, ids, SamplingParams(), False, split)
+            each = _run_generate(manager, ids, SamplingParams(), False, split, paced=True)
             once = _run_generate(manager, ids, SamplingParams(), True, split)
-            assert len(each) == len(split) and len(once) == 1
-            assert once[-1] == each[-1] and once[-1].token_ids == ids
+            behind = _run_generate(manager, ids, SamplingParams(), False, split)  # a stream behind the worker
+            assert len(each) == len(split) and len(once) == 1 and len(behind) == 1
+            assert [r.token_ids for r in each] == [ids[:sum(split[:j + 1])] for j in range(len(split))]
+            assert once[-1] == each[-1] == behind[-1] and once[-1].token_ids == ids
             assert once[-1].logprobs == [LOGPROB - i for i in range(len(ids))]
             text = manager._decode(ids)
             stops = [text[len(text) // 2:len(text) // 2 + 3]] if len(text) > 6 else []
             with_stop = _run_generate(manager, ids, SamplingParams(stop_sequences=stops), True, split)
-            reference = _run_generate(manager, ids, SamplingParams(stop_sequences=stops), False, split)
-            assert with_stop == reference
+            reference = _run_generate(manager, ids, SamplingParams(stop_sequences=stops), False, split, paced=True)
+            assert with_stop[-1] == reference[-1] and len(with_stop) == 1  # the waiting updates as one
         assert not manager._held and not manager._streams
     finally:
         manager.close()
