@@ -1,4 +1,6 @@
-"""Ran at 7eb3135 (its fused_combine was backed out in e04ecd4). Decode split sweep (eighteenth session): bench_attention's decode cases with the split count's bound
+"""Ran at 7eb3135 (its fused_combine was backed out in e04ecd4).
+
+Decode split sweep (eighteenth session): bench_attention's decode cases with the split count's bound
 (MAX_KV_SPLITS, SPLIT_PROGRAMS_PER_SM) and the split tile (DECODE_SPLIT_CONFIG) patched, the fused
 combine against the two-kernel one in each. Run from the repository root on a GPU:
     python docs/data/perf/session18/split_sweep.py OUT.json"""
@@ -13,7 +15,8 @@ import torch  # noqa: E402
 import benchmarks.bench_attention as ba  # noqa: E402
 import lightllm.models.llama.triton_kernel.unified_attention as ua  # noqa: E402
 
-CASES = [ba.Case("decode", ba.HEAD_SHAPES["8b"], 1, 1, 8192), ba.Case("decode", ba.HEAD_SHAPES["embedded"], 16, 1, 6000)]
+CASES = [ba.Case("decode", ba.HEAD_SHAPES["8b"], 1, 1, 8192),
+         ba.Case("decode", ba.HEAD_SHAPES["embedded"], 16, 1, 6000)]
 VARIANTS = [(32, 2, (128, 4, 2)), (64, 4, (64, 4, 2)), (16, 1, (128, 4, 3))]
 
 

@@ -16,9 +16,10 @@ SM90_SHARED_BYTES = 232448  # an H100 / H200 block's shared memory limit
 
 ATTENTION_ARGS = ["q_ptr", "k_ptr", "v_ptr", "req_to_token_ptr", "row_req_idx_ptr", "row_seq_len_ptr",
                   "row_seq_start_ptr", "block_first_row_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr",
-                  "active_blocks_ptr", "row_split_ptr", "work_ptr", "split_counter_ptr", "num_rows", "num_part_rows", "fill_programs",
-                  "target_programs", "qk_scale", "stride_q_row", "stride_q_head", "stride_k_slot", "stride_k_head",
-                  "stride_v_slot", "stride_v_head", "stride_req_row", "stride_out_row", "stride_out_head"]
+                  "active_blocks_ptr", "row_split_ptr", "work_ptr", "split_counter_ptr", "num_rows", "num_part_rows",
+                  "fill_programs", "target_programs", "qk_scale", "stride_q_row", "stride_q_head", "stride_k_slot",
+                  "stride_k_head", "stride_v_slot", "stride_v_head", "stride_req_row", "stride_out_row",
+                  "stride_out_head"]
 TYPES = {"req_to_token_ptr": "*i64", "row_req_idx_ptr": "*i64", "row_seq_len_ptr": "*i32", "row_seq_start_ptr": "*i32",
          "block_first_row_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "active_blocks_ptr": "*i32",
          "row_split_ptr": "*i32", "work_ptr": "*i32", "split_counter_ptr": "*i32",
