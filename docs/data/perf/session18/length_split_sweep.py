@@ -1,6 +1,6 @@
 """Decode plans split by length (eighteenth session) against the static split of 14934c0, in one run on a GPU.
 
-The old kernel module is carried as .ua_static/unified_attention_static.py (git show
+The old kernel module is .ua_static/unified_attention_static.py (carried, or written here by git show
 14934c0:lightllm/models/llama/triton_kernel/unified_attention.py). Cases: the serving mix's decode batch
 (64 requests, every fifth at 4000 keys, the rest at 150; 1 row or MTP's 4 rows each), all short, all long,
 and bench_attention's decode shapes (8B batch 1 and 16 at KV 8192, embedded batch 16 at 6000). Kernel time
@@ -9,6 +9,7 @@ per layer over GRAPH_LAYERS layers in one CUDA graph, as bench_attention times d
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.getcwd())
@@ -17,7 +18,14 @@ import torch  # noqa: E402
 import benchmarks.bench_attention as ba  # noqa: E402
 import lightllm.models.llama.triton_kernel.unified_attention as new  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("ua_static", ".ua_static/unified_attention_static.py")
+STATIC_COMMIT = "14934c0"
+STATIC_PATH = ".ua_static/unified_attention_static.py"
+if not os.path.exists(STATIC_PATH):  # the checkout's history has it (a device checkout's .git does too)
+    os.makedirs(os.path.dirname(STATIC_PATH), exist_ok=True)
+    with open(STATIC_PATH, "w") as f:
+        source = f"{STATIC_COMMIT}:lightllm/models/llama/triton_kernel/unified_attention.py"
+        f.write(subprocess.run(["git", "show", source], capture_output=True, text=True, check=True).stdout)
+spec = importlib.util.spec_from_file_location("ua_static", STATIC_PATH)
 old = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(old)
 LONG_KEYS, SHORT_KEYS, LONG_EVERY = 4000, 150, 5
