@@ -668,18 +668,23 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                                     "error": _worker_failed_message(res), "details": None})
                         return
                     upto = max(res.stream_token_num, sent)  # tokens that cannot be part of a stop string
+                    # one event per token, and one write per result (an MTP step's tokens, or every step
+                    # that waited for a stream behind the worker)
+                    batch = []
                     for i in range(sent, upto):
                         last = done and i == upto - 1
-                        yield _sse({
+                        batch.append(_sse({
                             "token": _token(res, i),
                             "generated_text": res.text if last else None,
                             "finished": last,
                             "finish_reason": res.finish_reason if last else None,
                             "details": _details(res) if last else None,
-                        })
+                        }))
                     if done and upto == sent:
-                        yield _sse({"token": None, "generated_text": res.text, "finished": True,
-                                    "finish_reason": res.finish_reason, "details": _details(res)})
+                        batch.append(_sse({"token": None, "generated_text": res.text, "finished": True,
+                                           "finish_reason": res.finish_reason, "details": _details(res)}))
+                    if batch:
+                        yield "".join(batch)
                     sent = upto
             except Unavailable as e:
                 yield _sse({"token": None, "generated_text": None, "finished": True, "finish_reason": "error",

@@ -295,8 +295,9 @@ class StreamTrace:
 
     sent_s: float
     # (arrival, tokens): one entry per network read that brought tokens. The server sends one
-    # chunk per update of the request (a decode step: 1 token, or up to K + 1 with MTP); chunks
-    # a slow client reads together count as one, their tokens summed
+    # chunk per result of the request (a decode step: 1 token, or up to K + 1 with MTP; every step
+    # that waited, when the HTTP process is behind the worker); chunks a slow client reads together
+    # count as one, their tokens summed
     chunks: List[Tuple[float, int]]
     done_s: float
     prompt_tokens: int = -1
