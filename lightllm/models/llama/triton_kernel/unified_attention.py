@@ -54,7 +54,7 @@ TARGET_HEAD_DIM = 128
 H200_SMS = 132  # without CUDA (the interpreter)
 MAX_KV_SPLITS = 32
 DECODE_SPLIT_KEYS = 256
-WORK_FIELDS = 3  # a work item: block (-1: none), split, the block's splits
+WORK_FIELDS = tl.constexpr(3)  # a work item: block (-1: none), split, the block's splits
 # Prefill-shaped plans: most splits of one block's KV, and fewest keys per split.
 DYNAMIC_MAX_SPLITS = 8
 DYNAMIC_SPLIT_KEYS = 512
@@ -172,8 +172,8 @@ def _unified_attention_kernel(
         split = tl.where(pid < num_active, 0, 1 + (pid - num_active) // num_active)
     elif LENGTH_SPLITS:
         pid = tl.program_id(0)
-        block = tl.load(work_ptr + pid * 3)
-        split = tl.load(work_ptr + pid * 3 + 1)
+        block = tl.load(work_ptr + pid * WORK_FIELDS)
+        split = tl.load(work_ptr + pid * WORK_FIELDS + 1)
     else:
         tl.static_assert(NUM_SPLITS == 1, "a split plan takes DYNAMIC_SPLITS or LENGTH_SPLITS")
         block = tl.program_id(0)
@@ -204,7 +204,7 @@ def _unified_attention_kernel(
             n_split = tl.minimum(n_split, (tl.num_programs(0) - block + num_active - 1) // num_active)
             n_split = tl.where((block + 1) * BLOCK_Q > num_part_rows, 1, tl.maximum(n_split, 1))
         elif LENGTH_SPLITS:
-            n_split = tl.load(work_ptr + pid * 3 + 2)
+            n_split = tl.load(work_ptr + pid * WORK_FIELDS + 2)
         else:
             n_split = 1
         offs_d = tl.arange(0, BLOCK_DMODEL)
@@ -541,18 +541,17 @@ def unified_attention(
     splits = plan.num_kv_splits
     dynamic = plan.dynamic_splits
     by_length = plan.work is not None
-    if dynamic:  # partial sums: (part row, head, split)
-        part_rows = plan.num_part_blocks * plan.block_q
-        part_shape = (part_rows, q_heads, splits)
-    elif by_length:  # one partial-sum row per work item's query row: (part row, head)
-        part_rows = plan.work.shape[0] * plan.block_q
-        part_shape = (part_rows, q_heads)
-    else:
-        part_rows = 0
-    if splits > 1:
+    if dynamic or by_length:
+        if dynamic:  # partial sums: (part row, head, split)
+            part_rows = plan.num_part_blocks * plan.block_q
+            part_shape = (part_rows, q_heads, splits)
+        else:  # one partial-sum row per work item's query row: (part row, head)
+            part_rows = plan.work.shape[0] * plan.block_q
+            part_shape = (part_rows, q_heads)
         part_acc = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((*part_shape, 2), dtype=torch.float32, device=q.device)
     else:
+        part_rows = 0
         part_acc = part_ml = out  # not read
     unread = plan.row_seq_len
     row_split = torch.empty((rows, 2), dtype=torch.int32, device=q.device) if dynamic else unread
@@ -571,7 +570,7 @@ def unified_attention(
         req_to_token_indexs.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, GROUP=plan.group, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_DMODEL=block_dmodel,
         BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IEEE_DOT=q.dtype == torch.float32, EVEN_D=head_dim == block_dmodel,
-        DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, LENGTH_SPLITS=by_length and splits > 1,
+        DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, LENGTH_SPLITS=by_length,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if dynamic:
