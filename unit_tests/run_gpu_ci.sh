@@ -10,6 +10,7 @@
 #   junit.xml     pytest's JUnit XML
 #   summary.txt   one line: passed=N failed=N skipped=N errors=N total=N time=Ts
 #   failed.txt    FAILED / ERROR <test>, one per line (empty when all passed)
+#   failed_live.txt  <phase> <test> of each failure as it happens (kept when a time limit cuts the run)
 #   pytest.log    pytest's full output
 #   env.txt       GPU, driver, torch / triton / transformers versions
 # Exits with pytest's status. Without CUDA it refuses (exit 2) unless GPU_CI_ALLOW_CPU=1.
@@ -67,6 +68,8 @@ if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then
     EXTRA+=(--timeout "${GPU_CI_TEST_TIMEOUT_S:-600}")
 fi
 
+: > "$OUT_DIR/failed_live.txt"
+export LIGHTLLM_FAILED_LIVE="$OUT_DIR/failed_live.txt"
 # -m "": no marker filter, so slow and cuda tests run too
 "$PYTHON" -m pytest ${GPU_CI_PATHS:-unit_tests} -m "" -rfEs "${EXTRA[@]}" --junitxml="$OUT_DIR/junit.xml" "$@" 2>&1 | tee "$OUT_DIR/pytest.log"
 status=${PIPESTATUS[0]}

@@ -290,7 +290,7 @@ suite)
     GPU_CI_PATHS="${*:-unit_tests}" bash unit_tests/run_gpu_ci.sh "$out" -q -p no:cacheprovider > "$out.log" 2>&1
     status=$?
     rm -f "$out/pytest.log"  # the summary, failures and junit come back; the log is $out.log
-    cat "$out/summary.txt" "$out/failed.txt"
+    cat "$out/summary.txt" "$out/failed.txt" "$out/failed_live.txt"
     exit $status
     ;;
 multi_gpu)
