@@ -7,9 +7,9 @@ inside triton.language (tl.sum, tl.max) are interpreter objects that the real co
 from unit_tests.triton_compile_util import run_compile_child
 
 COMPILE_SCRIPT = """
-from unit_tests.triton_compile_util import compile_for_sm90
+from unit_tests.triton_compile_util import compile_for_sm90, sm90_resource_usage
 from lightllm.models.llama.triton_kernel.unified_attention import (
-    DYNAMIC_SPLIT_KEYS, _combine_dynamic_splits_kernel, _unified_attention_kernel,
+    DYNAMIC_SPLIT_KEYS, SPLIT_MAX_BLOCK_M, _combine_dynamic_splits_kernel, _unified_attention_kernel,
     block_shape, launch_config)
 
 SM90_SHARED_BYTES = 232448  # an H100 / H200 block's shared memory limit
@@ -24,6 +24,8 @@ TYPES = {"req_to_token_ptr": "*i64", "row_req_idx_ptr": "*i64", "row_seq_len_ptr
          "block_first_row_ptr": "*i32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "active_blocks_ptr": "*i32",
          "row_split_ptr": "*i32", "work_ptr": "*i32", "split_counter_ptr": "*i32",
          "qk_scale": "fp32"}
+# what a launch on aligned tensors sees as multiples of 16 (the slot table's row stride may not be one)
+DIVISIBLE = [n for n in ATTENTION_ARGS if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_req_row")]
 # (dtype, head_dim, group, rows per block hint, splits, dynamic): SmolLM2-135M prefill (dynamic splits) /
 # decode / MTP (splits by length), Llama-3-8B prefill (dynamic) / decode / MTP rows, fp32 prefill at head_dim
 # 128 and with one that is not a power of two, without dynamic splits, and a deterministic (unsplit) decode
@@ -44,7 +46,9 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
                   "SPLIT_KEYS": DYNAMIC_SPLIT_KEYS, "LENGTH_SPLITS": by_length}
     signature.update({name: "constexpr" for name in constexprs})
     compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs,
-                                {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                                {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, DIVISIBLE)
+    if block_m <= SPLIT_MAX_BLOCK_M:  # decode-shaped tiles (every decode step): no register spilled
+        assert sm90_resource_usage(compiled)["STACK"] == 0, (dtype, head_dim, rows, sm90_resource_usage(compiled))
     assert "ptx" in compiled.asm, (dtype, head_dim, group)
     # the launch would fail with OutOfResources past the limit
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, (dtype, head_dim, rows, compiled.metadata.shared)
