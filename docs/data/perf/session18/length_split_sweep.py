@@ -40,6 +40,17 @@ def lengths(kind: str, batch: int, kv_len: int) -> torch.Tensor:
     return lens
 
 
+def case_inputs(shape: str, batch: int, q_len: int, kv_len: int, kind: str, gen: torch.Generator):
+    """(heads, GRAPH_LAYERS layers' inputs, each request's keys, each row's keys): a request's q_len rows
+    end at its length."""
+    h = ba.HEAD_SHAPES[shape]
+    layers = [ba.make_inputs(ba.Case("decode", h, batch, q_len, kv_len), gen) for _ in range(ba.GRAPH_LAYERS)]
+    lens = lengths(kind, batch, kv_len)
+    row_len = (lens.repeat_interleave(q_len) - (q_len - 1)
+               + torch.arange(q_len, device="cuda", dtype=torch.int32).repeat(batch))
+    return h, layers, lens, row_len
+
+
 def time_layer(mod, layers, h, q_len, batch, row_len) -> float:
     x = layers[0]
     plan = mod.plan_attention(x.row_req_idx, row_len, h.q_heads, h.kv_heads, q_len, batch, head_dim=h.head_dim)
@@ -62,11 +73,7 @@ def main():
     cases += [("8b", 1, 1, 8192, "uniform"), ("8b", 16, 1, 8192, "uniform"), ("embedded", 16, 1, 6000, "uniform"),
               ("embedded", 1, 1, 8192, "uniform")]
     for shape, batch, q_len, kv_len, kind in cases:
-        h = ba.HEAD_SHAPES[shape]
-        layers = [ba.make_inputs(ba.Case("decode", h, batch, q_len, kv_len), gen) for _ in range(ba.GRAPH_LAYERS)]
-        lens = lengths(kind, batch, kv_len)
-        row_len = (lens.repeat_interleave(q_len) - (q_len - 1)
-                   + torch.arange(q_len, device="cuda", dtype=torch.int32).repeat(batch))
+        h, layers, lens, row_len = case_inputs(shape, batch, q_len, kv_len, kind, gen)
         got = [time_layer(m, layers, h, q_len, batch, row_len) for m in (new, old)]
         x = layers[0]
         scale = h.head_dim ** -0.5

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 import benchmarks.bench_attention as ba  # noqa: E402
 import lightllm.models.llama.triton_kernel.unified_attention as ua  # noqa: E402
-from length_split_sweep import lengths, old  # noqa: E402  (writes .ua_static when missing)
+from length_split_sweep import case_inputs, old  # noqa: E402  (writes .ua_static when missing)
 
 LC = ua.LaunchConfig
 BASE_WORK = ua.length_split_work
@@ -87,11 +87,7 @@ def main():
     cases += [("embedded", 1, 1, 8192, "uniform"), ("embedded", 64, 4, 1000, "long"), ("8b", 64, 4, 1000, "long")]
     rows = []
     for shape, batch, q_len, kv_len, kind in cases:
-        h = ba.HEAD_SHAPES[shape]
-        layers = [ba.make_inputs(ba.Case("decode", h, batch, q_len, kv_len), gen) for _ in range(ba.GRAPH_LAYERS)]
-        lens = lengths(kind, batch, kv_len)
-        row_len = (lens.repeat_interleave(q_len) - (q_len - 1)
-                   + torch.arange(q_len, device="cuda", dtype=torch.int32).repeat(batch))
+        h, layers, lens, row_len = case_inputs(shape, batch, q_len, kv_len, kind, gen)
         kv = int(lens.sum()) * h.kv_heads * h.head_dim * ba.KV_TENSORS * ba.BF16_BYTES
         static_us, _ = time_layer(old, layers, h, q_len, batch, row_len)
         r = dict(heads=shape, batch=batch, q_len=q_len, kv_len=kv_len, lengths=kind, static_us=static_us,
