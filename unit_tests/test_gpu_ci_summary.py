@@ -49,3 +49,34 @@ def test_cli_writes_summary_and_failed_files(tmp_path, capsys):
     assert summary.read_text() == "passed=2 failed=2 skipped=2 errors=2 total=8 time=13.0s\n"
     assert failed.read_text().splitlines()[0] == "FAILED unit_tests.test_a::test_fail"
     assert capsys.readouterr().out.splitlines()[0] == summary.read_text().strip()
+
+
+LIVE_TESTS = """
+def test_passes():
+    pass
+
+
+def test_fails():
+    assert 1 == 2
+"""
+
+
+def test_failures_are_named_as_they_happen(tmp_path):
+    """The root conftest's hook writes a failing test's id while the run goes on (a run cut by a
+    time limit still names them); a passing test leaves no line."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import FAILED_LIVE_ENV
+    from unit_tests.data_paths import REPO_ROOT
+
+    (tmp_path / "test_live.py").write_text(LIVE_TESTS)
+    live = tmp_path / "failed_live.txt"
+    env = dict(os.environ, **{FAILED_LIVE_ENV: str(live)})
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                          "--rootdir", str(tmp_path), str(tmp_path / "test_live.py")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    assert live.read_text().splitlines() == ["call test_live.py::test_fails"]
