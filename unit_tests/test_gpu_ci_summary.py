@@ -1,4 +1,10 @@
 """gpu_ci_summary: JUnit XML -> one-line summary + failed test names (hand-written XML)."""
+import os
+import subprocess
+import sys
+
+from conftest import FAILED_LIVE_ENV
+from unit_tests.data_paths import REPO_ROOT
 from unit_tests.gpu_ci_summary import main, parse_junit
 
 # What pytest --junitxml writes, trimmed: one case per outcome, two suites
@@ -64,13 +70,6 @@ def test_fails():
 def test_failures_are_named_as_they_happen(tmp_path):
     """The root conftest's hook writes a failing test's id while the run goes on (a run cut by a
     time limit still names them); a passing test leaves no line."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import FAILED_LIVE_ENV
-    from unit_tests.data_paths import REPO_ROOT
-
     (tmp_path / "test_live.py").write_text(LIVE_TESTS)
     live = tmp_path / "failed_live.txt"
     env = dict(os.environ, **{FAILED_LIVE_ENV: str(live)})

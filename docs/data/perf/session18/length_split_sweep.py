@@ -51,7 +51,7 @@ def case_inputs(shape: str, batch: int, q_len: int, kv_len: int, kind: str, gen:
     return h, layers, lens, row_len
 
 
-def time_layer(mod, layers, h, q_len, batch, row_len) -> float:
+def time_layer(mod, layers, h, q_len, batch, row_len, rep_ms: int = 200) -> float:
     x = layers[0]
     plan = mod.plan_attention(x.row_req_idx, row_len, h.q_heads, h.kv_heads, q_len, batch, head_dim=h.head_dim)
     scale = h.head_dim ** -0.5
@@ -59,7 +59,7 @@ def time_layer(mod, layers, h, q_len, batch, row_len) -> float:
     def fn():
         return [mod.unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, plan, scale) for y in layers]
 
-    ms, _ = ba.time_ms(fn, True, 25, 200)
+    ms, _ = ba.time_ms(fn, True, 25, rep_ms)
     return ms / len(layers) * 1e3
 
 

@@ -6,7 +6,7 @@ work list, the keys per split) for its rows and restores them after. Cases as le
 the serving mix (64 requests, every fifth at 4000 keys, the rest 150; 1 or 4 rows each), all short,
 all long, 8B batch 1 / 16 at KV 8192, embedded batch 16 at 6000. Kernel time per layer over
 GRAPH_LAYERS layers in one CUDA graph.
-    python docs/data/perf/session19/decode_config_sweep.py OUT.json"""
+    python docs/data/perf/session19/decode_config_sweep.py OUT.json [VARIANT,VARIANT...]  (default: all)"""
 import contextlib
 import functools
 import json
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 import benchmarks.bench_attention as ba  # noqa: E402
 import lightllm.models.llama.triton_kernel.unified_attention as ua  # noqa: E402
-from length_split_sweep import case_inputs, old  # noqa: E402  (writes .ua_static when missing)
+from length_split_sweep import case_inputs, old, time_layer  # noqa: E402  (writes .ua_static when missing)
 
 LC = ua.LaunchConfig
 BASE_WORK = ua.length_split_work
@@ -60,20 +60,13 @@ def patched(attrs):
             setattr(ua, k, v)
 
 
-def time_layer(mod, layers, h, q_len, batch, row_len):
+REP_MS = 150
+
+
+def first_layer_out(mod, layers, h, q_len, batch, row_len):
     x = layers[0]
     plan = mod.plan_attention(x.row_req_idx, row_len, h.q_heads, h.kv_heads, q_len, batch, head_dim=h.head_dim)
-    scale = h.head_dim ** -0.5
-
-    def fn():
-        return [mod.unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, plan, scale) for y in layers]
-
-    ref = old.unified_attention(x.q, x.k_cache, x.v_cache, x.req_to_token,
-                                old.plan_attention(x.row_req_idx, row_len, h.q_heads, h.kv_heads, q_len, batch,
-                                                   head_dim=h.head_dim), scale)
-    diff = (fn()[0].float() - ref.float()).abs().max().item()
-    ms, _ = ba.time_ms(fn, True, 25, 150)
-    return ms / len(layers) * 1e3, diff
+    return mod.unified_attention(x.q, x.k_cache, x.v_cache, x.req_to_token, plan, h.head_dim ** -0.5).float()
 
 
 def main():
@@ -89,13 +82,15 @@ def main():
     for shape, batch, q_len, kv_len, kind in cases:
         h, layers, lens, row_len = case_inputs(shape, batch, q_len, kv_len, kind, gen)
         kv = int(lens.sum()) * h.kv_heads * h.head_dim * ba.KV_TENSORS * ba.BF16_BYTES
-        static_us, _ = time_layer(old, layers, h, q_len, batch, row_len)
+        static_us = time_layer(old, layers, h, q_len, batch, row_len, REP_MS)
+        ref = first_layer_out(old, layers, h, q_len, batch, row_len)
         r = dict(heads=shape, batch=batch, q_len=q_len, kv_len=kv_len, lengths=kind, static_us=static_us,
                  static_copy_frac=kv / (static_us * 1e-3) / 1e6 / copy_bw, variants={})
         line = f"{shape:8s} b{batch:<3d} q{q_len} {kind:7s} {kv_len:5d}: static {static_us:6.1f}"
         for name in only:
             with patched(VARIANTS[name]):
-                us, diff = time_layer(ua, layers, h, q_len, batch, row_len)
+                us = time_layer(ua, layers, h, q_len, batch, row_len, REP_MS)
+                diff = (first_layer_out(ua, layers, h, q_len, batch, row_len) - ref).abs().max().item()
             r["variants"][name] = dict(us=us, copy_frac=kv / (us * 1e-3) / 1e6 / copy_bw, max_abs_diff=diff)
             line += f" | {name} {us:6.1f} ({kv / (us * 1e-3) / 1e6 / copy_bw:.2f})"
         rows.append(r)

@@ -48,7 +48,8 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
     compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs,
                                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, DIVISIBLE)
     if block_m <= SPLIT_MAX_BLOCK_M:  # decode-shaped tiles (every decode step): no register spilled
-        assert sm90_resource_usage(compiled)["STACK"] == 0, (dtype, head_dim, rows, sm90_resource_usage(compiled))
+        usage = sm90_resource_usage(compiled)
+        assert usage["STACK"] == 0, (dtype, head_dim, rows, usage)
     assert "ptx" in compiled.asm, (dtype, head_dim, group)
     # the launch would fail with OutOfResources past the limit
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, (dtype, head_dim, rows, compiled.metadata.shared)
