@@ -36,7 +36,7 @@ from lightllm.server.core.objs.sampling_params import MAX_TOP_LOGPROBS
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import (
     SampleOutput, max_top_logprobs, token_logprobs, top_logprobs,
 )
-from lightllm.server.router.model_infer.mtp_speculative.proposer import Proposal
+from lightllm.server.router.model_infer.mtp_speculative.proposer import MixedProposal, Proposal
 from lightllm.server.router.model_infer.mtp_speculative.utils import AsdConfig, VerifyStepRecord, verify_mtp_tokens
 
 logger = logging.getLogger(__name__)
@@ -168,8 +168,9 @@ class FirstTokens:
     reqs: List[InferReq]  # [m]
     req_idx: torch.Tensor  # [m] int32 device
     logit_rows: torch.Tensor  # [decode rows + m] device: the sampled rows' logits in the forward's output
-    # (decode rows' verified tokens [rows], first tokens [m]) -> guesses [rows + m, K]; None without a draft
-    propose: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    # (decode rows' verified tokens [rows], first tokens [m], accept lengths [n]) -> the proposals after them;
+    # None without a draft
+    propose: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], MixedProposal]] = None
 
 
 @dataclass
@@ -496,8 +497,6 @@ class DecodeStep:
         real = rows.num_real_rows
         n = len(rows.reqs)
         m = 0 if firsts is None else len(firsts.reqs)
-        if m and self.conf_width:
-            raise ValueError("a draft that reports confidences drafts prefills on its own (no mixed steps)")
         b_req_idx = rows.b_req_idx[:real]
         row_reqs = [r for r in rows.reqs for _ in range(k1)]
         seeded = any(r.params.seed is not None for r in rows.reqs)
@@ -546,7 +545,11 @@ class DecodeStep:
             done.record()
         # The GPU drafts while the host waits for the copy and commits.
         if self.mtp_step > 0 and firsts is not None:
-            guesses = firsts.propose(next_ids, first_ids)  # [real + m, K]
+            proposal = firsts.propose(next_ids, first_ids, accept_len)
+            guesses = proposal.guesses  # [real + m, K]
+            if self.conf_width:
+                self.req_to_draft_conf[req_rows] = proposal.confidence[:n]
+                self.req_to_draft_conf[firsts.req_idx.long()] = proposal.confidence[n:]
             all_next = torch.cat([next_ids[:, None], guesses[:real]], dim=1)
             scatter = mtp_scatter_next_token_ids if next_ids.is_cuda else mtp_scatter_next_token_ids_torch
             scatter(self.req_to_next_token_ids, rows.b_req_mtp_start_loc, all_next, b_req_idx, accept_len)

@@ -26,15 +26,23 @@ LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    from lightllm.models.dspark.train_module import random_dspark_draft
+
     root = tmp_path_factory.mktemp("mixed")
     m = tiny_model("llama", seed=2, root=root)
-    return m, m.draft("eagle", True, 1, seed=4)
+    drafts = {"eagle": m.draft("eagle", True, 1, seed=4),
+              "dspark": random_dspark_draft(m.hf.config, str(root / "dspark"), seed=3, block_size=4)}
+    return m, drafts
 
 
-def _mode_args(eagle: str, mode: str) -> dict:
+def _mode_args(drafts: dict, mode: str) -> dict:
+    """``mode``: plain, or [dspark_]mtp / asd0 / asd (eagle unless dspark_)."""
     if mode == "plain":
         return {}
-    mtp = dict(mtp_mode="eagle_with_att", mtp_step=K, mtp_draft_model_dir=[eagle])
+    draft, _, mode = mode.rpartition("_")
+    draft = draft or "eagle"
+    mtp = dict(mtp_mode={"eagle": "eagle_with_att", "dspark": "dspark"}[draft], mtp_step=K,
+               mtp_draft_model_dir=[drafts[draft]])
     if mode == "mtp":
         return mtp
     return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": ASD_BUDGET}[mode])
@@ -63,11 +71,11 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", **kw):
 
 
 @pytest.mark.parametrize("layout", ["items", "rows"])
-@pytest.mark.parametrize("mode", ["plain", "mtp", "asd0", "asd"])
+@pytest.mark.parametrize("mode", ["plain", "mtp", "asd0", "asd", "dspark_mtp", "dspark_asd0", "dspark_asd"])
 def test_mixed_steps_give_one_request_at_a_times_outputs(tiny, mode, layout):
-    m, eagle = tiny
+    m, drafts = tiny
     prompts = random_prompts(m.vocab_size, len(MAX_NEW), PROMPT_LENS, seed=7)
-    kw = _mode_args(eagle, mode)
+    kw = _mode_args(drafts, mode)
     alone, alone_calls = _run(m.model_dir, prompts, 1, **kw)
     mixed, calls = _run(m.model_dir, prompts, 3, layout, **kw)
     assert not alone_calls
@@ -76,10 +84,15 @@ def test_mixed_steps_give_one_request_at_a_times_outputs(tiny, mode, layout):
     for a, b in zip(alone, mixed):
         assert b.token_ids == a.token_ids
         assert b.logprobs == pytest.approx(a.logprobs, abs=LOGPROB_TOL)
-    if mode in ("plain", "mtp", "asd0"):  # greedy decoding, strictly verified: transformers' tokens
+        assert b.accept_lens == a.accept_lens  # the same drafts, step by step
+        assert [len(c) for c in b.draft_confidences] == [len(c) for c in a.draft_confidences]
+        assert sum(b.draft_confidences, []) == pytest.approx(sum(a.draft_confidences, []), abs=LOGPROB_TOL)
+    if mode.startswith("dspark"):
+        assert any(a.draft_confidences for a in alone)
+    if not mode.endswith("_asd") and mode != "asd":  # greedy decoding, strictly verified: transformers' tokens
         for prompt, n, b in zip(prompts, MAX_NEW, mixed):
             assert b.token_ids == hf_greedy(m.hf, prompt, n)
-    if mode == "asd":
+    if mode.endswith("asd"):
         assert sum(r.asd_relaxed_token_num for r in mixed) > 0  # the budget was used
 
 
@@ -110,13 +123,3 @@ def test_stage_lays_out_decode_rows_then_chunks_hand_computed(tiny):
     assert batch.sampled_rows([2]) == [0, 1, 2, 3, 4, 5, 8]
     with pytest.raises(ValueError, match="decode items come before"):
         rows.stage([RowItem(1, 4, 3, prompt), RowItem(0, 5, 3)], torch.arange(6))
-
-
-def test_mixed_steps_are_off_for_a_draft_that_drafts_prefills_itself(tiny, tmp_path):
-    from lightllm.models.dspark.train_module import random_dspark_draft
-
-    m, _ = tiny
-    draft = random_dspark_draft(m.hf.config, str(tmp_path / "dspark"), seed=3, block_size=4)
-    eng = make_engine(m.model_dir, running_max_req_size=3, mtp_mode="dspark", mtp_step=3,
-                      mtp_draft_model_dir=[draft], **COMMON)
-    assert eng.backend.mixed_rows is None

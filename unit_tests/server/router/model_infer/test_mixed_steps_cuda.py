@@ -2,7 +2,7 @@
 --enable_deterministic_inference a token's logits do not depend on its batch, so a workload
 whose steps mix decode rows with prompt chunks gives the token ids the same engine gives one
 request at a time, and what --disable_mixed_steps gives, for plain decoding, strict MTP and
-B = 0. Log-probs agree to LOGPROB_TOL: their log_softmax over the vocabulary is a torch reduction
+B = 0 (eagle and dspark drafts). Log-probs agree to LOGPROB_TOL: their log_softmax over the vocabulary is a torch reduction
 whose order depends on the number of rows (H200: differences of ~2e-6). ASD's usage budget is
 left out here: its relaxations read the draft's guesses and the log-probs, so such a difference
 may move one; test_mixed_steps.py checks it against one request at a time on CPU.
@@ -13,7 +13,7 @@ import pytest
 
 from lightllm.server.core.objs.start_args_type import StartArgs
 from unit_tests.devices import needs_cuda
-from unit_tests.server.router.model_infer.embedded_modes import MODES
+from unit_tests.server.router.model_infer.embedded_modes import MODES as EMBEDDED_MODES
 
 pytestmark = [needs_cuda, pytest.mark.slow]
 
@@ -21,6 +21,8 @@ NUM_REQS = 9
 RUNNING = 4  # requests join while others decode
 CHUNK = 48  # prompt tokens per step: GSM8K prompts take several chunks
 LOGPROB_TOL = 1e-4
+DSPARK = dict(mtp_mode="dspark", mtp_step=3)  # the packaged dspark draft
+MODES = dict(EMBEDDED_MODES, dspark=DSPARK, dspark_asd0=dict(DSPARK, mtp_asd_regret_budget=0.0))
 ENGINE = dict(max_req_total_len=512, max_total_token_num=8192, graph_max_batch_size=8,
               enable_deterministic_inference=True, batch_max_tokens=CHUNK)
 
@@ -55,7 +57,7 @@ def _run(mode: str, prompts, running: int, **extra):
     return out
 
 
-@pytest.mark.parametrize("mode", ["plain", "mtp", "asd0"])
+@pytest.mark.parametrize("mode", ["plain", "mtp", "asd0", "dspark", "dspark_asd0"])
 def test_mixed_steps_equal_one_request_at_a_time(mode):
     prompts = _prompts()
     alone_ids, alone_lps, alone_calls = _run(mode, prompts, 1)

@@ -29,7 +29,7 @@ from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.generic_post_process import (
     SampleOutput, max_top_logprobs, sample, token_logprobs, top_logprobs,
 )
-from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds
+from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds, MixedAnchors, MixedProposal
 from lightllm.server.router.model_infer.prompt_cache import make_prompt_cache
 from lightllm.server.router.model_infer.step_rows import RowItem, StepRows, max_sampled_rows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
@@ -161,8 +161,7 @@ class ModeBackend:
                                       max_logit_rows=max_sampled_rows(args.running_max_req_size, self.mtp_step))
 
     def mixed_steps_enabled(self) -> bool:
-        """Whether a step may hold decode rows and prefill chunks together (the chunked-prefill
-        backend; not a draft that drafts prefills on its own)."""
+        """Whether a step may hold decode rows and prefill chunks together (the chunked-prefill backend)."""
         return False
 
     @property
@@ -393,12 +392,23 @@ class ModeBackend:
             mem_indexes_cpu=slots[:real], b_req_mtp_start_loc=self.decode_step.b_req_mtp_start_loc[:len(decoding)],
             model_input=mi,
         )
-        def propose(decode_ids: torch.Tensor, first_ids: torch.Tensor) -> torch.Tensor:
-            return rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids)
+        first_req_idx = self._to_dev([r.req_idx for r in done], torch.int32)
+        first_pos = self._to_dev([r.kv_len for r in done], torch.int64)  # the prompt's length
 
-        firsts = FirstTokens(done, self._to_dev([r.req_idx for r in done], torch.int32),
-                             rows_owner.logit_rows(batch, done_items),
-                             propose if rows_owner.draft is not None else None)
+        def propose_rows(decode_ids: torch.Tensor, first_ids: torch.Tensor, accept_len: torch.Tensor) -> MixedProposal:
+            return MixedProposal(rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids))
+
+        def propose_blocks(decode_ids: torch.Tensor, first_ids: torch.Tensor, accept_len: torch.Tensor) -> MixedProposal:
+            anchors = MixedAnchors(decode_ids, accept_len, rows.b_seq_len[::k1], rows.b_req_idx[::k1], first_req_idx,
+                                   first_pos, first_ids)
+            return self.draft.propose_mixed(mi, out, anchors)
+
+        propose = None
+        if rows_owner.draft is not None:
+            propose = propose_rows
+        elif self.draft is not None:  # a draft that drafts the step itself (dspark)
+            propose = propose_blocks
+        firsts = FirstTokens(done, first_req_idx, rows_owner.logit_rows(batch, done_items), propose)
         host = self.decode_step.finish(rows, out, self.sample_rows, self._seed, firsts)
         updates = self.commit_decode(rows, host)
         first = [(host.ids[real + j], host.logprobs[real + j]) for j in range(len(done))]

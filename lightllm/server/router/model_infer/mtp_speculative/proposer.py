@@ -36,6 +36,28 @@ class PrefillProposal:
     confidence: Optional[torch.Tensor] = None  # [done, K] fp32
 
 
+@dataclass
+class MixedAnchors:
+    """Where a mixed step's blocks start: its decode requests (K + 1 rows each, first in the step),
+    then the prompts whose last chunk it ran. Device tensors."""
+
+    verified: torch.Tensor  # [decode rows] int64: each decode row's verified token
+    accept_len: torch.Tensor  # [n] int32: rows each decode request kept
+    row0_seq_len: torch.Tensor  # [n] int32: keys row 0 of each decode request sees (its KV length + 1)
+    req_idx: torch.Tensor  # [n]: the decode requests' rows of the request table
+    first_req_idx: torch.Tensor  # [m]: the finished prompts' rows
+    first_pos: torch.Tensor  # [m] int64: each finished prompt's length (its first token's position)
+    first_ids: torch.Tensor  # [m] int64: their first tokens
+
+
+@dataclass
+class MixedProposal:
+    """A mixed step's proposals: every decode row's, then each finished prompt's."""
+
+    guesses: torch.Tensor  # [decode rows + m, K] int64
+    confidence: Optional[torch.Tensor] = None  # [n + m, K] fp32, drafts that report them
+
+
 @dataclass(frozen=True)
 class PrefixCacheRule:
     """What a draft's per-position state lets the prompt cache share (prompt_cache.py)."""
@@ -49,6 +71,7 @@ class Proposer(Protocol):
     has_confidence: bool  # proposals come with confidences
     uses_accept_len: bool  # propose() reads each request's accept length
     drafts_prefill_rows: bool  # propose_rows: a prefill's (and a mixed step's) draft pass over rows
+    # without drafts_prefill_rows: propose_mixed(model_input, out, MixedAnchors) -> MixedProposal
 
     @staticmethod
     def kv_needs(draft_dirs: Sequence[str], mtp_step: int) -> DraftKvNeeds: ...

@@ -3,9 +3,9 @@ wait, chunks of them in the same forward (a mixed step, step_rows.py); a step wi
 prefills alone, one with nothing to prefill decodes alone (CUDA graphs, overlap).
 
 Mixed steps take at most ``mixed_budget`` prompt tokens: --batch_max_tokens, and on CUDA with
-graphs at most --graph_max_prefill_tokens, so that every mixed step is one graph replay. A draft
-that drafts prefills on its own (dspark) and --disable_mixed_steps alternate prefill and decode
-steps instead.
+graphs at most --graph_max_prefill_tokens, so that every mixed step's target forward is one graph replay
+(dspark's block pass after it runs eagerly). --disable_mixed_steps alternates prefill and decode steps
+instead.
 
 Overlap (one rank, decoding without MTP, unless ``--disable_overlap_schedule``): a decode step is left in flight,
 and the next call launches the next step of the same requests before it reads and commits
@@ -58,7 +58,7 @@ class ChunkedPrefillBackend(ModeBackend):
         self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
 
     def mixed_steps_enabled(self) -> bool:
-        return not self.args.disable_mixed_steps and (self.draft is None or self.draft.drafts_prefill_rows)
+        return not self.args.disable_mixed_steps
 
     def run_step(self, running: List[InferReq], may_admit: bool = False) -> StepResult:
         """One engine step: decode rows and prompt chunks together (mixed), or whichever has work.
