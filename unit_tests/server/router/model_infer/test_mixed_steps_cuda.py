@@ -1,9 +1,9 @@
 """Mixed steps on CUDA (the embedded model in bf16, CUDA graphs on): with
 --enable_deterministic_inference a token's logits do not depend on its batch, so a workload
 whose steps mix decode rows with prompt chunks gives the token ids the same engine gives one
-request at a time, and what --disable_mixed_steps gives, for plain decoding, strict MTP and
-B = 0 (eagle and dspark drafts). Log-probs agree to LOGPROB_TOL: their log_softmax over the vocabulary is a torch reduction
-whose order depends on the number of rows (H200: differences of ~2e-6). ASD's usage budget is
+request at a time, and what --disable_mixed_steps gives, for plain decoding, strict MTP
+and B = 0 (eagle and dspark drafts). Log-probs agree to LOGPROB_TOL: their log_softmax over the
+vocabulary is a torch reduction whose order depends on the number of rows (H200: differences of ~2e-6). ASD's usage budget is
 left out here: its relaxations read the draft's guesses and the log-probs, so such a difference
 may move one; test_mixed_steps.py checks it against one request at a time on CPU.
 Runs in the GPU CI (skips without CUDA)."""

@@ -395,10 +395,10 @@ class ModeBackend:
         first_req_idx = self._to_dev([r.req_idx for r in done], torch.int32)
         first_pos = self._to_dev([r.kv_len for r in done], torch.int64)  # the prompt's length
 
-        def propose_rows(decode_ids: torch.Tensor, first_ids: torch.Tensor, accept_len: torch.Tensor) -> MixedProposal:
+        def propose_rows(decode_ids, first_ids, accept_len) -> MixedProposal:
             return MixedProposal(rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids))
 
-        def propose_blocks(decode_ids: torch.Tensor, first_ids: torch.Tensor, accept_len: torch.Tensor) -> MixedProposal:
+        def propose_blocks(decode_ids, first_ids, accept_len) -> MixedProposal:
             anchors = MixedAnchors(decode_ids, accept_len, rows.b_seq_len[::k1], rows.b_req_idx[::k1], first_req_idx,
                                    first_pos, first_ids)
             return self.draft.propose_mixed(mi, out, anchors)
