@@ -25,7 +25,7 @@ depth's guess at s.
 """
 import itertools
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -117,13 +117,16 @@ class StepRows:
 
     def __init__(self, model, req_to_next_token_ids: torch.Tensor, ladder: Optional[GraphLadder],
                  use_graphs: bool, draft=None, max_rows: Optional[int] = None,
-                 max_logit_rows: Optional[int] = None):
+                 max_logit_rows: Optional[int] = None,
+                 context: Optional[Callable[[ModelInput, ModelOutput], None]] = None):
         """``ladder``: padded sizes (rows layout) or None (items layout, unpadded, no graphs).
         ``draft``: a DraftProposer (drafts over rows) or None. ``max_rows``: most real rows of an
         items-layout step (buffers grow past it). ``max_logit_rows``: rows layout, most rows a step
         samples (decode rows plus one per prompt chunk: running requests x (K + 1)); the forward
-        computes the logits of that many rows, not of every row (None: every row)."""
+        computes the logits of that many rows, not of every row (None: every row). ``context``: a
+        draft's per-row state written from a mixed step's rows (dspark's context K/V; a graph per size)."""
         self.model = model
+        self.context = context
         self.req_to_next_token_ids = req_to_next_token_ids
         self.draft = draft
         self.k = draft.mtp_step if draft is not None else 0
@@ -285,6 +288,8 @@ class StepRows:
         mi, out = self.graphs.capture(("target", size), lambda: self._target(size, torch.ones(size, dtype=torch.int32)))
         if self.draft is not None:
             self.graphs.capture(("draft", size), lambda: self._draft(mi, out, self.known[:, :size]))
+        if self.context is not None:
+            self.graphs.capture(("context", size), lambda: self.context(mi, out))
 
     def _target(self, size: int, seq_len_cpu: torch.Tensor):
         mi = self._rows_input(size, seq_len_cpu)
@@ -318,6 +323,13 @@ class StepRows:
                            aux_hidden_states=None if aux is None else aux[:t])
 
     # ---- draft ----
+    def write_context(self, batch: RowsBatch, mi: ModelInput, out: ModelOutput) -> None:
+        """``context`` over the rows of ``forward_rows``' output (a graph replay in the rows layout)."""
+        if self.graphs is not None and batch.size is not None:
+            self.graphs.replay(("context", batch.size))
+        else:
+            self.context(mi, out)
+
     def propose_after(self, batch: RowsBatch, mi: ModelInput, out: ModelOutput, decode_ids: Optional[torch.Tensor],
                       done: Sequence[int], first_ids: torch.Tensor) -> torch.Tensor:
         """After sampling: the draft pass over every row (its KV, also for unfinished chunks).

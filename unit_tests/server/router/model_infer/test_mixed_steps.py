@@ -11,6 +11,7 @@ import pytest
 
 import torch
 
+from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.server.router.model_infer.step_rows import GATHER_INPUT, RowItem, StepRows, max_sampled_rows, step_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine
@@ -22,6 +23,7 @@ PROMPT_LENS = range(3, 40)
 COMMON = dict(max_req_total_len=64, max_total_token_num=600)
 CHUNK = 8  # prompt tokens per step: most prompts take several chunks
 LOGPROB_TOL = 1e-4
+BLOCK_LADDER_MAX = 4  # dspark's padded blocks in the rows layout: 1, 2, 4 (3 running requests pad to 4)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,9 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", **kw):
     if layout == "rows":
         ladder = step_ladder(CHUNK, running * (b.mtp_step + 1) + CHUNK)
         b.mixed_rows = StepRows(b.model, b.req_to_next_token_ids, ladder, False, b.rows_draft,
-                                max_logit_rows=max_sampled_rows(running, b.mtp_step))
+                                max_logit_rows=max_sampled_rows(running, b.mtp_step), context=b.rows_context)
+        if b.rows_context is not None:  # dspark: its blocks padded as on CUDA (a ladder of 1, 2, 4)
+            b.draft.use_block_ladder(GraphLadder.from_flags(BLOCK_LADDER_MAX, BLOCK_LADDER_MAX, 1), False)
     calls = []
     mixed = eng.backend.mixed
 

@@ -152,13 +152,19 @@ class ModeBackend:
         self.step_rows = None  # short prefills (and mixed steps) as graph rows (step_rows.py)
         rows_draft = self.draft if self.draft is not None and self.draft.drafts_prefill_rows else None
         self.rows_draft = rows_draft
+        # a draft that drafts a mixed step as blocks (dspark): its context from the rows, blocks padded to the ladder
+        block_draft = self.draft if self.draft is not None and rows_draft is None else None
+        self.rows_context = block_draft.write_context if block_draft is not None and self.mixed_steps_enabled() else None
+        if self.rows_context is not None and ladder is not None:
+            block_draft.use_block_ladder(ladder, use_graphs)
         if ladder is not None and graph_capable(args, self.parallel) and args.graph_max_prefill_tokens:
             max_rows = args.graph_max_prefill_tokens
             if self.mixed_steps_enabled():
                 max_rows += args.running_max_req_size * (self.mtp_step + 1)
             self.step_rows = StepRows(self.model, self.req_to_next_token_ids,
                                       step_ladder(args.graph_max_prefill_tokens, max_rows), use_graphs, rows_draft,
-                                      max_logit_rows=max_sampled_rows(args.running_max_req_size, self.mtp_step))
+                                      max_logit_rows=max_sampled_rows(args.running_max_req_size, self.mtp_step),
+                                      context=self.rows_context)
 
     def mixed_steps_enabled(self) -> bool:
         """Whether a step may hold decode rows and prefill chunks together (the chunked-prefill backend)."""
@@ -399,9 +405,10 @@ class ModeBackend:
             return MixedProposal(rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids))
 
         def propose_blocks(decode_ids, first_ids, accept_len) -> MixedProposal:
+            rows_owner.write_context(batch, mi, out)
             anchors = MixedAnchors(decode_ids, accept_len, rows.b_seq_len[::k1], rows.b_req_idx[::k1], first_req_idx,
                                    first_pos, first_ids)
-            return self.draft.propose_mixed(mi, out, anchors)
+            return self.draft.propose_mixed(anchors, mi.max_len_in_batch)
 
         propose = None
         if rows_owner.draft is not None:

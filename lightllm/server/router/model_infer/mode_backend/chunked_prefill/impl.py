@@ -3,9 +3,9 @@ wait, chunks of them in the same forward (a mixed step, step_rows.py); a step wi
 prefills alone, one with nothing to prefill decodes alone (CUDA graphs, overlap).
 
 Mixed steps take at most ``mixed_budget`` prompt tokens: --batch_max_tokens, and on CUDA with
-graphs at most --graph_max_prefill_tokens, so that every mixed step's target forward is one graph replay
-(dspark's block pass after it runs eagerly). --disable_mixed_steps alternates prefill and decode steps
-instead.
+graphs at most --graph_max_prefill_tokens, so that every mixed step is one graph replay for the target and
+one for the draft (dspark: one for its context, one for its blocks, padded to the decode ladder).
+--disable_mixed_steps alternates prefill and decode steps instead.
 
 Overlap (one rank, decoding without MTP, unless ``--disable_overlap_schedule``): a decode step is left in flight,
 and the next call launches the next step of the same requests before it reads and commits
@@ -47,7 +47,7 @@ class ChunkedPrefillBackend(ModeBackend):
                 self.mixed_budget = min(self.mixed_budget, args.graph_max_prefill_tokens)
             else:
                 self.mixed_rows = StepRows(self.model, self.req_to_next_token_ids, None, False, self.rows_draft,
-                                           max_rows=self.batch_max_tokens)
+                                           max_rows=self.batch_max_tokens, context=self.rows_context)
         # Plain decoding only: with MTP the host's commit already runs under the draft pass, and a
         # step launched ahead measured no faster on the H200 (docs/decode_step.md); the code is the
         # same for any K (the tests run it with MTP too).
