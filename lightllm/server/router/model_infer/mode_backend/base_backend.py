@@ -154,7 +154,8 @@ class ModeBackend:
         self.rows_draft = rows_draft
         # a draft that drafts a mixed step as blocks (dspark): its context from the rows, blocks padded to the ladder
         block_draft = self.draft if self.draft is not None and rows_draft is None else None
-        self.rows_context = block_draft.write_context if block_draft is not None and self.mixed_steps_enabled() else None
+        mixes_blocks = block_draft is not None and self.mixed_steps_enabled()
+        self.rows_context = block_draft.write_context if mixes_blocks else None
         if self.rows_context is not None and ladder is not None:
             block_draft.use_block_ladder(ladder, use_graphs)
         if ladder is not None and graph_capable(args, self.parallel) and args.graph_max_prefill_tokens:
