@@ -9,10 +9,12 @@ from unit_tests.triton_compile_util import run_compile_child
 COMPILE_SCRIPT = """
 from unit_tests.triton_compile_util import compile_for_sm90, sm90_resource_usage
 from lightllm.models.llama.triton_kernel.unified_attention import (
-    DYNAMIC_SPLIT_KEYS, SPLIT_MAX_BLOCK_M, _combine_dynamic_splits_kernel, _unified_attention_kernel,
-    block_shape, launch_config)
+    DYNAMIC_SPLIT_KEYS, MAX_KV_SPLITS, SPLIT_MAX_BLOCK_M, _combine_dynamic_splits_kernel,
+    _unified_attention_kernel, block_shape, launch_config)
 
 SM90_SHARED_BYTES = 232448  # an H100 / H200 block's shared memory limit
+SM90_REGISTERS = 65536  # per SM
+WIDE_PROGRAMS_PER_SM = 4  # the embedded model's wide decode tile: 4 programs per SM (3 at MAX_KV_SPLITS 32)
 
 ATTENTION_ARGS = ["q_ptr", "k_ptr", "v_ptr", "req_to_token_ptr", "row_req_idx_ptr", "row_seq_len_ptr",
                   "row_seq_start_ptr", "block_first_row_ptr", "out_ptr", "part_acc_ptr", "part_ml_ptr",
@@ -29,7 +31,7 @@ DIVISIBLE = [n for n in ATTENTION_ARGS if n.endswith("_ptr") or (n.startswith("s
 # (dtype, head_dim, group, rows per block hint, splits, dynamic): SmolLM2-135M prefill (dynamic splits) /
 # decode / MTP (splits by length), Llama-3-8B prefill (dynamic) / decode / MTP rows, fp32 prefill at head_dim
 # 128 and with one that is not a power of two, without dynamic splits, and a deterministic (unsplit) decode
-CASES = (("*bf16", 64, 3, 4096, 8, True), ("*bf16", 64, 3, 1, 16, False), ("*bf16", 64, 3, 4, 1, False),
+CASES = (("*bf16", 64, 3, 4096, 8, True), ("*bf16", 64, 3, 1, MAX_KV_SPLITS, False), ("*bf16", 64, 3, 4, 1, False),
          ("*bf16", 128, 4, 8192, 8, True), ("*bf16", 128, 4, 1, 8, False), ("*bf16", 128, 4, 4, 1, False),
          ("*fp16", 128, 8, 4, 4, False), ("*fp32", 128, 4, 8192, 8, True), ("*fp32", 80, 2, 64, 8, True),
          ("*bf16", 64, 3, 4096, 1, False), ("*bf16", 128, 4, 1, 1, False), ("*fp32", 64, 3, 4, 32, False))
@@ -50,6 +52,8 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
     if block_m <= SPLIT_MAX_BLOCK_M:  # decode-shaped tiles (every decode step): no register spilled
         usage = sm90_resource_usage(compiled)
         assert usage["STACK"] == 0, (dtype, head_dim, rows, usage)
+        if (dtype, head_dim, rows, splits) == ("*bf16", 64, 1, MAX_KV_SPLITS):  # the embedded model's wide tile
+            assert usage["REG"] <= SM90_REGISTERS // (WIDE_PROGRAMS_PER_SM * cfg.num_warps * 32), usage
     assert "ptx" in compiled.asm, (dtype, head_dim, group)
     # the launch would fail with OutOfResources past the limit
     assert compiled.metadata.shared <= SM90_SHARED_BYTES, (dtype, head_dim, rows, compiled.metadata.shared)
