@@ -144,7 +144,7 @@ class DSparkDraftModel:
             g = f[:, i]
             if w.markov_down is not None:
                 g = g + t.ops.linear(t.ops.linear(t.embed(prev), w.markov_down, None), w.markov_up, None)
-            prev = torch.argmax(t.compute_logits(g), dim=-1)
+            prev = t.greedy_ids(g)
             normed = rms_norm(g, t.pre_post_weight.final_norm, t.arch.rms_norm_eps).float()
             conf = torch.sigmoid(torch.nn.functional.linear(normed, w.confidence_weight.float(),
                                                             w.confidence_bias.float()))

@@ -78,3 +78,16 @@ def test_missing_weight_is_named(tmp_path):
     save_file(state, path)
     with pytest.raises(KeyError, match="model.layers.1.self_attn.k_norm.weight"):
         load_model(_kvargs(model_dir))
+
+
+@pytest.mark.parametrize("data_type", ["float32", "bfloat16"])
+def test_greedy_ids_are_the_argmax_of_the_fp32_logits(tmp_path, data_type):
+    """A draft's greedy guess skips the fp32 copy of the logits: the upcast is exact, so the ids are
+    those of the logits the sampler sees, ties included (the first maximum)."""
+    model = load_model(_kvargs(tiny_model("llama", root=tmp_path).model_dir, data_type=data_type))
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn((64, model.hidden_size), generator=gen).to(model.dtype)
+    hidden = torch.cat([hidden, hidden[:1] * 0])  # a row whose logits all tie (zero hidden: zero logits)
+    want = torch.argmax(model.compute_logits(hidden), dim=-1)
+    assert want[-1] == 0
+    assert torch.equal(model.greedy_ids(hidden), want)

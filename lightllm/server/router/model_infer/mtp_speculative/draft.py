@@ -64,7 +64,7 @@ class DraftProposer:
         return PrefixCacheRule()
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.argmax(self.model.target.compute_logits(hidden), dim=-1)
+        return self.model.target.greedy_ids(hidden)
 
     @torch.no_grad()
     def propose(
