@@ -12,6 +12,7 @@ from unit_tests.server.router.engine_util import hf_greedy, make_engine
 
 ROWS_LIMIT = 16  # prompts (chunks) up to this many tokens take the rows path
 NEW_TOKENS = 6
+BLOCK_LADDER_MAX = 4  # dspark's padded blocks over rows: 1, 2, 4
 
 
 def test_token_ladder_is_powers_of_two_then_the_limit():
@@ -80,7 +81,10 @@ def _with_rows(eng) -> list:
     backend = eng.backend
     draft = backend.draft if backend.draft is not None and backend.draft.drafts_prefill_rows else None
     rows = StepRows(backend.model, backend.req_to_next_token_ids, token_ladder(ROWS_LIMIT), use_graphs=False,
-                    draft=draft, max_logit_rows=max_sampled_rows(backend.args.running_max_req_size, backend.mtp_step))
+                    draft=draft, max_logit_rows=max_sampled_rows(backend.args.running_max_req_size, backend.mtp_step),
+                    context=backend.rows_context)
+    if backend.rows_context is not None:  # dspark: the finished prompts' blocks padded as on CUDA (1, 2, 4)
+        backend.draft.use_block_ladder(token_ladder(BLOCK_LADDER_MAX), False)
     sizes = []
     forward = rows.forward
 
@@ -165,17 +169,19 @@ def test_rows_prefill_matches_transformers(tmp_path, kind, batch_max_tokens):
         assert r.token_ids == hf_greedy(tiny.hf, prompt, NEW_TOKENS)
 
 
-def test_rows_target_with_dspark_prefill_drafts(tmp_path):
-    """dspark drafts every prefill itself (propose_after_prefill) from the rows' hidden states:
-    the same proposals and confidences as over the prefill forward, strict output = transformers."""
+@pytest.mark.parametrize("running", [1, 3])  # 3: a prefill step finishes up to 3 prompts (blocks padded to 4)
+def test_rows_target_with_dspark_prefill_drafts(tmp_path, running):
+    """dspark over rows: its context from the rows (write_context) and the finished prompts' blocks
+    padded to a ladder (propose_mixed) give the proposals and confidences of ``propose_after_prefill``
+    over the prefill forward; strict output = transformers."""
     from lightllm.models.dspark.train_module import random_dspark_draft
 
     tiny = tiny_model("llama", tmp_path)
     draft = random_dspark_draft(tiny.hf.config, str(tmp_path / "dspark"), seed=3, block_size=4)
-    prompts = random_prompts(tiny.vocab_size, 3, range(3, 11), seed=5) + random_prompts(tiny.vocab_size, 2, range(20, 30))
+    prompts = random_prompts(tiny.vocab_size, 3, range(3, 5), seed=5) + random_prompts(tiny.vocab_size, 2, range(20, 30))
     written = {}
     for with_rows in (True, False):
-        eng = make_engine(tiny.model_dir, running_max_req_size=1, max_req_total_len=64, batch_max_tokens=12,
+        eng = make_engine(tiny.model_dir, running_max_req_size=running, max_req_total_len=64, batch_max_tokens=12,
                           mtp_mode="dspark", mtp_step=3, mtp_draft_model_dir=[draft])
         sizes = _with_rows(eng) if with_rows else None
         assert with_rows is False or eng.backend.step_rows.draft is None  # dspark: no rows draft pass
@@ -192,7 +198,11 @@ def test_rows_target_with_dspark_prefill_drafts(tmp_path):
         for prompt, r in zip(prompts, res):
             assert r.token_ids == hf_greedy(tiny.hf, prompt, NEW_TOKENS)
         written[with_rows] = calls
-    assert len(written[True]) == len(prompts)
+    assert len(written[True]) == len(written[False]) and written[True]
+    if running == 1:
+        assert len(written[True]) == len(prompts)
+    else:
+        assert any(len(d) == 3 for d, _ in written[True])  # one step finished 3 prompts (padded to 4)
     for (d_rows, c_rows), (d_fwd, c_fwd) in zip(written[True], written[False]):
         assert d_rows == d_fwd
         torch.testing.assert_close(torch.tensor(c_rows), torch.tensor(c_fwd), rtol=1e-5, atol=1e-6)

@@ -152,11 +152,10 @@ class ModeBackend:
         self.step_rows = None  # short prefills (and mixed steps) as graph rows (step_rows.py)
         rows_draft = self.draft if self.draft is not None and self.draft.drafts_prefill_rows else None
         self.rows_draft = rows_draft
-        # a draft that drafts a mixed step as blocks (dspark): its context from the rows, blocks padded to the ladder
+        # a draft that drafts rows steps as blocks (dspark): its context from the rows, blocks padded to the ladder
         block_draft = self.draft if self.draft is not None and rows_draft is None else None
-        mixes_blocks = block_draft is not None and self.mixed_steps_enabled()
-        self.rows_context = block_draft.write_context if mixes_blocks else None
-        if self.rows_context is not None and ladder is not None:
+        self.rows_context = block_draft.write_context if block_draft is not None else None
+        if block_draft is not None and ladder is not None:
             block_draft.use_block_ladder(ladder, use_graphs)
         if ladder is not None and graph_capable(args, self.parallel) and args.graph_max_prefill_tokens:
             max_rows = args.graph_max_prefill_tokens
@@ -268,8 +267,9 @@ class ModeBackend:
         if self.step_rows is not None and not pad_tokens and len(input_ids) <= self.args.graph_max_prefill_tokens:
             size = self.step_rows.bucket_size(len(input_ids))
         rows_draft = size is not None and self.step_rows.draft is not None
+        rows_blocks = size is not None and self.step_rows.context is not None  # dspark over the rows
         model_input = None  # the prefill forward's input: without rows, or for a draft that drafts prefills itself
-        if size is None or (self.draft is not None and not rows_draft):
+        if size is None or (self.draft is not None and not rows_draft and not rows_blocks):
             model_input = ModelInput(
                 batch_size=len(b_req_idx),
                 total_token_num=int(b_seq_cpu.sum()),
@@ -300,11 +300,26 @@ class ModeBackend:
             if drafts is not None:
                 self._write_prefill_drafts(self._to_dev([reqs[i].req_idx for i in sorted(first_tokens)], torch.int64),
                                            drafts, None)
+        elif rows_blocks:
+            self.step_rows.write_context(rows, rows.model_input, rows.output)
+            if first_tokens:  # no decode rows: the blocks of the finished prompts only
+                done = sorted(first_tokens)
+                none = torch.zeros(0, dtype=torch.int64, device=self.device)
+                anchors = MixedAnchors(verified=none, accept_len=none, row0_seq_len=none, req_idx=none,
+                                       **self._first_anchors([reqs[i] for i in done],
+                                                             self._to_dev([first_tokens[i] for i in done], torch.int64)))
+                proposed = self.draft.propose_mixed(anchors, rows.model_input.max_len_in_batch)
+                self._write_prefill_drafts(anchors.first_req_idx, proposed.guesses, proposed.confidence)
         else:
             proposed = self.draft.propose_after_prefill(reqs, model_input, out, b_ready, first_tokens)
             if proposed is not None:
                 self._write_prefill_drafts(proposed.req_idx, proposed.drafts, proposed.confidence)
         return updates
+
+    def _first_anchors(self, done: List[InferReq], first_ids: torch.Tensor) -> dict:
+        """MixedAnchors' fields of prompts just finished: their rows, lengths and first tokens."""
+        return dict(first_req_idx=self._to_dev([r.req_idx for r in done], torch.int64),
+                    first_pos=self._to_dev([r.kv_len for r in done], torch.int64), first_ids=first_ids)
 
     def _write_prefill_drafts(self, req_idx: torch.Tensor, drafts: torch.Tensor, conf: Optional[torch.Tensor]) -> None:
         """The K proposals [done, K] (and their confidences) after each finished prompt's first token."""
@@ -400,15 +415,14 @@ class ModeBackend:
             model_input=mi,
         )
         first_req_idx = self._to_dev([r.req_idx for r in done], torch.int32)
-        first_pos = self._to_dev([r.kv_len for r in done], torch.int64)  # the prompt's length
 
         def propose_rows(decode_ids, first_ids, accept_len) -> MixedProposal:
             return MixedProposal(rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids))
 
         def propose_blocks(decode_ids, first_ids, accept_len) -> MixedProposal:
             rows_owner.write_context(batch, mi, out)
-            anchors = MixedAnchors(decode_ids, accept_len, rows.b_seq_len[::k1], rows.b_req_idx[::k1], first_req_idx,
-                                   first_pos, first_ids)
+            anchors = MixedAnchors(verified=decode_ids, accept_len=accept_len, row0_seq_len=rows.b_seq_len[::k1],
+                                   req_idx=rows.b_req_idx[::k1], **self._first_anchors(done, first_ids))
             return self.draft.propose_mixed(anchors, mi.max_len_in_batch)
 
         propose = None

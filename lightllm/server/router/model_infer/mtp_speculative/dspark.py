@@ -14,7 +14,9 @@ from lightllm.models.dspark.model import DSparkDraftModel
 from lightllm.server.router.model_infer.mtp_speculative.proposer import (
     DraftKvNeeds, MixedAnchors, MixedProposal, PrefillProposal, PrefixCacheRule, Proposal,
 )
-from lightllm.server.router.model_infer.step_rows import PAD_TOKEN_ID
+
+# A padding block's anchor token (any valid id: its proposals are never read).
+HOLD_BLOCK_TOKEN = 0
 
 
 class DSparkProposer:
@@ -88,7 +90,7 @@ class DSparkProposer:
         self._block_req = torch.full((size,), self.model.target.req_manager.HOLD_REQUEST_ID, dtype=torch.int64,
                                      device=dev)
         self._block_pos = torch.zeros((size,), dtype=torch.int64, device=dev)
-        self._block_anchor = torch.full((size,), PAD_TOKEN_ID, dtype=torch.int64, device=dev)
+        self._block_anchor = torch.full((size,), HOLD_BLOCK_TOKEN, dtype=torch.int64, device=dev)
         if use_graphs:
             self._block_graphs = CudaGraphSet(dev)
             capture_ladder(self._block_graphs, ladder.sizes,
@@ -118,7 +120,7 @@ class DSparkProposer:
             self._block_req[:blocks], self._block_pos[:blocks], self._block_anchor[:blocks] = req, pos, tok
             self._block_req[blocks:size] = self.model.target.req_manager.HOLD_REQUEST_ID
             self._block_pos[blocks:size] = 0
-            self._block_anchor[blocks:size] = PAD_TOKEN_ID
+            self._block_anchor[blocks:size] = HOLD_BLOCK_TOKEN
             if self._block_graphs is not None:
                 toks, conf = self._block_graphs.replay(size)
             else:

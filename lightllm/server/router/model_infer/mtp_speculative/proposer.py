@@ -38,14 +38,14 @@ class PrefillProposal:
 
 @dataclass
 class MixedAnchors:
-    """Where a mixed step's blocks start: its decode requests (K + 1 rows each, first in the step),
-    then the prompts whose last chunk it ran. Device tensors."""
+    """Where a rows step's blocks start: its decode requests (K + 1 rows each, first in the step; none in
+    a prefill-only step), then the prompts whose last chunk it ran. Device tensors."""
 
     verified: torch.Tensor  # [decode rows] int64: each decode row's verified token
     accept_len: torch.Tensor  # [n] int32: rows each decode request kept
     row0_seq_len: torch.Tensor  # [n] int32: keys row 0 of each decode request sees (its KV length + 1)
     req_idx: torch.Tensor  # [n]: the decode requests' rows of the request table
-    first_req_idx: torch.Tensor  # [m]: the finished prompts' rows
+    first_req_idx: torch.Tensor  # [m] int64: the finished prompts' rows
     first_pos: torch.Tensor  # [m] int64: each finished prompt's length (its first token's position)
     first_ids: torch.Tensor  # [m] int64: their first tokens
 
