@@ -178,7 +178,8 @@ def test_rows_target_with_dspark_prefill_drafts(tmp_path, running):
 
     tiny = tiny_model("llama", tmp_path)
     draft = random_dspark_draft(tiny.hf.config, str(tmp_path / "dspark"), seed=3, block_size=4)
-    prompts = random_prompts(tiny.vocab_size, 3, range(3, 5), seed=5) + random_prompts(tiny.vocab_size, 2, range(20, 30))
+    prompts = random_prompts(tiny.vocab_size, 3, range(3, 5), seed=5)  # three fit one step
+    prompts += random_prompts(tiny.vocab_size, 2, range(20, 30))
     written = {}
     for with_rows in (True, False):
         eng = make_engine(tiny.model_dir, running_max_req_size=running, max_req_total_len=64, batch_max_tokens=12,

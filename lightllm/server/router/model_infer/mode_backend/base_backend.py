@@ -305,9 +305,9 @@ class ModeBackend:
             if first_tokens:  # no decode rows: the blocks of the finished prompts only
                 done = sorted(first_tokens)
                 none = torch.zeros(0, dtype=torch.int64, device=self.device)
+                first_ids = self._to_dev([first_tokens[i] for i in done], torch.int64)
                 anchors = MixedAnchors(verified=none, accept_len=none, row0_seq_len=none, req_idx=none,
-                                       **self._first_anchors([reqs[i] for i in done],
-                                                             self._to_dev([first_tokens[i] for i in done], torch.int64)))
+                                       **self._first_anchors([reqs[i] for i in done], first_ids))
                 proposed = self.draft.propose_mixed(anchors, rows.model_input.max_len_in_batch)
                 self._write_prefill_drafts(anchors.first_req_idx, proposed.guesses, proposed.confidence)
         else:
