@@ -35,7 +35,8 @@
 #   gpu_session.sh budgets OUT K [CONC] [NQ] [BUDGETS]   one server, budgets (default 0 / usage / 8) in 3
 #                                       interleaved rounds of NQ questions (default all 1319) at concurrency CONC:
 #                                       ASD's tok/s ratio to B = 0 (OUT/budgets_kK_cCONC$BUDGETS_NAME.json;
-#                                       BUDGETS_SERVER_ARGS: more server flags, e.g. --disable_mixed_steps)
+#                                       BUDGETS_SERVER_ARGS: more server flags, e.g. --disable_mixed_steps;
+#                                       BUDGETS_MTP_MODE: the draft, default eagle_with_att, e.g. dspark)
 #   gpu_session.sh spy OUT [SECONDS]    B = 0 budgets waves (K = 3, concurrency 64) with py-spy (carried in .pyspy/)
 #                                       sampling the router process for SECONDS (default 25) once the first wave
 #                                       runs: OUT/router_spy.txt, collapsed stacks of every thread, idle included
@@ -55,6 +56,7 @@
 #                                       transformers' forward, 16 concurrent 6000- vs 150-token prompts
 #   gpu_session.sh serving OUT          bench_e2e_throughput.py --serving: plain / MTP K = 3 / ASD usage servers, 512 streamed
 #                                       requests each at concurrency 64 (80% GSM8K, 20% 2k-4k tokens): tok/s, TTFT, ITL
+#                                       (SERVING_MODES: other arms, e.g. "mtp mtp_chunk512")
 #   gpu_session.sh steps OUT            decode step ms on the engine's graphs: batch 1 / 64, plain and MTP K = 3
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
@@ -174,7 +176,7 @@ serving)
     # 3 arms, each: server start, a 64-request warm-up, 512 requests (about 30-60 s); the JSON is written after every arm
     out=${1:?OUT}; mkdir -p "$out"
     timeout 540 python benchmarks/bench_e2e_throughput.py --serving --gsm8k .data/test.jsonl --out "$out/serving.json" \
-        > "$out/serving.log" 2>&1
+        ${SERVING_MODES:+--serving_modes $SERVING_MODES} > "$out/serving.log" 2>&1
     status=$?; grep -v " INFO " "$out/serving.log" | grep -v "req/s\]" | tail -20; exit $status
     ;;
 steps)
@@ -316,9 +318,10 @@ arms)
     ;;
 budgets)
     out=${1:?OUT}; k=${2:?K}; conc=${3:-$EVAL_CONCURRENCY}; nq=${4:-}; budgets=${5:-0,2.0625,8}; mkdir -p "$out"
-    name=budgets_k${k}_c$conc${BUDGETS_NAME:-}
+    name=budgets${BUDGETS_MTP_MODE:+_$BUDGETS_MTP_MODE}_k${k}_c$conc${BUDGETS_NAME:-}
     python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step "$k" --budgets "$budgets" --rounds 3 \
         --concurrency "$conc" ${nq:+--num_questions "$nq"} --max_new_tokens "$EVAL_NEW_TOKENS" \
+        ${BUDGETS_MTP_MODE:+--mtp_mode "$BUDGETS_MTP_MODE"} \
         --server_args "${BUDGETS_SERVER_ARGS:-}" --out "$out/$name.json" > "$out/$name.log" 2>&1
     grep -E "^\||identical" "$out/$name.log"
     ;;

@@ -230,6 +230,9 @@ def test_serving_modes_are_server_flags():
     ns = parser.parse_args(usage)
     assert (ns.mtp_asd_regret_budget, ns.mtp_asd_local_regret_ratio, ns.mtp_asd_block_max_mismatch) == (2.0625, 0.25, 2)
     assert parser.parse_args(bench.serving_mode_flags("plain_no_overlap")).disable_overlap_schedule
+    # the small-chunk arm's budget wins over the benchmark's base flags (the last occurrence of a flag)
+    small = parser.parse_args(["--batch_max_tokens", "4096"] + bench.serving_mode_flags("mtp_chunk512"))
+    assert (small.batch_max_tokens, small.mtp_step) == (512, 3)
 
 
 def _server_count(tokenizer, text):
