@@ -142,17 +142,26 @@ class LlamaMTPDraftModel:
         return self.modules[0 if self.eagle else depth]
 
     @torch.no_grad()
-    def forward_depth(self, depth: int, model_input: ModelInput, hidden_in: torch.Tensor, token_in: torch.Tensor) -> torch.Tensor:
-        """depth: 0-based. hidden_in: [tokens, hidden], token_in: [tokens] -> hidden out [tokens, hidden]."""
+    def depth_state(self, model_input: ModelInput) -> Optional[InferStateInfo]:
+        """The rows' state for the attention of every depth (positions, rotary tables, the attention plan:
+        the same rows at every depth, so one state serves them all); None without attention."""
+        if not self.with_att:
+            return None
+        t = self.target
+        state = InferStateInfo.from_model_input(model_input, self.mem_manager, t.req_manager, t.device,
+                                                t.parallel.comm(0))
+        t._fill_position_embeddings(state)
+        return state
+
+    def forward_depth(self, depth: int, model_input: ModelInput, hidden_in: torch.Tensor, token_in: torch.Tensor,
+                      state: Optional[InferStateInfo] = None) -> torch.Tensor:
+        """depth: 0-based. hidden_in: [tokens, hidden], token_in: [tokens] -> hidden out [tokens, hidden].
+        ``state``: ``depth_state(model_input)``, built here when not given."""
         w = self.module_for_depth(depth)
         e = rms_norm(self.target.embed(token_in), w.enorm, self.eps)
         h = rms_norm(hidden_in, w.hnorm, self.eps)
         x = self.target.ops.linear(torch.cat([e, h], dim=-1), w.eh_proj, None)
         comm = self.target.parallel.comm(0)
         if self.with_att:
-            state = InferStateInfo.from_model_input(
-                model_input, self.mem_manager, self.target.req_manager, self.target.device, comm
-            )
-            self.target._fill_position_embeddings(state)
-            return self.layers_infer[depth].forward(x, w.layer, state)
+            return self.layers_infer[depth].forward(x, w.layer, state or self.depth_state(model_input))
         return x + ffn_forward(rms_norm(x, w.mlp_norm, self.eps), w.gate_up_proj, w.down_proj, comm, self.target.ops.linear)
