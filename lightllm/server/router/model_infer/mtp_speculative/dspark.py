@@ -1,9 +1,9 @@
 """The DSpark proposer: one block pass per request drafts all K tokens (``--mtp_mode dspark``).
 
-Same calls as ``DraftProposer`` (see draft.py), and ``write_context`` then ``propose_mixed`` for a
-mixed step (decode rows and prompt chunks in one forward). After every target forward (prefill chunk, decode rows or
-both) the context K/V of all its tokens is written; a rejected row's context is overwritten
-when its slot is reused, and no block ever reads past its anchor."""
+Same calls as ``DraftProposer`` (see draft.py), and ``write_context`` then ``propose_mixed`` for a step
+laid out as rows (a mixed step of decode rows and prompt chunks, or a prefill step). After every target
+forward the context K/V of all its tokens is written; a rejected row's context is overwritten when its
+slot is reused, and no block ever reads past its anchor."""
 from typing import Dict, List, Optional, Sequence
 
 import torch
