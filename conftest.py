@@ -5,6 +5,8 @@ before any kernel module is imported.
 """
 import os
 
+import pytest
+
 try:
     import torch
 
@@ -45,6 +47,20 @@ configure_cpu_threads()
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped on CPU)")
     config.addinivalue_line("markers", "slow: slow real-model test (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "spread: the file's tests may run on several xdist workers at once (no module "
+                                       "fixtures worth sharing; --dist loadgroup, unit_tests/run_gpu_ci.sh)")
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one xdist worker (pytest-xdist)")
+
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under --dist loadgroup every file's tests share a worker (its module fixtures: models, engines),
+    as with --dist loadfile, except in files marked ``spread``: many kernel variants to compile, each test
+    on its own (the GPU suite's longest file ran alone on one worker for minutes)."""
+    for item in items:
+        if item.get_closest_marker("spread") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))  # xdist adds "@<stem>" to the test's id
 
 
 FAILED_LIVE_ENV = "LIGHTLLM_FAILED_LIVE"  # a file: each failing test's id, written as it fails

@@ -57,11 +57,12 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     echo "run_gpu_ci.sh: WARNING: no CUDA device, running on CPU (GPU_CI_ALLOW_CPU=1)" >&2
 fi
 
-# Parallel workers (pytest-xdist, one file per worker at a time) and a per-test time limit
+# Parallel workers (pytest-xdist, one file per worker at a time, but the tests of files marked
+# ``spread`` one by one: conftest.py) and a per-test time limit
 # (pytest-timeout) where installed: most of the suite waits on subprocesses and servers.
 EXTRA=(--durations=30)
 if "$PYTHON" -c "import xdist" 2>/dev/null && [[ "${GPU_CI_WORKERS:-8}" != "0" ]]; then
-    EXTRA+=(-n "${GPU_CI_WORKERS:-8}" --dist loadfile)
+    EXTRA+=(-n "${GPU_CI_WORKERS:-8}" --dist loadgroup)
     export LIGHTLLM_CPU_THREADS="${LIGHTLLM_CPU_THREADS:-2}"
 fi
 if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then

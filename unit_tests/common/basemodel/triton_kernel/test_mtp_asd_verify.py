@@ -21,6 +21,8 @@ from lightllm.common.basemodel.triton_kernel.mtp_utils import (
 )
 from unit_tests.common.basemodel.triton_kernel.mtp_cases import TABLE_WIDTH, VerifyBatch
 
+pytestmark = pytest.mark.spread  # kernel variants to compile, no shared fixtures: one test per worker
+
 DEVICES = KERNEL_DEVICES
 
 VOCAB = 4

@@ -27,6 +27,8 @@ from unit_tests.common.basemodel.triton_kernel.mtp_cases import (
 )
 from unit_tests.common.basemodel.triton_kernel.mtp_reference import ref_mtp_scatter, ref_mtp_verify
 
+pytestmark = pytest.mark.spread  # kernel variants to compile, no shared fixtures: one test per worker
+
 DEVICES = KERNEL_DEVICES
 WIDE_TABLE_WIDTH = 16  # wider than the engine's table (mtp_cases.TABLE_WIDTH)
 

@@ -22,6 +22,8 @@ from lightllm.models.llama.triton_kernel.unified_attention import (
 from unit_tests.devices import KERNEL_DEVICES, needs_cuda, needs_triton_cpu
 from unit_tests.models.llama.triton_kernel.attention_reference import make_batch, reference_attention
 
+pytestmark = pytest.mark.spread  # kernel variants to compile, no shared fixtures: one test per worker
+
 FP32_ATOL = 2e-5
 HALF_ATOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 MTP_ROWS = 4  # K + 1 with K = 3
