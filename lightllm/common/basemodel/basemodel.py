@@ -269,16 +269,19 @@ class TpPartBaseModel:
         vocabulary split, identical on every rank of the DP group)."""
         return self._vocab_logits(hidden_states, comm).contiguous().float()
 
-    def greedy_ids(self, hidden_states: torch.Tensor, comm: Optional[TpComm] = None) -> torch.Tensor:
+    def greedy_ids(self, hidden_states: torch.Tensor, comm: Optional[TpComm] = None,
+                   normed: bool = False) -> torch.Tensor:
         """[n] int64: the argmax of ``compute_logits`` without its fp32 copy (the upcast is exact and keeps
-        the order, so the ids are the same; a draft's greedy guess reads half the bytes)."""
-        return torch.argmax(self._vocab_logits(hidden_states, comm), dim=-1)
+        the order, so the ids are the same; a draft's greedy guess reads half the bytes). ``normed``: the
+        hidden states are past the final norm already."""
+        return torch.argmax(self._vocab_logits(hidden_states, comm, normed), dim=-1)
 
-    def _vocab_logits(self, hidden_states: torch.Tensor, comm: Optional[TpComm]) -> torch.Tensor:
+    def _vocab_logits(self, hidden_states: torch.Tensor, comm: Optional[TpComm], normed: bool = False) -> torch.Tensor:
         """[n, vocab] in the model's dtype (a view past the gather of a vocabulary split)."""
         w = self.pre_post_weight
-        normed = rms_norm(hidden_states, w.final_norm, self.arch.rms_norm_eps)
-        logits = self.ops.linear(normed, w.lm_head, None)  # [n, vocab_part]
+        if not normed:
+            hidden_states = rms_norm(hidden_states, w.final_norm, self.arch.rms_norm_eps)
+        logits = self.ops.linear(hidden_states, w.lm_head, None)  # [n, vocab_part]
         if w.vocab_len >= 0:
             logits = (comm or self.parallel.comm(0)).attn_all_gather_cols(logits)[:, :self.vocab_size]
         return logits

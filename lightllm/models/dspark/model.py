@@ -139,15 +139,15 @@ class DSparkDraftModel:
         for layer_infer, lw in zip(self.layers_infer, w.layers):
             h = layer_infer.forward(h, lw, state)
         f = h.view(m, bs, -1)
-        prev, toks, confs = anchors.long(), [], []
-        for i in range(1, self.mtp_step + 1):
+        prev, toks, normed = anchors.long(), [], []
+        for i in range(1, self.mtp_step + 1):  # sequential: the Markov term reads the previous proposal
             g = f[:, i]
             if w.markov_down is not None:
                 g = g + t.ops.linear(t.ops.linear(t.embed(prev), w.markov_down, None), w.markov_up, None)
-            prev = t.greedy_ids(g)
-            normed = rms_norm(g, t.pre_post_weight.final_norm, t.arch.rms_norm_eps).float()
-            conf = torch.sigmoid(torch.nn.functional.linear(normed, w.confidence_weight.float(),
-                                                            w.confidence_bias.float()))
+            normed.append(rms_norm(g, t.pre_post_weight.final_norm, t.arch.rms_norm_eps))
+            prev = t.greedy_ids(normed[-1], normed=True)
             toks.append(prev)
-            confs.append(conf[:, 0])
-        return torch.stack(toks, dim=1), torch.stack(confs, dim=1)
+        # the confidence head of every depth at once, in fp32
+        conf = torch.sigmoid(torch.nn.functional.linear(torch.stack(normed, dim=1).float(), w.confidence_weight.float(),
+                                                        w.confidence_bias.float()))
+        return torch.stack(toks, dim=1), conf[..., 0]

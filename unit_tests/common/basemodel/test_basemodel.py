@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lightllm.common.basemodel.basemodel import ModelKvArgs
+from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm
 from lightllm.common.basemodel.layer_weights.hf_load_utils import SHARD_INDEX_NAME
 from lightllm.models.registry import load_model
 from unit_tests.models.tiny_checkpoints import build_hf_model, save_checkpoint, tiny_model
@@ -91,3 +92,5 @@ def test_greedy_ids_are_the_argmax_of_the_fp32_logits(tmp_path, data_type):
     want = torch.argmax(model.compute_logits(hidden), dim=-1)
     assert want[-1] == 0
     assert torch.equal(model.greedy_ids(hidden), want)
+    normed = rms_norm(hidden, model.pre_post_weight.final_norm, model.arch.rms_norm_eps)  # past the final norm
+    assert torch.equal(model.greedy_ids(normed, normed=True), want)
