@@ -6,7 +6,8 @@ work list, the keys per split) for its rows and restores them after. Cases as le
 the serving mix (64 requests, every fifth at 4000 keys, the rest 150; 1 or 4 rows each), all short,
 all long, 8B batch 1 / 16 at KV 8192, embedded batch 16 at 6000. Kernel time per layer over
 GRAPH_LAYERS layers in one CUDA graph.
-    python docs/data/perf/session19/decode_config_sweep.py OUT.json [VARIANT,VARIANT...]  (default: all)"""
+    python docs/data/perf/session19/decode_config_sweep.py OUT.json [VARIANT,VARIANT...] [BATCH,BATCH...]
+    (default: every variant, every case; BATCH: only the cases of those batch sizes)"""
 import contextlib
 import functools
 import json
@@ -45,6 +46,8 @@ VARIANTS = {
     "lean": {"length_split_programs": lean_programs},
     "keys128": {"MAX_KV_SPLITS": 64, "length_split_work": functools.partial(BASE_WORK, max_splits=64, min_keys=128)},
     "keys512": {"MAX_KV_SPLITS": 16, "length_split_work": functools.partial(BASE_WORK, max_splits=16, min_keys=512)},
+    # the default before 9b2b931 (at most 32 splits), for an A/B against head in one run
+    "max32": {"MAX_KV_SPLITS": 32, "length_split_work": functools.partial(BASE_WORK, max_splits=32)},
 }
 
 
@@ -72,12 +75,14 @@ def first_layer_out(mod, layers, h, q_len, batch, row_len):
 def main():
     out = sys.argv[1]
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(VARIANTS)
+    batches = {int(b) for b in sys.argv[3].split(",")} if len(sys.argv) > 3 else None  # e.g. "1,64": those cases only
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bw = ba.measure_copy_gb_s(25, 200)
     cases = [("8b", 1, 1, 8192, "uniform"), ("8b", 16, 1, 8192, "uniform"), ("embedded", 16, 1, 6000, "uniform")]
     cases += [("8b", 64, q, 4000, k) for q in (1, 4) for k in ("short", "mixed")]
     cases += [("embedded", 64, q, 4000, k) for q in (1, 4) for k in ("short", "mixed", "long")]
     cases += [("embedded", 1, 1, 8192, "uniform"), ("embedded", 64, 4, 1000, "long"), ("8b", 64, 4, 1000, "long")]
+    cases = [c for c in cases if batches is None or c[1] in batches]
     rows = []
     for shape, batch, q_len, kv_len, kind in cases:
         h, layers, lens, row_len = case_inputs(shape, batch, q_len, kv_len, kind, gen)
