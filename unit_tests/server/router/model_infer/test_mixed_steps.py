@@ -71,6 +71,8 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", **kw):
     params = [{"max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
     res = eng.generate(prompts, params)
     assert eng.backend.mem_manager.available_size == eng.backend.mem_manager.size  # every slot back
+    hold = b.req_manager.HOLD_REQUEST_ID  # padding rows read position 0 of the HOLD row: the HOLD slot
+    assert b.req_manager.req_to_token_indexs[hold, 0] == b.mem_manager.HOLD_SLOT
     return res, calls
 
 

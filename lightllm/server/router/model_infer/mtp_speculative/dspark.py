@@ -15,8 +15,10 @@ from lightllm.server.router.model_infer.mtp_speculative.proposer import (
     DraftKvNeeds, MixedAnchors, MixedProposal, PrefillProposal, PrefixCacheRule, Proposal,
 )
 
-# A padding block's anchor token (any valid id: its proposals are never read).
+# A padding block: the HOLD request's, anchored at position 1 with any valid token, as a padding request's
+# block in a decode step (position 0 of the HOLD row keeps the HOLD slot that padding rows read).
 HOLD_BLOCK_TOKEN = 0
+HOLD_BLOCK_POS = 1
 
 
 class DSparkProposer:
@@ -89,7 +91,7 @@ class DSparkProposer:
         size = ladder.max_size
         self._block_req = torch.full((size,), self.model.target.req_manager.HOLD_REQUEST_ID, dtype=torch.int64,
                                      device=dev)
-        self._block_pos = torch.zeros((size,), dtype=torch.int64, device=dev)
+        self._block_pos = torch.full((size,), HOLD_BLOCK_POS, dtype=torch.int64, device=dev)
         self._block_anchor = torch.full((size,), HOLD_BLOCK_TOKEN, dtype=torch.int64, device=dev)
         if use_graphs:
             self._block_graphs = CudaGraphSet(dev)
@@ -98,7 +100,7 @@ class DSparkProposer:
                            what="dspark block counts")
 
     def _padded_blocks(self, size: int):
-        # the HOLD request's blocks sit at position 0; a block's keys end within the request table
+        # a block's keys end within the request table
         table_width = self.model.target.req_manager.req_to_token_indexs.shape[1]
         return self.model.propose_block(self._block_req[:size], self._block_pos[:size], self._block_anchor[:size],
                                         table_width)
@@ -119,7 +121,7 @@ class DSparkProposer:
         else:
             self._block_req[:blocks], self._block_pos[:blocks], self._block_anchor[:blocks] = req, pos, tok
             self._block_req[blocks:size] = self.model.target.req_manager.HOLD_REQUEST_ID
-            self._block_pos[blocks:size] = 0
+            self._block_pos[blocks:size] = HOLD_BLOCK_POS
             self._block_anchor[blocks:size] = HOLD_BLOCK_TOKEN
             if self._block_graphs is not None:
                 toks, conf = self._block_graphs.replay(size)
