@@ -7,9 +7,10 @@ Every proposer has the calls of ``proposer.Proposer`` (``make_draft_proposer`` p
     propose_after_prefill(reqs, model_input, out, chunk_starts, first_tokens) -> None or PrefillProposal
     kv_needs(draft_dirs, mtp_step) -> DraftKvNeeds (before any model loads)
 
-A proposer with ``drafts_prefill_rows`` also drafts a short prefill run as decode rows
-(``propose_rows``, see step_rows.py); the others draft every prefill with
-``propose_after_prefill``.
+A proposer with ``drafts_prefill_rows`` also drafts the rows of a step laid out as rows (a short
+prefill, a mixed step) depth by depth (``propose_rows``, see step_rows.py); the others (dspark)
+draft such a step with ``write_context`` and ``propose_mixed``. A prefill forward's prompts draft
+with ``propose_after_prefill``.
 
 A confidence is None or the proposals' confidences, one row per request: [requests, K] fp32.
 """

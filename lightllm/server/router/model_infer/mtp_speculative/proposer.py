@@ -71,7 +71,8 @@ class Proposer(Protocol):
     has_confidence: bool  # proposals come with confidences
     uses_accept_len: bool  # propose() reads each request's accept length
     drafts_prefill_rows: bool  # propose_rows: a prefill's (and a mixed step's) draft pass over rows
-    # without drafts_prefill_rows: propose_mixed(model_input, out, MixedAnchors) -> MixedProposal
+    # without drafts_prefill_rows, a rows step: write_context(model_input, out), then
+    # propose_mixed(MixedAnchors, max_len) -> MixedProposal (dspark.py)
 
     @staticmethod
     def kv_needs(draft_dirs: Sequence[str], mtp_step: int) -> DraftKvNeeds: ...
