@@ -4,6 +4,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from lightllm.common.basemodel.triton_kernel.token_logprobs import token_logprobs_triton
 from lightllm.common.req_manager import ReqSamplingParamsManager
 from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.router.model_infer.grammar import BITS_PER_WORD
@@ -144,8 +145,11 @@ def sample(
 
 
 def token_logprobs(processed_logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log p(token) under the processed logits: [rows, vocab], [rows] -> [rows] fp32. One fused
-    log_softmax and a gather (torch.logsumexp is about six kernels and reads the logits four times)."""
+    """log p(token) under the processed logits: [rows, vocab], [rows] -> [rows] fp32. CUDA: one pass over
+    each row's logits (token_logprobs.py: no [rows, vocab] output, a row's value independent of the other
+    rows); CPU: one fused log_softmax and a gather (torch.logsumexp is about six kernels)."""
+    if processed_logits.is_cuda:
+        return token_logprobs_triton(processed_logits, token_ids)
     return torch.log_softmax(processed_logits, dim=-1).gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
 
 
