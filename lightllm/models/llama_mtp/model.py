@@ -163,5 +163,7 @@ class LlamaMTPDraftModel:
         x = self.target.ops.linear(torch.cat([e, h], dim=-1), w.eh_proj, None)
         comm = self.target.parallel.comm(0)
         if self.with_att:
-            return self.layers_infer[depth].forward(x, w.layer, state or self.depth_state(model_input))
+            if state is None:
+                state = self.depth_state(model_input)
+            return self.layers_infer[depth].forward(x, w.layer, state)
         return x + ffn_forward(rms_norm(x, w.mlp_norm, self.eps), w.gate_up_proj, w.down_proj, comm, self.target.ops.linear)

@@ -305,9 +305,11 @@ class ModeBackend:
             if first_tokens:  # no decode rows: the blocks of the finished prompts only
                 done = sorted(first_tokens)
                 none = torch.zeros(0, dtype=torch.int64, device=self.device)
+                done_reqs = [reqs[i] for i in done]
                 first_ids = self._to_dev([first_tokens[i] for i in done], torch.int64)
+                req_idx = self._to_dev([r.req_idx for r in done_reqs], torch.int64)
                 anchors = MixedAnchors(verified=none, accept_len=none, row0_seq_len=none, req_idx=none,
-                                       **self._first_anchors([reqs[i] for i in done], first_ids))
+                                       **self._first_anchors(done_reqs, req_idx, first_ids))
                 proposed = self.draft.propose_mixed(anchors, rows.model_input.max_len_in_batch)
                 self._write_prefill_drafts(anchors.first_req_idx, proposed.guesses, proposed.confidence)
         else:
@@ -316,10 +318,11 @@ class ModeBackend:
                 self._write_prefill_drafts(proposed.req_idx, proposed.drafts, proposed.confidence)
         return updates
 
-    def _first_anchors(self, done: List[InferReq], first_ids: torch.Tensor) -> dict:
-        """MixedAnchors' fields of prompts just finished: their rows, lengths and first tokens."""
-        return dict(first_req_idx=self._to_dev([r.req_idx for r in done], torch.int64),
-                    first_pos=self._to_dev([r.kv_len for r in done], torch.int64), first_ids=first_ids)
+    def _first_anchors(self, done: List[InferReq], req_idx: torch.Tensor, first_ids: torch.Tensor) -> dict:
+        """MixedAnchors' fields of prompts just finished: their rows (``req_idx``, on the device), lengths
+        and first tokens."""
+        return dict(first_req_idx=req_idx, first_pos=self._to_dev([r.kv_len for r in done], torch.int64),
+                    first_ids=first_ids)
 
     def _write_prefill_drafts(self, req_idx: torch.Tensor, drafts: torch.Tensor, conf: Optional[torch.Tensor]) -> None:
         """The K proposals [done, K] (and their confidences) after each finished prompt's first token."""
@@ -422,7 +425,8 @@ class ModeBackend:
         def propose_blocks(decode_ids, first_ids, accept_len) -> MixedProposal:
             rows_owner.write_context(batch, mi, out)
             anchors = MixedAnchors(verified=decode_ids, accept_len=accept_len, row0_seq_len=rows.b_seq_len[::k1],
-                                   req_idx=rows.b_req_idx[::k1], **self._first_anchors(done, first_ids))
+                                   req_idx=rows.b_req_idx[::k1],
+                                   **self._first_anchors(done, first_req_idx, first_ids))
             return self.draft.propose_mixed(anchors, mi.max_len_in_batch)
 
         propose = None

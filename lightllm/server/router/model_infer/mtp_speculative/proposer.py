@@ -45,7 +45,7 @@ class MixedAnchors:
     accept_len: torch.Tensor  # [n] int32: rows each decode request kept
     row0_seq_len: torch.Tensor  # [n] int32: keys row 0 of each decode request sees (its KV length + 1)
     req_idx: torch.Tensor  # [n]: the decode requests' rows of the request table
-    first_req_idx: torch.Tensor  # [m] int64: the finished prompts' rows
+    first_req_idx: torch.Tensor  # [m]: the finished prompts' rows
     first_pos: torch.Tensor  # [m] int64: each finished prompt's length (its first token's position)
     first_ids: torch.Tensor  # [m] int64: their first tokens
 
