@@ -122,6 +122,10 @@ def main(argv=None) -> int:
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--prompt_tokens", type=int, default=0,
                    help="prompts of exactly this many tokens (the long-context wave: 16 x 6000), not GSM8K chats")
+    p.add_argument("--long_every", type=int, default=0,
+                   help="every this many GSM8K prompts, one of --long_tokens tokens instead (the serving mix: 5)")
+    p.add_argument("--long_tokens", type=int, default=3000)
+    p.add_argument("--batch_max_tokens", type=int, default=0, help="the chunk budget (0: the engine's default)")
     p.add_argument("--disable_mixed_steps", action="store_true", help="the alternating schedule, for comparison")
     p.add_argument("--prompt_cache", action="store_true",
                    help="keep the prompt cache on, as a server runs (the warm-up's prompts then hit it)")
@@ -148,10 +152,17 @@ def main(argv=None) -> int:
         prompts = [exact_length_prompt(tok, args.prompt_tokens, questions, j, ends) for j in range(args.num_prompts)]
     else:
         prompts = chat_prompt_ids(tok, questions[:args.num_prompts])
+    if args.long_every:
+        from benchmarks.bench_e2e_throughput import chat_template_ends, exact_length_prompt
+
+        ends = chat_template_ends(tok)
+        prompts = [exact_length_prompt(tok, args.long_tokens, questions, j, ends) if j % args.long_every == 0 else x
+                   for j, x in enumerate(prompts)]
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=args.mtp_step) if args.mtp_step else {}
     max_len = auto_max_req_total_len([len(x) for x in prompts], args.max_new_tokens)
     start = StartArgs(running_max_req_size=args.concurrency, max_req_total_len=max(1024, max_len),
                       disable_mixed_steps=args.disable_mixed_steps,
+                      **({"batch_max_tokens": args.batch_max_tokens} if args.batch_max_tokens else {}),
                       disable_dynamic_prompt_cache=not args.prompt_cache,  # default: prefill every prompt
                       **mtp)
     on_gpu = torch.cuda.is_available()  # CPU: a smoke run of the script (no performance number)
