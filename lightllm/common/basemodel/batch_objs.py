@@ -5,6 +5,16 @@ from typing import Optional
 import torch
 
 
+@dataclass(frozen=True)
+class DecodeHead:
+    """A rows forward whose first rows are decode runs and the rest prompt chunks (a mixed step):
+    the attention plans the two apart, each for its shape."""
+
+    rows: torch.Tensor  # [1] int32 device: the decode rows, runs of ``q_len`` rows of one request each
+    q_len: int  # host: rows per run (K + 1)
+    max_runs: int  # host: most runs (the running requests)
+
+
 @dataclass
 class ModelInput:
     """One forward over a batch of requests.
@@ -31,6 +41,7 @@ class ModelInput:
     # reads a run's KV once; prefill derives both from its items.
     max_q_len: int = 1
     max_q_runs: Optional[int] = None
+    decode_head: Optional[DecodeHead] = None  # decode rows before prompt chunks (None: one plan for all rows)
     # The rows (new tokens) whose logits the forward computes, in this order (None: each item's
     # last new token; decode: every row).
     logit_rows: Optional[torch.Tensor] = None

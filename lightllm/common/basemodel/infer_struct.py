@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightllm.common.basemodel.batch_objs import ModelInput
+from lightllm.common.basemodel.batch_objs import DecodeHead, ModelInput
 from lightllm.common.kv_cache_mem_manager import MemoryManager
 from lightllm.common.req_manager import ReqManager
 from lightllm.utils.dist_utils import SINGLE_RANK_COMM, TpComm
@@ -39,7 +39,8 @@ class InferStateInfo:
     comm: TpComm = SINGLE_RANK_COMM  # collectives of this forward (tensor / data parallel ranks)
     max_q_len: int = 1  # host int: most consecutive rows (new tokens) of one request
     max_q_runs: int = 1  # host int: at most this many runs of consecutive rows of one request
-    # The triton attention's plan (unified_attention.AttentionPlan), built by the first layer.
+    decode_head: Optional[DecodeHead] = None  # decode rows before prompt chunks (ModelInput.decode_head)
+    # The triton attention's plans (unified_attention.AttentionPlan, one per group of rows), built by the first layer.
     attention_plan: Optional[Any] = None
     # Filled by the model after construction (rope tables of the new tokens' positions).
     position_cos: Optional[torch.Tensor] = None  # [num_new_tokens, head_dim]
@@ -101,6 +102,7 @@ class InferStateInfo:
             comm=comm,
             max_q_len=max_q_len,
             max_q_runs=max_q_runs,
+            decode_head=None if model_input.is_prefill else model_input.decode_head,
         )
 
 

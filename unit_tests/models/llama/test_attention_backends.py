@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightllm.common.basemodel.batch_objs import ModelInput
+from lightllm.common.basemodel.batch_objs import DecodeHead, ModelInput
 from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.layer_infer.torch_attention import paged_attention_torch
 from lightllm.common.kv_cache_mem_manager import MemoryManager
@@ -87,18 +87,51 @@ def _mtp_decode_case(device="cpu", seed=1, k1=4):
     return q, mem.k_buffer[0], mem.v_buffer[0], state
 
 
+def _mixed_rows_case(device="cpu", seed=2, k1=4):
+    """A mixed step as rows: K + 1 decode rows per request, a prompt chunk after a cached prefix (one row per
+    token), then HOLD padding rows; the decode rows are the forward's decode head."""
+    gen = torch.Generator().manual_seed(seed)
+    mem = MemoryManager(NUM_SLOTS, torch.float32, KV_HEADS, HEAD_DIM, 1, device)
+    mem.k_buffer.copy_(torch.randn(mem.k_buffer.shape, generator=gen))
+    mem.v_buffer.copy_(torch.randn(mem.v_buffer.shape, generator=gen))
+    reqs = ReqManager(3, MAX_SEQ_LEN, mem, device)
+    req_idx, seq_len = [], []
+    for first, n in ((5, k1), (TOKEN_BLOCK + 7, k1), (TOKEN_BLOCK - 3, 2 * TOKEN_BLOCK)):  # decode, decode, chunk
+        r = reqs.alloc()
+        end = first + n - 1
+        reqs.req_to_token_indexs[r, :end] = mem.alloc(end)[torch.randperm(end, generator=gen)].to(device)
+        req_idx += [r] * n
+        seq_len += list(range(first, first + n))
+    req_idx += [reqs.HOLD_REQUEST_ID] * 3
+    seq_len += [1] * 3
+    rows = len(req_idx)
+    seq_cpu = torch.tensor(seq_len, dtype=torch.int32)
+    head = DecodeHead(torch.tensor([2 * k1], dtype=torch.int32, device=device), k1, 3)
+    model_input = ModelInput(
+        batch_size=rows, total_token_num=0, max_len_in_batch=int(seq_cpu.max()),
+        input_ids=torch.zeros(rows, dtype=torch.int64), mem_indexes=torch.zeros(rows, dtype=torch.int64),
+        b_req_idx=torch.tensor(req_idx, dtype=torch.int32), b_seq_len=seq_cpu, is_prefill=False,
+        b_seq_len_cpu=seq_cpu, max_q_len=rows, max_q_runs=rows, decode_head=head,
+    )
+    state = InferStateInfo.from_model_input(model_input, mem, reqs, torch.device(device))
+    q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=gen).to(device)
+    return q, mem.k_buffer[0], mem.v_buffer[0], state
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("case", [_chunked_prefill_case, _mtp_decode_case])
+@pytest.mark.parametrize("case", [_chunked_prefill_case, _mtp_decode_case, _mixed_rows_case])
 def test_triton_attention_matches_torch(device, case):
     q, k_cache, v_cache, state = case(device)
     scale = HEAD_DIM**-0.5
     got = ab.triton_attention(q, k_cache, v_cache, state, scale)
-    plan = state.attention_plan
-    assert ab.triton_attention(q, k_cache, v_cache, state, scale) is not None and state.attention_plan is plan
+    plans = state.attention_plan
+    assert ab.triton_attention(q, k_cache, v_cache, state, scale) is not None and state.attention_plan is plans
     want = paged_attention_torch(q, k_cache, v_cache, state, scale)
     torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=FP32_ATOL)
-    if not state.is_prefill:
-        assert plan.block_q == 4  # one block per request's K + 1 rows
+    if case is _mixed_rows_case:  # the decode rows in K + 1-row blocks, the chunk and padding in tall ones
+        assert [p.block_q for p in plans] == [4, 128 // 3] and plans[0].work is not None  # tile rows // GQA 3
+    elif not state.is_prefill:
+        assert len(plans) == 1 and plans[0].block_q == 4  # one block per request's K + 1 rows
 
 
 def test_one_name_picks_the_attention():

@@ -14,7 +14,7 @@ batch, on prefill chunking, or on whether it was computed as a plain decode row 
 verify row.
 """
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.triton_kernel.batch_invariant_matmul import batch_invariant_linear
 from lightllm.common.basemodel.layer_infer.torch_attention import paged_attention_torch
-from lightllm.models.llama.triton_kernel.unified_attention import AttentionPlan, plan_attention, unified_attention
+from lightllm.models.llama.triton_kernel.unified_attention import (
+    AttentionPlan, plan_attention, plan_split_rows, unified_attention,
+)
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, InferStateInfo, float], torch.Tensor]
 # (x [..., in], weight [out, in], bias [out] or None) -> [..., out]
@@ -33,25 +35,33 @@ TRITON_BACKEND = "triton"
 
 
 def attention_plan(infer_state: InferStateInfo, q_heads: int, kv_heads: int, head_dim: int,
-                   deterministic: bool) -> AttentionPlan:
-    """The forward's plan: built by the first layer that asks, reused by the others."""
-    plan = infer_state.attention_plan
-    if plan is not None and plan.group * kv_heads == q_heads:
-        return plan
+                   deterministic: bool) -> Tuple[AttentionPlan, ...]:
+    """The forward's plans (each row in one): built by the first layer that asks, reused by the others.
+    A forward with a decode head (a mixed step) plans its decode rows and its prompt chunks apart."""
+    plans = infer_state.attention_plan
+    if plans is not None and plans[0].group * kv_heads == q_heads:
+        return plans
     if infer_state.is_prefill:
         req, seq_len = infer_state.b_req_idx[infer_state.token_item], infer_state.positions + 1
     else:
         req, seq_len = infer_state.b_req_idx, infer_state.b_seq_len
-    plan = plan_attention(req, seq_len, q_heads, kv_heads, infer_state.max_q_len, infer_state.max_q_runs,
-                          deterministic, head_dim)
-    infer_state.attention_plan = plan
-    return plan
+    head = infer_state.decode_head
+    if head is not None and not deterministic:  # a deterministic plan is one block per row anyway
+        plans = plan_split_rows(req, seq_len, q_heads, kv_heads, head.rows, head.q_len, head.max_runs,
+                                infer_state.max_q_len, infer_state.max_q_runs, head_dim)
+    else:
+        plans = (plan_attention(req, seq_len, q_heads, kv_heads, infer_state.max_q_len, infer_state.max_q_runs,
+                                deterministic, head_dim),)
+    infer_state.attention_plan = plans
+    return plans
 
 
 def _triton_attention(q, k_cache, v_cache, infer_state: InferStateInfo, sm_scale: float,
                       deterministic: bool = False) -> torch.Tensor:
-    plan = attention_plan(infer_state, q.shape[1], k_cache.shape[1], q.shape[2], deterministic)
-    return unified_attention(q, k_cache, v_cache, infer_state.req_manager.req_to_token_indexs, plan, sm_scale)
+    out = None
+    for plan in attention_plan(infer_state, q.shape[1], k_cache.shape[1], q.shape[2], deterministic):
+        out = unified_attention(q, k_cache, v_cache, infer_state.req_manager.req_to_token_indexs, plan, sm_scale, out)
+    return out
 
 
 def triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, infer_state: InferStateInfo,

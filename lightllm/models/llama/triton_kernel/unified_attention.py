@@ -368,6 +368,8 @@ class AttentionPlan:
     work: Optional[torch.Tensor] = None
     split_counter: Optional[torch.Tensor] = None  # [max_blocks * kv_heads] int32 zeros, the kernel's counters
     wide_tiles: bool = False  # few blocks: the split launch configuration (more bytes in flight per program)
+    # Rows outside [rows_from, rows_below) get no block: another plan of the same forward covers them
+    row_range: bool = False
 
 
 def block_shape(group: int, max_q_len: int, deterministic: bool) -> Tuple[int, int]:
@@ -460,9 +462,14 @@ def plan_attention(
     max_seqs: int,  # host: at most this many runs of consecutive rows of one request
     deterministic: bool = False,
     head_dim: int = TARGET_HEAD_DIM,
+    rows_from: Optional[torch.Tensor] = None,  # [1] int32 device: the plan's first row (None: 0)
+    rows_below: Optional[torch.Tensor] = None,  # [1] int32 device: its end (None: every row)
+    max_blocks: Optional[int] = None,  # host: most blocks the plan's rows need (default: from the rows)
 ) -> AttentionPlan:
     """Group consecutive rows of one request into sequences and cut them into blocks, on the
-    device (no host sync; a fixed shape for a fixed number of rows: CUDA-graph safe)."""
+    device (no host sync; a fixed shape for a fixed number of rows: CUDA-graph safe). With
+    ``rows_from`` / ``rows_below`` only the rows between them get blocks (a forward's decode rows
+    and its prompt chunks, each planned for its shape: ``plan_split_rows``)."""
     if q_heads % kv_heads != 0:
         raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
     rows = int(row_req_idx.shape[0])
@@ -473,16 +480,27 @@ def plan_attention(
     row_req_idx = row_req_idx.to(torch.int64).contiguous()
     row_seq_len = row_seq_len.to(torch.int32).contiguous()
     idx = torch.arange(rows, device=row_req_idx.device)
-    if block_q == 1:
+    ranged = rows_from is not None or rows_below is not None
+    in_range = None
+    if ranged:
+        in_range = torch.ones(rows, dtype=torch.bool, device=idx.device)
+        if rows_from is not None:
+            in_range &= idx >= rows_from
+        if rows_below is not None:
+            in_range &= idx < rows_below
+    if block_q == 1 and not ranged:
         max_blocks = max(rows, 1)
         seq_start = idx
         first = idx.to(torch.int32)
     else:
-        max_blocks = max(1, min(rows, triton.cdiv(rows, block_q) + max(max_seqs, 1)))
+        if max_blocks is None:
+            max_blocks = max(1, min(rows, triton.cdiv(rows, block_q) + max(max_seqs, 1)))
         cont = torch.zeros(rows, dtype=torch.bool, device=idx.device)
         cont[1:] = row_req_idx[1:] == row_req_idx[:-1]
         seq_start = torch.cummax(torch.where(cont, torch.zeros_like(idx), idx), 0).values
         leader = (idx - seq_start) % block_q == 0
+        if ranged:
+            leader &= in_range
         slot = torch.where(leader, torch.cumsum(leader, 0) - 1, max_blocks).clamp_(max=max_blocks)
         first = torch.full((max_blocks + 1,), -1, dtype=torch.int32, device=idx.device)  # the last takes the rest
         first = first.scatter_(0, slot, idx.to(torch.int32))[:max_blocks]
@@ -494,22 +512,45 @@ def plan_attention(
         active = (first >= 0).sum(dtype=torch.int32).reshape(1)
         part_blocks = min(max_blocks, triton.cdiv(sms, kv_heads))
         return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m,
-                             DYNAMIC_MAX_SPLITS, True, active, part_blocks)
+                             DYNAMIC_MAX_SPLITS, True, active, part_blocks, row_range=ranged)
     seq_start = seq_start.to(torch.int32)
     if deterministic or block_m > SPLIT_MAX_BLOCK_M:
-        return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, 1)
-    if block_q == 1:
+        return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, 1, row_range=ranged)
+    if block_q == 1 and not ranged:
         block_len = row_seq_len
     else:  # a block's longest row; its rows follow its leader
         row_block = (torch.cumsum(leader, 0) - 1).clamp_(0, max_blocks - 1)
+        lens = row_seq_len if in_range is None else torch.where(in_range, row_seq_len, 0)
         block_len = torch.zeros(max_blocks, dtype=torch.int32, device=idx.device)
-        block_len = block_len.scatter_reduce_(0, row_block, row_seq_len, "amax")
+        block_len = block_len.scatter_reduce_(0, row_block, lens, "amax")
         block_len = torch.where(first >= 0, block_len, -1)
     programs = length_split_programs(max_blocks, kv_heads, head_dim, sms)
     work = length_split_work(block_len, programs)
     return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, MAX_KV_SPLITS,
-                         work=work, wide_tiles=max_blocks * kv_heads < sms,
+                         work=work, wide_tiles=max_blocks * kv_heads < sms, row_range=ranged,
                          split_counter=torch.zeros(max_blocks * kv_heads, dtype=torch.int32, device=idx.device))
+
+
+def plan_split_rows(
+    row_req_idx: torch.Tensor,  # [rows] int
+    row_seq_len: torch.Tensor,  # [rows] int
+    q_heads: int,
+    kv_heads: int,
+    head_rows: torch.Tensor,  # [1] int32 device: the first rows, runs of ``head_q_len`` rows of one request each
+    head_q_len: int,  # host: rows per run of the head (decode rows: K + 1)
+    max_head_runs: int,  # host: most runs in the head (the running requests)
+    max_q_len: int,  # host: the rest's longest run (a prompt chunk)
+    max_seqs: int,  # host: at most this many runs in all
+    head_dim: int = TARGET_HEAD_DIM,
+) -> Tuple[AttentionPlan, AttentionPlan]:
+    """Two plans of one forward whose first ``head_rows`` rows are decode rows and the rest prompt
+    chunks (a mixed step): the decode rows in small tiles that split their KV by length (as a
+    decode step plans them), the chunks in tall tiles; every row in exactly one of them."""
+    head = plan_attention(row_req_idx, row_seq_len, q_heads, kv_heads, head_q_len, max_head_runs, head_dim=head_dim,
+                          rows_below=head_rows, max_blocks=max(1, max_head_runs))
+    rest = plan_attention(row_req_idx, row_seq_len, q_heads, kv_heads, max_q_len, max_seqs, head_dim=head_dim,
+                          rows_from=head_rows)
+    return head, rest
 
 
 def unified_attention(
@@ -519,6 +560,7 @@ def unified_attention(
     req_to_token_indexs: torch.Tensor,  # [max_req + 1, max_seq_len] int64
     plan: AttentionPlan,
     sm_scale: float,
+    out: Optional[torch.Tensor] = None,  # like q: write the plan's rows here (the others are left alone)
 ) -> torch.Tensor:  # [rows, q_heads, head_dim]
     if q.ndim != 3 or k_cache.ndim != 3 or v_cache.ndim != 3:
         raise ValueError("q, k_cache, v_cache must be [rows|slots, heads, head_dim]")
@@ -537,7 +579,10 @@ def unified_attention(
             raise ValueError(f"{name} must be contiguous in its last dim")
     if req_to_token_indexs.dtype != torch.int64:
         raise ValueError("req_to_token_indexs must be int64")
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be shaped as q {tuple(q.shape)} {q.dtype}")
     if rows == 0:
         return out
     splits = plan.num_kv_splits
@@ -556,7 +601,9 @@ def unified_attention(
         part_rows = 0
         part_acc = part_ml = out  # not read
     unread = plan.row_seq_len
-    row_split = torch.empty((rows, 2), dtype=torch.int32, device=q.device) if dynamic else unread
+    # the combine reads every row's entry: rows outside a ranged plan's blocks must read "no split"
+    alloc = torch.zeros if plan.row_range else torch.empty
+    row_split = alloc((rows, 2), dtype=torch.int32, device=q.device) if dynamic else unread
     active = plan.active_blocks if dynamic else unread
     work, counter = (plan.work, plan.split_counter) if by_length else (unread, unread)
     sms = sm_count(q.device)

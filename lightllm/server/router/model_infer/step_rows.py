@@ -30,7 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
+from lightllm.common.basemodel.batch_objs import DecodeHead, ModelInput, ModelOutput
 from lightllm.common.basemodel.cuda_graph import CudaGraphSet, GraphLadder, capture_ladder
 from lightllm.server.router.model_infer.mtp_speculative.draft import UNKNOWN_TOKEN, tokens_ahead
 from lightllm.utils.host_copy import to_device
@@ -118,13 +118,16 @@ class StepRows:
     def __init__(self, model, req_to_next_token_ids: torch.Tensor, ladder: Optional[GraphLadder],
                  use_graphs: bool, draft=None, max_rows: Optional[int] = None,
                  max_logit_rows: Optional[int] = None,
-                 context: Optional[Callable[[ModelInput, ModelOutput], None]] = None):
+                 context: Optional[Callable[[ModelInput, ModelOutput], None]] = None,
+                 decode_runs: Optional[Tuple[int, int]] = None):
         """``ladder``: padded sizes (rows layout) or None (items layout, unpadded, no graphs).
         ``draft``: a DraftProposer (drafts over rows) or None. ``max_rows``: most real rows of an
         items-layout step (buffers grow past it). ``max_logit_rows``: rows layout, most rows a step
         samples (decode rows plus one per prompt chunk: running requests x (K + 1)); the forward
         computes the logits of that many rows, not of every row (None: every row). ``context``: a
-        draft's per-row state written from a mixed step's rows (dspark's context K/V; a graph per size)."""
+        draft's per-row state written from a mixed step's rows (dspark's context K/V; a graph per size).
+        ``decode_runs``: (K + 1, most running requests) when steps may hold decode rows (mixed steps,
+        rows layout): the attention then plans the decode rows apart from the prompt chunks."""
         self.model = model
         self.context = context
         self.req_to_next_token_ids = req_to_next_token_ids
@@ -134,6 +137,7 @@ class StepRows:
         self.max_tokens = ladder.max_size if ladder is not None else None
         self.max_logit_rows = max_logit_rows if ladder is not None else None
         self.device = model.device
+        self.decode_runs = decode_runs if ladder is not None else None
         hold = [PAD_TOKEN_ID, model.req_manager.HOLD_REQUEST_ID, 1, model.mem_manager.HOLD_SLOT, 0, 0, 0]  # STAGE_COLUMNS
         self._hold_row_np = np.array(hold + [UNKNOWN_TOKEN] * self.k, dtype=np.int64)
         self._alloc(self.max_tokens if ladder is not None else (max_rows or 1))
@@ -263,11 +267,16 @@ class StepRows:
         return torch.where(ids == GATHER_INPUT, gathered, ids)
 
     def _rows_input(self, size: int, seq_len_cpu: torch.Tensor) -> ModelInput:
+        head = None
+        if self.decode_runs is not None:  # the decode rows (staged to be gathered) come first
+            head_rows = (self.staged_ids[:size] == GATHER_INPUT).sum(dtype=torch.int32).reshape(1)
+            head = DecodeHead(head_rows, *self.decode_runs)
         return ModelInput(
             batch_size=size, total_token_num=0, max_len_in_batch=int(seq_len_cpu.max()),
             input_ids=self._inputs(size), mem_indexes=self.mem_indexes[:size], b_req_idx=self.b_req_idx[:size],
             b_seq_len=self.b_seq_len[:size], is_prefill=False, b_seq_len_cpu=seq_len_cpu, max_q_len=size,
             logit_rows=None if self.max_logit_rows is None else self.logit_index[:self.logit_count(size)],
+            decode_head=head,
         )
 
     def _items_input(self, batch: RowsBatch, sampled_items: Sequence[int]) -> ModelInput:

@@ -17,6 +17,7 @@ from lightllm.models.llama.triton_kernel.unified_attention import (
     block_shape,
     length_split_work,
     plan_attention,
+    plan_split_rows,
     unified_attention,
 )
 from unit_tests.devices import KERNEL_DEVICES, needs_cuda, needs_triton_cpu
@@ -130,6 +131,53 @@ def test_dynamic_splits_match_reference_cpu():
         torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
 
 
+def _rows_of(plan, rows: int):
+    """Every row each block of ``plan`` computes (the kernel's rule: the block's first BLOCK_Q rows that
+    share its first row's sequence)."""
+    start, out = plan.row_seq_start.tolist(), []
+    for first in plan.block_first_row.tolist():
+        if first >= 0:
+            out += [r for r in range(first, min(first + plan.block_q, rows)) if start[r] == start[first]]
+    return out
+
+
+def _split_rows_case(decode, chunks, q_len, q_heads, kv_heads, head_dim, dtype, device):
+    """A mixed step's rows (decode runs of ``q_len`` rows first, then prompt chunks) through the two plans
+    of ``plan_split_rows`` into one output; returns (out, plans, batch, scale)."""
+    batch = make_batch(decode + chunks, q_heads, kv_heads, head_dim, dtype, device)
+    rows = batch.q.shape[0]
+    head_rows = torch.tensor([len(decode) * q_len], dtype=torch.int32, device=device)
+    plans = plan_split_rows(batch.row_req_idx, batch.row_seq_len, q_heads, kv_heads, head_rows, q_len,
+                            max(len(decode), 1), rows, rows, head_dim)
+    scale = head_dim ** -0.5
+    out = None
+    for plan in plans:
+        out = unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale, out)
+    return out, plans, batch, scale
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("q_len", [1, MTP_ROWS])
+def test_split_rows_plans_match_reference_cpu(q_len):
+    """A mixed step: decode runs (one long enough to split by length) then prompt chunks (one after a
+    cached prefix), planned apart into one output: the reference's; the decode rows in small tiles, the
+    chunks in tall ones, every row in exactly one plan; a step with no decode rows too."""
+    decode = ((0, 900, q_len), (1, 3, q_len), (2, 70, q_len))
+    chunks = ((3, 1, BLOCK_N + 3), (4, 100, 20), (5, 1, 1))
+    q_heads, kv_heads, head_dim = CPU_SHAPES[1]
+    for dec in (decode, ()):
+        out, (head, rest), batch, scale = _split_rows_case(dec, chunks, q_len, q_heads, kv_heads, head_dim,
+                                                           torch.float32, "cpu")
+        rows = batch.q.shape[0]
+        d = len(dec) * q_len
+        assert head.block_q == q_len and head.work is not None and rest.block_q > q_len
+        assert sorted(_rows_of(head, rows)) == list(range(d))
+        assert sorted(_rows_of(rest, rows)) == list(range(d, rows))
+        if dec:
+            assert int(head.work[:, 2].max()) > 1  # the 900-key run splits
+        torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
+
+
 @needs_triton_cpu
 def test_block_rows_that_see_the_same_keys_cpu():
     """dspark's block pass: every row of a run sees the whole block (equal lengths)."""
@@ -213,6 +261,20 @@ def test_matches_reference_long_kv_cuda(q_heads, kv_heads, head_dim, dtype, hint
     out, _, scale = _run(batch, max_q_len, deterministic=hint == "deterministic")
     atol = FP32_ATOL * 10 if dtype == torch.float32 else HALF_ATOL[dtype]
     torch.testing.assert_close(out.float(), batch.reference(scale), atol=atol, rtol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", CUDA_SHAPES[:3])
+@pytest.mark.parametrize("q_len", [1, MTP_ROWS])
+def test_split_rows_plans_long_kv_cuda(q_heads, kv_heads, head_dim, q_len):
+    """A serving-like mixed step in bf16: decode rows at 8k and 3k keys among short ones, a 2k chunk after a
+    6k prefix and a short prompt; the two plans' output is the reference's,."""
+    decode = ((0, 8189, q_len), (1, 40, q_len), (2, 3000, q_len), (3, 300, q_len))
+    chunks = ((4, 6000, 2048), (5, 1, 150))
+    out, plans, batch, scale = _split_rows_case(decode, chunks, q_len, q_heads, kv_heads, head_dim, torch.bfloat16,
+                                                "cuda")
+    torch.testing.assert_close(out.float(), batch.reference(scale), atol=HALF_ATOL[torch.bfloat16], rtol=0)
+    assert all(not p.split_counter.any() for p in plans if p.split_counter is not None)
 
 
 @needs_cuda

@@ -164,7 +164,9 @@ class ModeBackend:
             self.step_rows = StepRows(self.model, self.req_to_next_token_ids,
                                       step_ladder(args.graph_max_prefill_tokens, max_rows), use_graphs, rows_draft,
                                       max_logit_rows=max_sampled_rows(args.running_max_req_size, self.mtp_step),
-                                      context=self.rows_context)
+                                      context=self.rows_context,
+                                      decode_runs=((self.mtp_step + 1, args.running_max_req_size)
+                                                   if self.mixed_steps_enabled() else None))
 
     def mixed_steps_enabled(self) -> bool:
         """Whether a step may hold decode rows and prefill chunks together (the chunked-prefill backend)."""
