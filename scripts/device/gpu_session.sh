@@ -58,6 +58,9 @@
 #                                       requests each at concurrency 64 (80% GSM8K, 20% 2k-4k tokens): tok/s, TTFT, ITL
 #                                       (SERVING_MODES: other arms, e.g. "mtp mtp_chunk512")
 #   gpu_session.sh steps OUT            decode step ms on the engine's graphs: batch 1 / 64, plain and MTP K = 3
+#   gpu_session.sh mixed OUT [COMMIT]   where a mixed step's time goes (profile_mixed_step.py --trace_steps) on GSM8K
+#                                       and on the serving mix (every 5th prompt 3000 tokens) at chunk budgets 512
+#                                       and 2048, eagle K = 3; with COMMIT also at that commit (a git worktree)
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
 set -uo pipefail
@@ -89,7 +92,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|attention|long_context|serving|steps|overlap|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
+job=${1:?usage: gpu_session.sh data|attention|long_context|serving|steps|mixed|overlap|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
 shift
 
 case "$job" in
@@ -324,6 +327,24 @@ budgets)
         ${BUDGETS_MTP_MODE:+--mtp_mode "$BUDGETS_MTP_MODE"} \
         --server_args "${BUDGETS_SERVER_ARGS:-}" --out "$out/$name.json" > "$out/$name.log" 2>&1
     grep -E "^\||identical" "$out/$name.log"
+    ;;
+mixed)
+    out=${1:?OUT}; old=${2:-}; mkdir -p "$out"
+    trees=(".:new")
+    if [ -n "$old" ]; then
+        git worktree add -f /tmp/mixed_old "$old" >/dev/null 2>&1 && trees+=("/tmp/mixed_old:old")
+    fi
+    data=$(pwd)/.data/test.jsonl
+    for tree in "${trees[@]}"; do
+        dir=${tree%%:*}; tag=${tree##*:}
+        for arm in "gsm8k:--num_prompts 512" "long512:--num_prompts 320 --long_every 5 --batch_max_tokens 512" \
+                   "long2048:--num_prompts 320 --long_every 5"; do
+            name=${arm%%:*}
+            (cd "$dir" && python benchmarks/profile_mixed_step.py --gsm8k "$data" ${arm#*:} --prompt_cache \
+                --trace_steps 20 --out "$out/mixed_${name}_$tag.json" > "$out/mixed_${name}_$tag.log" 2>&1)
+            echo "== $tag $name"; grep -E "^engine steps|^traced" "$out/mixed_${name}_$tag.log"
+        done
+    done
     ;;
 profile)
     out=${1:?OUT}; mkdir -p "$out"
