@@ -60,7 +60,8 @@
 #   gpu_session.sh steps OUT            decode step ms on the engine's graphs: batch 1 / 64, plain and MTP K = 3
 #   gpu_session.sh mixed OUT [COMMIT]   where a mixed step's time goes (profile_mixed_step.py --trace_steps) on GSM8K
 #                                       and on the serving mix (every 5th prompt 3000 tokens) at chunk budgets 512
-#                                       and 2048, eagle K = 3; with COMMIT also at that commit (a git worktree)
+#                                       and 2048, eagle K = 3; with COMMIT also at that commit (a git worktree);
+#                                       MIXED_ARMS: some of "gsm8k long512 long2048"
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
 set -uo pipefail
@@ -332,15 +333,23 @@ mixed)
     out=${1:?OUT}; old=${2:-}; mkdir -p "$out"
     trees=(".:new")
     if [ -n "$old" ]; then
-        git worktree add -f /tmp/mixed_old "$old" >/dev/null 2>&1 && trees+=("/tmp/mixed_old:old")
+        # the machine's .git may hold only the session start's commits: the checkout's profiler runs there
+        if git worktree add -f --detach /tmp/mixed_old "$old" > "$out/worktree.log" 2>&1; then
+            cp benchmarks/profile_mixed_step.py /tmp/mixed_old/benchmarks/ && trees+=("/tmp/mixed_old:old")
+        else
+            echo "no worktree at $old (see worktree.log)"
+        fi
     fi
     data=$(pwd)/.data/test.jsonl
     for tree in "${trees[@]}"; do
         dir=${tree%%:*}; tag=${tree##*:}
-        for arm in "gsm8k:--num_prompts 512" "long512:--num_prompts 320 --long_every 5 --batch_max_tokens 512" \
-                   "long2048:--num_prompts 320 --long_every 5"; do
-            name=${arm%%:*}
-            (cd "$dir" && python benchmarks/profile_mixed_step.py --gsm8k "$data" ${arm#*:} --prompt_cache \
+        for name in ${MIXED_ARMS:-gsm8k long512 long2048}; do
+            case $name in
+                gsm8k) arm="--num_prompts 512";;
+                long512) arm="--num_prompts 320 --long_every 5 --batch_max_tokens 512";;
+                *) arm="--num_prompts 320 --long_every 5";;
+            esac
+            (cd "$dir" && python benchmarks/profile_mixed_step.py --gsm8k "$data" $arm --prompt_cache \
                 --trace_steps 20 --out "$out/mixed_${name}_$tag.json" > "$out/mixed_${name}_$tag.log" 2>&1)
             echo "== $tag $name"; grep -E "^engine steps|^traced" "$out/mixed_${name}_$tag.log"
         done

@@ -12,7 +12,7 @@ class DecodeHead:
 
     rows: torch.Tensor  # [1] int32 device: the decode rows, runs of ``q_len`` rows of one request each
     q_len: int  # host: rows per run (K + 1)
-    max_runs: int  # host: most runs (the running requests)
+    max_runs: int  # host: most runs (the running requests; the prompt chunks after them are as many at most)
 
 
 @dataclass

@@ -47,8 +47,9 @@ def attention_plan(infer_state: InferStateInfo, q_heads: int, kv_heads: int, hea
         req, seq_len = infer_state.b_req_idx, infer_state.b_seq_len
     head = infer_state.decode_head
     if head is not None and not deterministic:  # a deterministic plan is one block per row anyway
+        # the rest's runs: a chunk per running request at most, then one run of padding rows
         plans = plan_split_rows(req, seq_len, q_heads, kv_heads, head.rows, head.q_len, head.max_runs,
-                                infer_state.max_q_len, infer_state.max_q_runs, head_dim)
+                                infer_state.max_q_len, min(infer_state.max_q_runs, head.max_runs + 1), head_dim)
     else:
         plans = (plan_attention(req, seq_len, q_heads, kv_heads, infer_state.max_q_len, infer_state.max_q_runs,
                                 deterministic, head_dim),)
