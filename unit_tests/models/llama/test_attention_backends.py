@@ -25,12 +25,18 @@ ITEMS = ((0, 9), (TOKEN_BLOCK - 3, 7), (2 * TOKEN_BLOCK + 5, 1), (40, 30))
 HOLD_ITEM_TOKENS = 4
 
 
-def _chunked_prefill_case(device="cpu", seed=0):
-    """A prefill InferStateInfo over ITEMS plus a HOLD item, random K/V in every slot and random q."""
-    gen = torch.Generator().manual_seed(seed)
+def _random_cache(device, gen) -> MemoryManager:
+    """A one-layer KV pool with random K/V in every slot."""
     mem = MemoryManager(NUM_SLOTS, torch.float32, KV_HEADS, HEAD_DIM, 1, device)
     mem.k_buffer.copy_(torch.randn(mem.k_buffer.shape, generator=gen))
     mem.v_buffer.copy_(torch.randn(mem.v_buffer.shape, generator=gen))
+    return mem
+
+
+def _chunked_prefill_case(device="cpu", seed=0):
+    """A prefill InferStateInfo over ITEMS plus a HOLD item, random K/V in every slot and random q."""
+    gen = torch.Generator().manual_seed(seed)
+    mem = _random_cache(device, gen)
     reqs = ReqManager(len(ITEMS), MAX_SEQ_LEN, mem, device)
     slots, req_idx, seq_len, ready = [], [], [], []
     for ready_len, new in ITEMS:
@@ -58,64 +64,50 @@ def _chunked_prefill_case(device="cpu", seed=0):
     return q, mem.k_buffer[0], mem.v_buffer[0], state
 
 
-def _mtp_decode_case(device="cpu", seed=1, k1=4):
-    """Decode rows: K + 1 rows per request (lengths L .. L + K), then two HOLD padding rows."""
+def _rows_case(device, seed, runs, hold_rows, max_q_len, max_q_runs=None, decode_rows=None):
+    """Rows (one new token each): ``runs`` of (keys seen by the first row, rows) per request, row j seeing one
+    key more than row j - 1, then ``hold_rows`` HOLD padding rows; ``decode_rows``: the first rows are the
+    forward's decode head (runs of ``max_q_len`` rows), the rest planned as ``max_q_runs`` runs."""
     gen = torch.Generator().manual_seed(seed)
-    mem = MemoryManager(NUM_SLOTS, torch.float32, KV_HEADS, HEAD_DIM, 1, device)
-    mem.k_buffer.copy_(torch.randn(mem.k_buffer.shape, generator=gen))
-    mem.v_buffer.copy_(torch.randn(mem.v_buffer.shape, generator=gen))
-    reqs = ReqManager(3, MAX_SEQ_LEN, mem, device)
+    mem = _random_cache(device, gen)
+    reqs = ReqManager(len(runs), MAX_SEQ_LEN, mem, device)
     req_idx, seq_len = [], []
-    for length in (5, TOKEN_BLOCK + 7, 2 * TOKEN_BLOCK - 1):
-        r = reqs.alloc()
-        n = length + k1 - 1
-        reqs.req_to_token_indexs[r, :n] = mem.alloc(n)[torch.randperm(n, generator=gen)].to(device)
-        req_idx += [r] * k1
-        seq_len += list(range(length, length + k1))
-    req_idx += [reqs.HOLD_REQUEST_ID] * 2
-    seq_len += [1, 1]
-    rows = len(req_idx)
-    seq_cpu = torch.tensor(seq_len, dtype=torch.int32)
-    model_input = ModelInput(
-        batch_size=rows, total_token_num=0, max_len_in_batch=int(seq_cpu.max()),
-        input_ids=torch.zeros(rows, dtype=torch.int64), mem_indexes=torch.zeros(rows, dtype=torch.int64),
-        b_req_idx=torch.tensor(req_idx, dtype=torch.int32), b_seq_len=seq_cpu, is_prefill=False,
-        b_seq_len_cpu=seq_cpu, max_q_len=k1, max_q_runs=rows // k1 + 1,
-    )
-    state = InferStateInfo.from_model_input(model_input, mem, reqs, torch.device(device))
-    q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=gen).to(device)
-    return q, mem.k_buffer[0], mem.v_buffer[0], state
-
-
-def _mixed_rows_case(device="cpu", seed=2, k1=4):
-    """A mixed step as rows: K + 1 decode rows per request, a prompt chunk after a cached prefix (one row per
-    token), then HOLD padding rows; the decode rows are the forward's decode head."""
-    gen = torch.Generator().manual_seed(seed)
-    mem = MemoryManager(NUM_SLOTS, torch.float32, KV_HEADS, HEAD_DIM, 1, device)
-    mem.k_buffer.copy_(torch.randn(mem.k_buffer.shape, generator=gen))
-    mem.v_buffer.copy_(torch.randn(mem.v_buffer.shape, generator=gen))
-    reqs = ReqManager(3, MAX_SEQ_LEN, mem, device)
-    req_idx, seq_len = [], []
-    for first, n in ((5, k1), (TOKEN_BLOCK + 7, k1), (TOKEN_BLOCK - 3, 2 * TOKEN_BLOCK)):  # decode, decode, chunk
+    for first, n in runs:
         r = reqs.alloc()
         end = first + n - 1
         reqs.req_to_token_indexs[r, :end] = mem.alloc(end)[torch.randperm(end, generator=gen)].to(device)
         req_idx += [r] * n
         seq_len += list(range(first, first + n))
-    req_idx += [reqs.HOLD_REQUEST_ID] * 3
-    seq_len += [1] * 3
+    req_idx += [reqs.HOLD_REQUEST_ID] * hold_rows
+    seq_len += [1] * hold_rows
     rows = len(req_idx)
     seq_cpu = torch.tensor(seq_len, dtype=torch.int32)
-    head = DecodeHead(torch.tensor([2 * k1], dtype=torch.int32, device=device), k1, 3)
+    head = None
+    if decode_rows is not None:
+        head = DecodeHead(torch.tensor([decode_rows], dtype=torch.int32, device=device), max_q_len, len(runs))
     model_input = ModelInput(
         batch_size=rows, total_token_num=0, max_len_in_batch=int(seq_cpu.max()),
         input_ids=torch.zeros(rows, dtype=torch.int64), mem_indexes=torch.zeros(rows, dtype=torch.int64),
         b_req_idx=torch.tensor(req_idx, dtype=torch.int32), b_seq_len=seq_cpu, is_prefill=False,
-        b_seq_len_cpu=seq_cpu, max_q_len=rows, max_q_runs=rows, decode_head=head,
+        b_seq_len_cpu=seq_cpu, max_q_len=rows if head is not None else max_q_len,
+        max_q_runs=max_q_runs if max_q_runs is not None else rows, decode_head=head,
     )
     state = InferStateInfo.from_model_input(model_input, mem, reqs, torch.device(device))
     q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=gen).to(device)
     return q, mem.k_buffer[0], mem.v_buffer[0], state
+
+
+def _mtp_decode_case(device="cpu", seed=1, k1=4):
+    """Decode rows: K + 1 rows per request (lengths L .. L + K), then two HOLD padding rows."""
+    runs = [(length, k1) for length in (5, TOKEN_BLOCK + 7, 2 * TOKEN_BLOCK - 1)]
+    return _rows_case(device, seed, runs, 2, k1, max_q_runs=len(runs) + 1)
+
+
+def _mixed_rows_case(device="cpu", seed=2, k1=4):
+    """A mixed step as rows: K + 1 decode rows per request, a prompt chunk after a cached prefix (one row per
+    token), then HOLD padding rows; the decode rows are the forward's decode head."""
+    runs = ((5, k1), (TOKEN_BLOCK + 7, k1), (TOKEN_BLOCK - 3, 2 * TOKEN_BLOCK))  # decode, decode, chunk
+    return _rows_case(device, seed, runs, 3, k1, decode_rows=2 * k1)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
