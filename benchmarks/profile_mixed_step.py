@@ -145,17 +145,15 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(args.gsm8k) as f:
         questions = [json.loads(line)["question"] for line in f]
-    if args.prompt_tokens:
+    if args.prompt_tokens or args.long_every:
         from benchmarks.bench_e2e_throughput import chat_template_ends, exact_length_prompt
 
         ends = chat_template_ends(tok)
+    if args.prompt_tokens:
         prompts = [exact_length_prompt(tok, args.prompt_tokens, questions, j, ends) for j in range(args.num_prompts)]
     else:
         prompts = chat_prompt_ids(tok, questions[:args.num_prompts])
     if args.long_every:
-        from benchmarks.bench_e2e_throughput import chat_template_ends, exact_length_prompt
-
-        ends = chat_template_ends(tok)
         prompts = [exact_length_prompt(tok, args.long_tokens, questions, j, ends) if j % args.long_every == 0 else x
                    for j, x in enumerate(prompts)]
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=args.mtp_step) if args.mtp_step else {}

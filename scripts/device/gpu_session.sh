@@ -347,7 +347,8 @@ mixed)
             case $name in
                 gsm8k) arm="--num_prompts 512";;
                 long512) arm="--num_prompts 320 --long_every 5 --batch_max_tokens 512";;
-                *) arm="--num_prompts 320 --long_every 5";;
+                long2048) arm="--num_prompts 320 --long_every 5";;
+                *) echo "unknown mixed arm $name (gsm8k, long512, long2048)" >&2; continue;;
             esac
             (cd "$dir" && python benchmarks/profile_mixed_step.py --gsm8k "$data" $arm --prompt_cache \
                 --trace_steps 20 --out "$out/mixed_${name}_$tag.json" > "$out/mixed_${name}_$tag.log" 2>&1)

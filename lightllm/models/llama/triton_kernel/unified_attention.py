@@ -368,8 +368,9 @@ class AttentionPlan:
     work: Optional[torch.Tensor] = None
     split_counter: Optional[torch.Tensor] = None  # [max_blocks * kv_heads] int32 zeros, the kernel's counters
     wide_tiles: bool = False  # few blocks: the split launch configuration (more bytes in flight per program)
-    # Rows outside [rows_from, rows_below) get no block: another plan of the same forward covers them
-    row_range: bool = False
+    # Prefill-shaped plans: [rows, 2] int32, each row's splits and partial-sum row, written by every launch
+    # for the rows of its blocks; zeros for the others (a ranged plan's rows of another plan: no split)
+    row_split: Optional[torch.Tensor] = None
 
 
 def block_shape(group: int, max_q_len: int, deterministic: bool) -> Tuple[int, int]:
@@ -512,10 +513,11 @@ def plan_attention(
         active = (first >= 0).sum(dtype=torch.int32).reshape(1)
         part_blocks = min(max_blocks, triton.cdiv(sms, kv_heads))
         return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m,
-                             DYNAMIC_MAX_SPLITS, True, active, part_blocks, row_range=ranged)
+                             DYNAMIC_MAX_SPLITS, True, active, part_blocks,
+                             row_split=torch.zeros((rows, 2), dtype=torch.int32, device=idx.device))
     seq_start = seq_start.to(torch.int32)
     if deterministic or block_m > SPLIT_MAX_BLOCK_M:
-        return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, 1, row_range=ranged)
+        return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, 1)
     if block_q == 1 and not ranged:
         block_len = row_seq_len
     else:  # a block's longest row; its rows follow its leader
@@ -527,7 +529,7 @@ def plan_attention(
     programs = length_split_programs(max_blocks, kv_heads, head_dim, sms)
     work = length_split_work(block_len, programs)
     return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, MAX_KV_SPLITS,
-                         work=work, wide_tiles=max_blocks * kv_heads < sms, row_range=ranged,
+                         work=work, wide_tiles=max_blocks * kv_heads < sms,
                          split_counter=torch.zeros(max_blocks * kv_heads, dtype=torch.int32, device=idx.device))
 
 
@@ -601,9 +603,7 @@ def unified_attention(
         part_rows = 0
         part_acc = part_ml = out  # not read
     unread = plan.row_seq_len
-    # the combine reads every row's entry: rows outside a ranged plan's blocks must read "no split"
-    alloc = torch.zeros if plan.row_range else torch.empty
-    row_split = alloc((rows, 2), dtype=torch.int32, device=q.device) if dynamic else unread
+    row_split = plan.row_split if dynamic else unread
     active = plan.active_blocks if dynamic else unread
     work, counter = (plan.work, plan.split_counter) if by_length else (unread, unread)
     sms = sm_count(q.device)
