@@ -53,6 +53,11 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    help="Most prompt tokens prefilled in one step (chunked prefill's chunk budget; "
                         "decode rows come on top). Mixed steps take at most --graph_max_prefill_tokens of them "
                         "on CUDA with graphs.")
+    p.add_argument("--router_max_wait_tokens", type=int, default=d.router_max_wait_tokens,
+                   help="While requests are decoding, admit waiting requests only once this many decode steps "
+                        "have run since the last admission (LightLLM's flag), so arrivals join in groups and "
+                        "share one mixed step; at once when nothing decodes or a prompt is being prefilled "
+                        "anyway. 0: admit at every step.")
     p = top.add_argument_group("MTP / ASD", "Speculative decoding with draft modules, and ASD's approximate "
                                             "acceptance (docs/asd.md).")
     p.add_argument("--mtp_mode", type=str, default=d.mtp_mode, choices=MTP_MODES,

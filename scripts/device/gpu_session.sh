@@ -350,7 +350,8 @@ mixed)
                 long2048) arm="--num_prompts 320 --long_every 5";;
                 *) echo "unknown mixed arm $name (gsm8k, long512, long2048)" >&2; continue;;
             esac
-            (cd "$dir" && python benchmarks/profile_mixed_step.py --gsm8k "$data" $arm --prompt_cache \
+            # env.sh puts the checkout on PYTHONPATH: each tree must import its own lightllm
+            (cd "$dir" && PYTHONPATH=/tmp/site:$PWD python benchmarks/profile_mixed_step.py --gsm8k "$data" $arm --prompt_cache \
                 --trace_steps 20 --out "$out/mixed_${name}_$tag.json" > "$out/mixed_${name}_$tag.log" 2>&1)
             echo "== $tag $name"; grep -E "^engine steps|^traced" "$out/mixed_${name}_$tag.log"
         done

@@ -134,6 +134,8 @@ class RouterManager:
         self._ladder = backend.decode_step.ladder  # decode batch sizes of the step clock (None: exact)
         self._failed: List[ReqStepUpdate] = []  # updates of refused requests, sent with the next step
         self._step_failures = 0  # batch steps that raised in a row
+        self.max_wait_steps = backend.args.router_max_wait_tokens  # --router_max_wait_tokens
+        self._steps_since_admit = 0  # decode-only forwards since requests were last admitted
 
     def take_timing(self) -> StepTiming:
         """The timing since the last call, and start a new one."""
@@ -205,9 +207,21 @@ class RouterManager:
         self.backend.free_req(req)
         self.queue.release(req)
 
+    def admission_due(self, steps_ahead: int = 0) -> bool:
+        """Whether waiting requests may join at the step ``steps_ahead`` steps from now:
+        ``--router_max_wait_tokens`` N > 0 holds them while requests decode, until N decode steps have run
+        since the last admission (arrivals then share one mixed step, whose host work costs about as much
+        for one prompt as for several); at once when nothing decodes or a prompt is being prefilled (the
+        step is a mixed one anyway)."""
+        if self.max_wait_steps <= 0 or self._steps_since_admit + steps_ahead >= self.max_wait_steps:
+            return True
+        return not self.running or any(r.in_prefill for r in self.running)
+
     def _admit(self) -> List[ReqStepUpdate]:
         """Move admissible requests into the running batch; returns the updates of those whose
         settings the backend could not store (they fail alone, their row goes back)."""
+        if not self.queue.waiting or not self.admission_due():
+            return []
         running_per_group = [0] * self.queue.dp_size
         for req in self.running:
             running_per_group[req.dp_rank] += 1
@@ -222,6 +236,7 @@ class RouterManager:
                 continue
             req.queue_time_s = time.monotonic() - req.queued_at
             self.running.append(req)
+            self._steps_since_admit = 0
         return failed
 
     def _fail_running(self, e: Exception) -> List[ReqStepUpdate]:
@@ -249,7 +264,7 @@ class RouterManager:
         batch_reqs = len(self.running)
         prefilling = [r for r in self.running if r.in_prefill]
         try:
-            result = self.backend.run_step(self.running, may_admit=bool(self.queue.waiting))
+            result = self.backend.run_step(self.running, may_admit=bool(self.queue.waiting) and self.admission_due(1))
         except Exception as e:
             # Ranks run the same step on the same inputs, so an error that comes from them is
             # raised on every rank and all fail the same requests, in lock-step. An error on one
@@ -262,6 +277,8 @@ class RouterManager:
             return updates + self._fail_running(e)
         self._step_failures = 0
         self.last_result = result
+        if not result.prefilled:
+            self._steps_since_admit += result.steps
         step_updates = result.updates
         for u in step_updates:
             if u.accept_len:

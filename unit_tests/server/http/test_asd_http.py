@@ -13,6 +13,9 @@ from unit_tests.data_paths import require_gsm8k
 NUM_QUESTIONS = 4
 MAX_NEW_TOKENS = 32
 SERVER_BUDGET = 2.0
+# bf16's spacing of logits in [32, 64): a batch of another shape (two clients in one step) may round a
+# logit one step apart on a GPU, and a regret is a difference of two logits
+LOGIT_ULP = 0.25
 MTP_FLAGS = ["--mtp_mode", "eagle_with_att", "--mtp_step", "3", "--max_req_total_len", "512"]
 
 
@@ -100,7 +103,9 @@ def test_two_clients_with_different_budgets_do_not_interact(servers, prompts):
         t.join()
     for b in (0.5, 8.0):
         assert together[b]["ids"] == solo[b]["ids"]
-        assert together[b]["asd_regret_spent"] == pytest.approx(solo[b]["asd_regret_spent"], rel=1e-4)
+        # same tokens; the spent regret may differ by the rounding of the bf16 logits it is made of
+        slack = LOGIT_ULP * (together[b]["asd_relaxed_token_num"] + solo[b]["asd_relaxed_token_num"])
+        assert together[b]["asd_regret_spent"] == pytest.approx(solo[b]["asd_regret_spent"], abs=slack + 1e-6)
         assert together[b]["asd_regret_spent"] <= b
 
 

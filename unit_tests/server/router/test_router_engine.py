@@ -135,3 +135,79 @@ def test_decode_batch_buckets_follow_the_graph_ladder():
     t.add(0.0625, 2, decode=True)  # a decode step that decoded nothing: not filed
     assert (t.steps, t.decode_steps, t.decode_batch_reqs) == (5, 4, 125)
     assert t.decode_by_batch == {48: BatchClock(0.75, 2, 88), 4: BatchClock(0.125, 1, 3)}
+
+
+
+
+class _Stepper:
+    """Steps a router, collecting tokens and counting its decode-only forwards."""
+
+    def __init__(self, router):
+        self.router, self.out, self.decode_forwards = router, {}, 0
+
+    def step(self) -> None:
+        for u in self.router.step():
+            self.out.setdefault(u.req_id, []).extend(u.token_ids)
+        result = self.router.last_result
+        if result is not None and not result.prefilled:
+            self.decode_forwards += result.steps
+
+    def until_running(self, req_id: int, max_steps: int = 50) -> int:
+        """Step until ``req_id`` runs; the decode forwards run before the step that admitted it."""
+        for _ in range(max_steps):
+            before = self.decode_forwards
+            self.step()
+            if any(r.req_id == req_id for r in self.router.running):
+                return before
+        raise AssertionError(f"request {req_id} was not admitted in {max_steps} steps")
+
+
+@pytest.mark.parametrize("wait", [0, 3])
+def test_router_max_wait_tokens_groups_arrivals_and_keeps_the_tokens(tiny, wait):
+    """--router_max_wait_tokens N: a request arriving while others decode joins once N decode forwards ran
+    since the last admission (0: at the next step); one arriving while a prompt is still being prefilled
+    joins at once. Every request still gets transformers' greedy tokens."""
+    from lightllm.server.core.objs.sampling_params import SamplingParams
+    from lightllm.server.router.manager import AddReq
+
+    hf, d = tiny.hf, tiny.model_dir
+    prompts = random_prompts(hf.config.vocab_size, 3, range(4, 12), seed=9)  # one chunk each
+    long_prompt = random_prompts(hf.config.vocab_size, 1, range(40, 41), seed=10)[0]  # three chunks
+    eng = make_engine(d, max_req_total_len=96, running_max_req_size=4, batch_max_tokens=16, max_total_token_num=400,
+                      router_max_wait_tokens=wait)
+    router, new = eng.router, 20
+    s = _Stepper(router)
+
+    def add(i, prompt) -> int:
+        router.add_req(AddReq(i, list(prompt), SamplingParams(max_new_tokens=new, ignore_eos=True), [], 0.0))
+        return s.decode_forwards
+
+    added = add(0, prompts[0])
+    joined = s.until_running(0)
+    assert joined == added  # nothing runs: at once
+    s.step()
+    s.step()  # request 0 decodes
+    added = add(1, prompts[1])
+    assert added > joined
+    joined, last = s.until_running(1), joined
+    assert joined == (added if wait == 0 else last + max(wait, added - last))
+    while any(r.in_prefill for r in router.running):
+        s.step()
+    added = add(2, long_prompt)
+    joined, last = s.until_running(2), joined
+    assert joined == (added if wait == 0 else last + wait)
+    added = add(3, prompts[2])
+    assert any(r.in_prefill for r in router.running)  # request 2's prompt: the next step is a mixed one anyway
+    assert s.until_running(3) == added
+    while router.has_work:
+        s.step()
+    for i, p in enumerate([prompts[0], prompts[1], long_prompt, prompts[2]]):
+        assert s.out[i] == hf_greedy(hf, p, new), f"request {i}"
+
+
+def test_negative_router_max_wait_tokens_fails_at_start_up():
+    from lightllm.server.api_start import StartArgsError, validate_start_args
+    from lightllm.server.core.objs.start_args_type import StartArgs
+
+    with pytest.raises(StartArgsError, match="--router_max_wait_tokens: must be >= 0"):
+        validate_start_args(StartArgs(router_max_wait_tokens=-1))
