@@ -17,6 +17,10 @@ The arms admit differently, so their decode batches differ and a longer decode s
 be a larger batch. /metrics also files decode steps by batch size, so ``step_ratio_equal_batch``
 compares like with like (EQUAL_BATCH_DEFINITION).
 
+A server flag (a schedule, not a budget) needs a server per value: ``--arms NAME=FLAGS ...`` keeps one
+server per arm up for the whole run and sends each its waves in every round (arms rotated like the
+budgets), and the arms table pairs every arm's waves with the first arm's of the same round and budget.
+
 g and m are server flags (one value per run: `--local_ratio`, `--max_mismatch`), as in
 the usage setting (g = 0.25, m = 2). Compared with a server without ASD, B = 0 pays the
 ASD verify kernel (about 2 us per step, docs/results.md section 6).
@@ -33,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -109,6 +114,7 @@ class Wave:
     server_queue_s: float = 0.0
     server_ttft_s: float = 0.0
     requests: int = 0
+    arm: str = ""  # the server (--arms) that ran it; "" with one server
 
     @property
     def decoding_steps(self) -> int:
@@ -159,8 +165,8 @@ class BudgetRow:
     server_ttft_ms: float = float("nan")
 
 
-def round_orders(budgets: Sequence[float], rounds: int) -> List[List[float]]:
-    """Round r sends the budgets rotated left by r, so no budget always runs first."""
+def round_orders(budgets: Sequence, rounds: int) -> List[list]:
+    """Round r sends the budgets (or the arms) rotated left by r, so none always runs first."""
     n = len(budgets)
     return [[budgets[(r + i) % n] for i in range(n)] for r in range(rounds)]
 
@@ -255,6 +261,61 @@ def b0_rounds_identical(waves: Sequence[Wave]) -> bool:
     return all(x == ids[0] for x in ids[1:])
 
 
+@dataclass
+class ArmRow:
+    """One server of ``--arms`` at one budget, against the first arm at that budget in the same rounds."""
+
+    arm: str
+    budget: float
+    median_tok_s: float
+    vs_first_arm: float  # median over rounds of tok/s over the first arm's at this budget in the same round
+    round_ratios: List[float]
+    engine_vs_first_arm: float  # the same on the engine's clock
+    speedup_vs_b0: float  # this arm's own ASD speed-up (BudgetRow.speedup_vs_b0)
+    tokens_per_step_gain: float
+    gain_ratio: float  # (speedup_vs_b0 - 1) / tokens_per_step_gain: how much of ASD's tokens/step gain is tok/s
+    mixed_steps_per_wave: float
+    mean_decode_batch: float
+    server_ttft_ms: float
+
+
+def summarize_arms(waves: Sequence[Wave], budgets: Sequence[float], arms: Sequence[str]) -> List[ArmRow]:
+    """Each arm's budgets against the first arm's, paired by round (the arms' waves interleave)."""
+    first = {(w.round, w.budget): w for w in waves if w.arm == arms[0]}
+    rows = []
+    for arm in arms:
+        mine = [w for w in waves if w.arm == arm]
+        by_budget = {r.budget: r for r in summarize(mine, budgets)}
+        for b in budgets:
+            ws = [w for w in mine if w.budget == b]
+            pairs = [(w, first[w.round, b]) for w in ws if (w.round, b) in first]
+            tok = [r for r in (ratio(w.tokens_per_s, f.tokens_per_s) for w, f in pairs) if r is not None]
+            eng = [r for r in (ratio(w.engine_tokens_per_s, f.engine_tokens_per_s) for w, f in pairs) if r is not None]
+            row = by_budget[b]
+            gain = row.tokens_per_step_gain
+            rows.append(ArmRow(arm, b, row.median_tok_s, _median(tok), tok, _median(eng), row.speedup_vs_b0, gain,
+                               (row.speedup_vs_b0 - 1) / gain if gain else float("nan"),
+                               statistics.mean(w.mixed_steps for w in ws) if ws else float("nan"),
+                               row.mean_decode_batch, row.server_ttft_ms))
+    return rows
+
+
+def parse_arms(specs: Optional[Sequence[str]]) -> List[Tuple[str, List[str]]]:
+    """``NAME=FLAGS`` each (FLAGS shell-quoted server flags); None: one server, no name."""
+    if not specs:
+        return [("", [])]
+    arms = []
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"--arms: NAME=FLAGS each, got {spec!r}")
+        arms.append((name.strip(), shlex.split(flags)))
+    names = [n for n, _ in arms]
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--arms: names must differ, got {names}")
+    return arms
+
+
 def _ratios(xs: Sequence[float]) -> str:
     return ", ".join(f"{x:.3f}" for x in xs) or MISSING
 
@@ -277,6 +338,17 @@ TABLE = (
     Column("equal_batch_coverage", "B = 0 steps covered", ".1%"),
     Column("client_latency_ms", "client latency ms", ".1f"), Column("server_e2e_ms", "server e2e ms", ".1f"),
     Column("outside_server_ms", "outside ms", ".1f"), Column("server_queue_ms", "queue ms", ".2f"),
+    Column("server_ttft_ms", "TTFT ms", ".1f"),
+)
+
+
+ARMS_TABLE = (
+    Column("arm", "arm"), Column("budget", "B", "g"), Column("median_tok_s", "median tok/s", ".1f"),
+    Column("vs_first_arm", "vs first arm (median of rounds)", ".3f", "x"), Column("round_ratios", "per round", _ratios),
+    Column("engine_vs_first_arm", "engine vs first arm", ".3f", "x"),
+    Column("speedup_vs_b0", "ASD speed-up vs B = 0", ".3f", "x"), Column("tokens_per_step_gain", "tokens/step", "+.1%"),
+    Column("gain_ratio", "tok/s gain / tokens/step gain", ".2f"),
+    Column("mixed_steps_per_wave", "mixed steps / wave", ".0f"), Column("mean_decode_batch", "decode batch", ".1f"),
     Column("server_ttft_ms", "TTFT ms", ".1f"),
 )
 
@@ -313,7 +385,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "questions, so later arms would skip their prefills)")
     p.add_argument("--server_args", default="", help="more server flags (one string, shell-quoted), e.g. "
                    "--disable_mixed_steps for the alternating schedule")
+    p.add_argument("--arms", nargs="+", default=None, metavar="NAME=FLAGS",
+                   help="servers to compare in one run, each NAME=more server flags (shell-quoted, after "
+                        "--server_args), e.g. 'w0=--router_max_wait_tokens 0' 'w4=--router_max_wait_tokens 4': "
+                        "they start one after another and stay up, every round sends each its waves (arms and "
+                        "budgets in rotated orders), and the arms table pairs each with the first by round")
     a = p.parse_args(argv)
+    try:
+        a.arms = parse_arms(a.arms)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
     if not a.data and not a.from_json:
         p.error("--data is required (or --from_json)")
     if a.rounds < 1 or a.concurrency < 1 or a.max_new_tokens < 1:
@@ -338,17 +419,24 @@ def main(argv=None) -> int:
              # the arms resend the same questions: without this, later arms would prefill from the cache
              + ([] if args.prompt_cache else ["--disable_dynamic_prompt_cache"])
              + shlex.split(args.server_args))
-    log = os.path.join(tempfile.mkdtemp(prefix="bench_asd_budgets_"), "server.log")
-    print(f"{len(prompts)} questions, budgets {args.budgets}, {args.rounds} rounds; server log {log}", flush=True)
+    logs = tempfile.mkdtemp(prefix="bench_asd_budgets_")
+    names = [name for name, _ in args.arms]
+    print(f"{len(prompts)} questions, budgets {args.budgets}, {args.rounds} rounds, arms {names}; server logs {logs}",
+          flush=True)
     waves: List[Wave] = []
-    with serve(flags, log) as server:
-        warm_up(server.url, prompts, args.max_new_tokens, args.concurrency)
+    with ExitStack() as stack:
+        servers = {}
+        for name, extra in args.arms:  # one after another: each sizes its KV pool from the memory left
+            servers[name] = stack.enter_context(serve(flags + extra, os.path.join(logs, f"server{name}.log")))
+            warm_up(servers[name].url, prompts, args.max_new_tokens, args.concurrency)
         for r, order in enumerate(round_orders(args.budgets, args.rounds)):
-            for b in order:
+            for arm, b in ((arm, b) for arm in round_orders(names, args.rounds)[r] for b in order):
+                server = servers[arm]
                 bodies = [generate_body(p, args.max_new_tokens, b, return_details=True) for p in prompts]
                 before = scrape(server.url)
                 t0 = time.perf_counter()
-                timed, _ = send_timed(server.url, bodies, args.concurrency, desc=f"round {r} B={b:g}")
+                desc = f"round {r}{' ' + arm if arm else ''} B={b:g}"
+                timed, _ = send_timed(server.url, bodies, args.concurrency, desc=desc)
                 wall = time.perf_counter() - t0
                 res = [t.response for t in timed]
                 grown = scrape(server.url) - before
@@ -362,40 +450,64 @@ def main(argv=None) -> int:
                     [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None,
                     decode_s, int(decode_steps), int(decode_reqs), decode_clock_by_batch(grown),
                     mixed_s, int(mixed_steps), int(mixed_reqs), sum(t.latency_s for t in timed),
-                    *(grown.value(f"{n}_sum") for n in LATENCY_METRICS), len(timed)))
+                    *(grown.value(f"{n}_sum") for n in LATENCY_METRICS), len(timed), arm))
             if args.out:  # after every round: a run cut short keeps its finished rounds
                 write_results(args.out, args, flags, waves)
-    print_tables(waves, args.budgets, b0_rounds_identical(waves))
+    print_tables(waves, args.budgets, names)
     return 0
 
 
-def print_tables(waves: Sequence[Wave], budgets: Sequence[float], b0_identical: bool) -> None:
-    print(render_table(summarize(waves, budgets), TABLE, markdown=True))
-    by_batch = by_batch_rows(waves, budgets)
-    if by_batch:
-        print("\nDecode steps by batch size (pooled over rounds):")
-        print(render_table(by_batch, by_batch_table(budgets), markdown=True))
-    print(f"B = 0 waves token-identical across rounds: {b0_identical}")
+def print_tables(waves: Sequence[Wave], budgets: Sequence[float], arms: Sequence[str] = ("",),
+                 identical: Optional[Dict[str, bool]] = None) -> None:
+    """Each arm's tables; ``identical``: each arm's B = 0 determinism (default: from the waves' token ids)."""
+    for arm in arms:
+        mine = [w for w in waves if w.arm == arm]
+        if arm:
+            print(f"\n== arm {arm}")
+        print(render_table(summarize(mine, budgets), TABLE, markdown=True))
+        by_batch = by_batch_rows(mine, budgets)
+        if by_batch:
+            print("\nDecode steps by batch size (pooled over rounds):")
+            print(render_table(by_batch, by_batch_table(budgets), markdown=True))
+        same = identical[arm] if identical is not None else b0_rounds_identical(mine)
+        print(f"B = 0 waves token-identical across rounds: {same}")
+    if len(arms) > 1:
+        print(f"\nArms against {arms[0]!r}, paired by round:")
+        print(render_table(summarize_arms(waves, budgets, arms), ARMS_TABLE, markdown=True))
 
 
 def print_saved(path: str) -> int:
     with open(path) as f:
         saved = json.load(f)
     fields = set(Wave.__dataclass_fields__)
-    missing = fields - {"token_ids", "decode_by_batch"} - set(saved["waves"][0])  # older runs: no batch sizes
+    missing = fields - {"token_ids", "decode_by_batch", "arm"} - set(saved["waves"][0])  # older runs: no batch sizes
     if missing:
         raise SystemExit(f"{path}: its waves lack {sorted(missing)} (written before the engine clock)")
     waves = [Wave(**{k: v for k, v in w.items() if k in fields}) for w in saved["waves"]]
-    print_tables(waves, [float(b) for b in saved["args"]["budgets"]], saved["b0_rounds_identical"])
+    arms = [name for name, _ in saved["args"].get("arms") or [("", [])]]
+    per_arm = saved.get("arms") or {}  # the token ids are not saved: the run's verdicts
+    identical = {a: per_arm[a]["b0_rounds_identical"] if a in per_arm else saved["b0_rounds_identical"] for a in arms}
+    print_tables(waves, [float(b) for b in saved["args"]["budgets"]], arms, identical)
     return 0
 
 
 def write_results(path: str, args, flags: List[str], waves: Sequence[Wave]) -> None:
-    rows = summarize(waves, args.budgets)
+    """One server: its rows; with --arms also ``arms``: each arm's rows, decode clock by batch and the arms table."""
+    names = [name for name, _ in args.arms]
+    first = [w for w in waves if w.arm == names[0]]
+    arms = {}
+    if len(names) > 1:
+        for name in names:
+            mine = [w for w in waves if w.arm == name]
+            arms[name] = {"rows": [asdict(r) for r in summarize(mine, args.budgets)] if mine else [],
+                          "decode_by_batch": by_batch_rows(mine, args.budgets),
+                          "b0_rounds_identical": b0_rounds_identical(mine)}
+        arms["table"] = [asdict(r) for r in summarize_arms(waves, args.budgets, names)]
     write_json(path, {"args": vars(args), "server_flags": flags, "rounds_done": 1 + max(w.round for w in waves),
                       "definitions": {"step_ratio_equal_batch": EQUAL_BATCH_DEFINITION},
-                      "b0_rounds_identical": b0_rounds_identical(waves), "rows": [asdict(r) for r in rows],
-                      "decode_by_batch": by_batch_rows(waves, args.budgets),
+                      "b0_rounds_identical": b0_rounds_identical(first),
+                      "rows": [asdict(r) for r in summarize(first, args.budgets)], "arms": arms,
+                      "decode_by_batch": by_batch_rows(first, args.budgets),
                       "waves": [{**asdict(w), "token_ids": None, "tokens_per_s": w.tokens_per_s,
                                  "engine_tokens_per_s": w.engine_tokens_per_s} for w in waves]}, indent=1)
 

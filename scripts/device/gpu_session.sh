@@ -36,7 +36,8 @@
 #                                       interleaved rounds of NQ questions (default all 1319) at concurrency CONC:
 #                                       ASD's tok/s ratio to B = 0 (OUT/budgets_kK_cCONC$BUDGETS_NAME.json;
 #                                       BUDGETS_SERVER_ARGS: more server flags, e.g. --disable_mixed_steps;
-#                                       BUDGETS_MTP_MODE: the draft, default eagle_with_att, e.g. dspark)
+#                                       BUDGETS_MTP_MODE: the draft, default eagle_with_att, e.g. dspark;
+#                                       BUDGETS_ARMS: servers compared in the same run, ';'-separated NAME=FLAGS)
 #   gpu_session.sh spy OUT [SECONDS]    B = 0 budgets waves (K = 3, concurrency 64) with py-spy (carried in .pyspy/)
 #                                       sampling the router process for SECONDS (default 25) once the first wave
 #                                       runs: OUT/router_spy.txt, collapsed stacks of every thread, idle included
@@ -323,11 +324,13 @@ arms)
 budgets)
     out=${1:?OUT}; k=${2:?K}; conc=${3:-$EVAL_CONCURRENCY}; nq=${4:-}; budgets=${5:-0,2.0625,8}; mkdir -p "$out"
     name=budgets${BUDGETS_MTP_MODE:+_$BUDGETS_MTP_MODE}_k${k}_c$conc${BUDGETS_NAME:-}
+    arms=()  # BUDGETS_ARMS="w0=--router_max_wait_tokens 0;w4=--router_max_wait_tokens 4": servers in one run
+    if [ -n "${BUDGETS_ARMS:-}" ]; then IFS=';' read -ra specs <<< "$BUDGETS_ARMS"; arms=(--arms "${specs[@]}"); fi
     python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step "$k" --budgets "$budgets" --rounds 3 \
         --concurrency "$conc" ${nq:+--num_questions "$nq"} --max_new_tokens "$EVAL_NEW_TOKENS" \
-        ${BUDGETS_MTP_MODE:+--mtp_mode "$BUDGETS_MTP_MODE"} \
+        ${BUDGETS_MTP_MODE:+--mtp_mode "$BUDGETS_MTP_MODE"} "${arms[@]}" \
         --server_args "${BUDGETS_SERVER_ARGS:-}" --out "$out/$name.json" > "$out/$name.log" 2>&1
-    grep -E "^\||identical" "$out/$name.log"
+    grep -E "^\||identical|^== arm|^Arms" "$out/$name.log"
     ;;
 mixed)
     out=${1:?OUT}; old=${2:-}; mkdir -p "$out"

@@ -142,6 +142,43 @@ def test_b0_rounds_identical():
     assert not bench.b0_rounds_identical(same + [_wave(2, 0.0, 1, 1, 1, ids=[[1, 3]])])
 
 
+def test_parse_arms():
+    assert bench.parse_arms(None) == [("", [])]
+    assert bench.parse_arms(["w0=--router_max_wait_tokens 0", "w4= --router_max_wait_tokens 4 --x 'a b'"]) == [
+        ("w0", ["--router_max_wait_tokens", "0"]), ("w4", ["--router_max_wait_tokens", "4", "--x", "a b"])]
+    assert bench.parse_arms(["plain="]) == [("plain", [])]
+    for bad, msg in ((["--flag"], "NAME=FLAGS"), (["=--x"], "NAME=FLAGS"), (["a=", "a=--x"], "differ")):
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            bench.parse_arms(bad)
+
+
+def test_summarize_arms_pairs_each_arm_with_the_first_by_round():
+    """Arm b against arm a at each budget in the same round; each arm's own ASD speed-up and how much of the
+    tokens/step gain (+10%) it turns into tok/s."""
+    def wave(arm, rnd, budget, wall_s, mixed=0):
+        tokens, steps = (1000, 500) if budget == 0.0 else (1100, 500)
+        w = _wave(rnd, budget, wall_s, tokens, steps)
+        w.arm, w.mixed_steps = arm, mixed
+        return w
+
+    waves = [  # a: 100 / 110 tok/s, then 50 / 55; b: 125 / 137.5, then 100 / 110
+        wave("a", 0, 0.0, 10.0), wave("a", 0, 2.0, 10.0), wave("b", 0, 0.0, 8.0, 10), wave("b", 0, 2.0, 8.0, 10),
+        wave("b", 1, 2.0, 10.0, 20), wave("b", 1, 0.0, 10.0, 20), wave("a", 1, 2.0, 20.0), wave("a", 1, 0.0, 20.0),
+    ]
+    a0, a2, b0, b2 = bench.summarize_arms(waves, [0.0, 2.0], ["a", "b"])
+    assert (a0.arm, a0.budget, a0.vs_first_arm, a0.round_ratios) == ("a", 0.0, 1.0, [1.0, 1.0])
+    assert b0.round_ratios == pytest.approx([1.25, 2.0]) and b0.vs_first_arm == pytest.approx(1.625)
+    assert b2.round_ratios == pytest.approx([1.25, 2.0]) and b2.engine_vs_first_arm == 1.0
+    for row in (a2, b2):
+        assert row.speedup_vs_b0 == pytest.approx(1.1) and row.tokens_per_step_gain == pytest.approx(0.1)
+        assert row.gain_ratio == pytest.approx(1.0)
+    assert math.isnan(a0.gain_ratio)  # B = 0 gains no tokens per step
+    assert b0.mixed_steps_per_wave == 15 and a0.mixed_steps_per_wave == 0
+    assert b2.median_tok_s == pytest.approx((137.5 + 110) / 2)
+    table = render_table([a0, a2, b0, b2], bench.ARMS_TABLE, markdown=True)
+    assert "| b | 0 | 112.5 | 1.625x | 1.250, 2.000 | 1.000x | 1.000x | +0.0% | - | 15 |" in table
+
+
 @pytest.mark.slow
 def test_real_run_on_cpu(tmp_path, capsys):
     out = tmp_path / "r.json"
