@@ -429,8 +429,9 @@ def main(argv=None) -> int:
         for name, extra in args.arms:  # one after another: each sizes its KV pool from the memory left
             servers[name] = stack.enter_context(serve(flags + extra, os.path.join(logs, f"server{name}.log")))
             warm_up(servers[name].url, prompts, args.max_new_tokens, args.concurrency)
+        arm_orders = round_orders(names, args.rounds)
         for r, order in enumerate(round_orders(args.budgets, args.rounds)):
-            for arm, b in ((arm, b) for arm in round_orders(names, args.rounds)[r] for b in order):
+            for arm, b in ((arm, b) for arm in arm_orders[r] for b in order):
                 server = servers[arm]
                 bodies = [generate_body(p, args.max_new_tokens, b, return_details=True) for p in prompts]
                 before = scrape(server.url)

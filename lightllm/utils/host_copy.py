@@ -10,6 +10,7 @@ docs/data/perf/session23/profile_mixed_gsm8k_fe4fb82.log), so the values go thro
 (``PinnedRing``) written through numpy instead; other streams, graph capture and large copies pin
 their own buffer as before.
 """
+import functools
 import threading
 from typing import Callable, Dict, Optional, Sequence
 
@@ -54,7 +55,7 @@ class PinnedRing:
         end = (self.half + 1) * self.half_bytes
         if self.head + nbytes > end:
             event = self.make_event()
-            event.record(self.stream) if self.stream is not None else event.record()
+            event.record(self.stream)  # None (no CUDA): the current stream
             self.left[self.half] = event
             self.half = 1 - self.half
             self.head = self.half * self.half_bytes
@@ -86,6 +87,7 @@ def pinned_ring(device: torch.device) -> PinnedRing:
     return ring
 
 
+@functools.lru_cache(maxsize=None)
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
 

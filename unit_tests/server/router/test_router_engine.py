@@ -137,8 +137,6 @@ def test_decode_batch_buckets_follow_the_graph_ladder():
     assert t.decode_by_batch == {48: BatchClock(0.75, 2, 88), 4: BatchClock(0.125, 1, 3)}
 
 
-
-
 class _Stepper:
     """Steps a router, collecting tokens and counting its decode-only forwards."""
 
