@@ -140,8 +140,6 @@ class TrainConfig:
             raise ValueError("lr must be > 0 and heldout_fraction in [0, 1)")
         if not 0 <= self.soft_label_weight <= 1:
             raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
-        if self.soft_label_weight > 0 and self.mtp_mode == dspark_train.DSPARK:
-            raise ValueError("soft_label_weight > 0 is not supported with --mtp_mode dspark (hard labels only)")
         if self.target_layer_ids and self.mtp_mode == dspark_train.DSPARK:
             raise ValueError("dspark's target layers are its DSparkTrainOptions' (set from --target_layer_ids)")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or min(self.target_layer_ids, default=0) < 0:
@@ -372,7 +370,8 @@ def draft_outputs(module: nn.Module, target: nn.Module, head: TargetHead, batch:
     with ground-truth input tokens and the module's own hidden chain. ``soft_labels`` False skips the
     soft-label term (the loss is then the hard one, as ``evaluate`` reports it)."""
     if cfg.mtp_mode == dspark_train.DSPARK:
-        return dspark_train.batch_outputs(module, target, head, batch, cfg, sample=module.training)
+        return dspark_train.batch_outputs(module, target, head, batch, cfg, sample=module.training,
+                                          soft_labels=soft_labels)
     h0, aux = target_hidden(target, batch.tokens, module.target_layer_ids)  # [batch, seq, hidden], fusion input
     soft_weight = cfg.soft_label_weight if soft_labels else 0.0
     hidden = module.features(h0, aux)

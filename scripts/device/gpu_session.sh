@@ -11,11 +11,13 @@
 #   gpu_session.sh train_general OUT    the general draft (Magpie user turns mixed with GSM8K train, one call
 #                                       of under 10 minutes); OUT/draft/ comes back and is installed as by train;
 #                                       the checkout's draft is kept in /root/draft_old first
-#   gpu_session.sh train_dspark OUT     the dspark block draft on the general draft's prompt set (one call of
+#   gpu_session.sh train_dspark OUT     the dspark block draft on eagle v4's prompt set with soft labels (one call of
 #                                       under 10 minutes); OUT/draft/ comes back and env.sh installs it as the
-#                                       checkout's dspark draft from the next call of this lease on
-#   gpu_session.sh quality_dspark OUT   tokens/step of the dspark draft on 200 test questions and the held-out
-#                                       prompts by kind, K = 1..BLOCK-1
+#                                       checkout's dspark draft from the next call of this lease on (the old one
+#                                       is kept in /root/dspark_old)
+#   gpu_session.sh quality_dspark OUT   tokens/step at K = 3, strict and ASD usage, of the checkout's dspark draft
+#                                       (and /root/dspark_old's) on 200 test questions and the held-out prompts by
+#                                       kind, then eagle's at K = 3 in the same call
 #   gpu_session.sh asd_dspark OUT       GSM8K test (all 1319), dspark K = 3: strict, B = 0, usage, and no MTP
 #   gpu_session.sh prefill OUT          ms per one-request prefill (120 tokens), K = 0 and 3, rows from graphs
 #                                       (the default) vs the prefill forward (--graph_max_prefill_tokens 0)
@@ -82,13 +84,15 @@ TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 15000 --magpie_domains d
                      --mtp_mode eagle_with_att --init_from /root/draft_init --target_layer_ids 2 10 20 29
                      --unroll 4 --max_new_tokens 200 --gen_batch_size 768 --epochs 6 --lr 5e-4 --batch_size 64
                      --max_gen_seconds 240 --max_train_seconds 270 --soft_label_weight 1.0 --device cuda)
-# dspark: the eagle draft's prompt set replayed (no user-turn sampling), answers ~150 s, training 200 s.
-# The packaged dspark draft (seventh session) was trained on the first set,
-# docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz; this is the five-domain set.
+# dspark: the eagle v4 draft's prompt set replayed (no user-turn sampling) with its soft labels (the target's
+# distribution), answers ~150 s, training 240 s. The packaged dspark draft (seventh session) was trained on the
+# first set, docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz, with hard labels.
 DSPARK_BLOCK=4
-TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/data/drafts/eagle_with_att_general_v2_prompt_set.jsonl.gz
+TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/data/drafts/eagle_with_att_general_v4_prompt_set.jsonl.gz
                     --block_size $DSPARK_BLOCK --draft_layers 2 --anchors_per_seq 48 --max_new_tokens 200 --gen_batch_size 768 --epochs 10
-                    --lr 1e-3 --batch_size 64 --max_gen_seconds 150 --max_train_seconds 200 --device cuda)
+                    --lr 1e-3 --batch_size 64 --soft_label_weight 1.0 --max_gen_seconds 150 --max_train_seconds 240
+                    --device cuda)
+DSPARK_DIR=lightllm/drafts/SmolLM2-135M-Instruct/dspark
 DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
 CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
@@ -216,6 +220,8 @@ train_general)
     ;;
 train_dspark)
     out=${1:?OUT}; mkdir -p "$out/draft"
+    # the checkout's dspark draft, before env.sh replaces it with this job's at the next call
+    [[ -d /root/dspark_old || -f /root/dspark_new/model.safetensors ]] || { mkdir -p /root/dspark_old && cp "$DSPARK_DIR"/* /root/dspark_old/; }
     python -m lightllm.tools.train_mtp_draft --out "$out/draft" "${TRAIN_DSPARK_FLAGS[@]}" \
         --prompt_set_out /root/dspark_prompt_set.jsonl > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
     mkdir -p /root/dspark_new && cp "$out"/draft/* /root/dspark_new/
@@ -224,12 +230,17 @@ train_dspark)
     grep -E "prompt set:|generated|held-out |time budget|saved the draft" "$out/train.log" | cut -c 1-300
     ;;
 quality_dspark)
+    # the checkout's draft (after train_dspark: the new one) beside the one it replaced, then eagle at K = 3
     out=${1:?OUT}; mkdir -p "$out"
+    drafts=(default); [[ -d /root/dspark_old ]] && drafts=(/root/dspark_old default)
     python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 \
-        --steps $(seq 1 $((DSPARK_BLOCK - 1))) --mtp_mode dspark --draft_dir default \
+        --steps 3 --asd_usage --mtp_mode dspark --draft_dir "${drafts[@]}" \
         --out "$out/mtp_draft_quality_dspark.json" > "$out/quality_dspark.log" 2>&1
     status=$?
     tail -30 "$out/quality_dspark.log"
+    python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 3 \
+        --out "$out/mtp_draft_quality_eagle_k3.json" > "$out/quality_eagle.log" 2>&1 || status=1
+    tail -8 "$out/quality_eagle.log"
     exit $status
     ;;
 prefill)

@@ -419,8 +419,7 @@ def test_train_config_checks_the_soft_label_weight():
     assert TrainConfig(soft_label_weight=1.0).soft_label_weight == 1.0
     dspark = DSparkTrainOptions()
     assert TrainConfig(mtp_mode=DSPARK, unroll=1, dspark=dspark).soft_label_weight == 0.0
-    with pytest.raises(ValueError, match="not supported with --mtp_mode dspark"):
-        TrainConfig(mtp_mode=DSPARK, unroll=1, dspark=dspark, soft_label_weight=0.5)
+    assert TrainConfig(mtp_mode=DSPARK, unroll=1, dspark=dspark, soft_label_weight=0.5).soft_label_weight == 0.5
 
 
 def test_soft_label_training_lowers_the_heldout_loss(target_answers):

@@ -426,6 +426,9 @@ class DSparkOutput:
     correct_by_depth: List[torch.Tensor]  # [b, A] bool: top-1 == label (False where no label)
     valid_by_depth: List[torch.Tensor]  # [b, A] bool: the anchor is real and the depth has a label
     confidence_bce: torch.Tensor  # scalar: BCE of conf_i against correct_i over every label
+    # scalar per depth: what training minimizes, (1 - w) CE + w * CE against the target's distribution
+    # (w = --soft_label_weight; the hard CE itself where w = 0)
+    loss_by_depth: List[torch.Tensor]
 
 
 def anchor_candidates(is_answer: torch.Tensor, is_real: torch.Tensor) -> torch.Tensor:
@@ -452,11 +455,15 @@ def all_anchor_chunks(candidates: torch.Tensor, width: int):
 
 
 def anchor_outputs(module: DSparkTrainModule, head, ctx_kv, tokens: torch.Tensor, is_answer: torch.Tensor,
-                   anchors: torch.Tensor, valid: torch.Tensor, k: int) -> DSparkOutput:
-    """Teacher-forced CE, top-1 and confidence BCE at depths 1..k for anchors [b, A] (valid [b, A])."""
+                   anchors: torch.Tensor, valid: torch.Tensor, k: int, target_h: Optional[torch.Tensor] = None,
+                   soft_weight: float = 0.0) -> DSparkOutput:
+    """Teacher-forced CE, top-1 and confidence BCE at depths 1..k for anchors [b, A] (valid [b, A]).
+
+    ``soft_weight`` > 0 mixes into each depth's loss the CE against the target's own distribution at the
+    position before the label (``target_h`` [b, s, hidden]: the input of the target's final norm)."""
     out = module(None, tokens, anchors, head, k, ctx_kv=ctx_kv)
     s = tokens.shape[1]
-    result = DSparkOutput([], [], [], out.confidence_logits.sum() * 0.0)
+    result = DSparkOutput([], [], [], out.confidence_logits.sum() * 0.0, [])
     bce_terms = []
     for d in range(k):
         label_pos = anchors + d + 1
@@ -465,18 +472,32 @@ def anchor_outputs(module: DSparkTrainModule, head, ctx_kv, tokens: torch.Tensor
         correct = torch.zeros_like(has_label)
         if has_label.any():
             logits = out.logits[:, :, d][has_label]
-            result.ce_by_depth.append(F.cross_entropy(logits, labels[has_label]))
+            ce = F.cross_entropy(logits, labels[has_label])
+            result.ce_by_depth.append(ce)
+            if soft_weight > 0:
+                probs = _target_probs(head, target_h, has_label, label_pos - 1)
+                soft_ce = -(probs * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+                ce = (1 - soft_weight) * ce + soft_weight * soft_ce
+            result.loss_by_depth.append(ce)
             correct[has_label] = logits.argmax(-1) == labels[has_label]
             bce_terms.append(F.binary_cross_entropy_with_logits(
                 out.confidence_logits[:, :, d][has_label], correct[has_label].float(), reduction="sum"))
         else:
             result.ce_by_depth.append(out.logits.sum() * 0.0)
+            result.loss_by_depth.append(result.ce_by_depth[-1])
         result.correct_by_depth.append(correct)
         result.valid_by_depth.append(has_label)
     num_labels = sum(int(v.sum()) for v in result.valid_by_depth)
     if bce_terms:
         result.confidence_bce = sum(bce_terms) / num_labels
     return result
+
+
+@torch.no_grad()
+def _target_probs(head, target_h: torch.Tensor, where: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The target's next-token distribution [n, vocab] fp32 at ``positions`` [b, A] where ``where`` [b, A]."""
+    rows = where.nonzero(as_tuple=True)[0]
+    return torch.softmax(head.logits(target_h[rows, positions[where]]), dim=-1)
 
 
 def _merge(outs: List[DSparkOutput]) -> DSparkOutput:
@@ -492,26 +513,36 @@ def _merge(outs: List[DSparkOutput]) -> DSparkOutput:
         ce_by_depth=[mean([o.ce_by_depth[d] for o in outs], [c[d] for c in counts]) for d in depths],
         correct_by_depth=[torch.cat([o.correct_by_depth[d] for o in outs], 1) for d in depths],
         valid_by_depth=[torch.cat([o.valid_by_depth[d] for o in outs], 1) for d in depths],
-        confidence_bce=mean([o.confidence_bce for o in outs], labels))
+        confidence_bce=mean([o.confidence_bce for o in outs], labels),
+        loss_by_depth=[mean([o.loss_by_depth[d] for o in outs], [c[d] for c in counts]) for d in depths])
 
 
 def batch_outputs(module: DSparkTrainModule, target: nn.Module, head, batch, cfg,
-                  sample: bool) -> Tuple[DSparkOutput, torch.Tensor]:
-    """The tool's per-batch step: (outputs, loss = sum_d w_d CE_d + CONFIDENCE_LOSS_WEIGHT * BCE).
+                  sample: bool, soft_labels: bool = True) -> Tuple[DSparkOutput, torch.Tensor]:
+    """The tool's per-batch step: (outputs, loss = sum_d w_d loss_d + CONFIDENCE_LOSS_WEIGHT * BCE).
 
     ``batch``: the tool's Batch (tokens, is_answer, is_real); ``cfg``: its TrainConfig (unroll,
-    depth_weights, dspark). ``sample``: cfg.dspark.anchors_per_seq random anchors per sequence
-    (training), else every anchor in chunks of that width (evaluation)."""
-    aux = target_aux_hidden(target, batch.tokens, module.config.target_layer_ids)
-    ctx_kv = module.context_kv(aux)
+    depth_weights, soft_label_weight, dspark). ``sample``: cfg.dspark.anchors_per_seq random anchors per
+    sequence (training), else every anchor in chunks of that width (evaluation). ``soft_labels`` False
+    drops the soft-label term (the loss is then the hard one, as evaluation reports it)."""
+    soft_weight = cfg.soft_label_weight if soft_labels else 0.0
+    layer_ids = list(module.config.target_layer_ids)
+    last = target.config.num_hidden_layers - 1  # its output is the final norm's input
+    states = target_aux_hidden(target, batch.tokens, layer_ids + ([last] if soft_weight > 0 else []))
+    target_h = None
+    if soft_weight > 0:
+        hidden = states.shape[-1] // (len(layer_ids) + 1)
+        states, target_h = states[..., :-hidden], states[..., -hidden:]
+    ctx_kv = module.context_kv(states)
     candidates = anchor_candidates(batch.is_answer, batch.is_real)
     width = cfg.dspark.anchors_per_seq
     chunks = [] if sample else list(all_anchor_chunks(candidates, width))
     if not chunks:  # training, or no candidate at all (then every anchor is invalid: zero losses)
         chunks = [sample_anchors(candidates, width)]
-    outs = [anchor_outputs(module, head, ctx_kv, batch.tokens, batch.is_answer, a, v, cfg.unroll) for a, v in chunks]
+    outs = [anchor_outputs(module, head, ctx_kv, batch.tokens, batch.is_answer, a, v, cfg.unroll, target_h,
+                           soft_weight) for a, v in chunks]
     out = outs[0] if len(outs) == 1 else _merge(outs)
-    loss = sum(w * ce for w, ce in zip(cfg.depth_weights, out.ce_by_depth))
+    loss = sum(w * x for w, x in zip(cfg.depth_weights, out.loss_by_depth))
     return out, loss + CONFIDENCE_LOSS_WEIGHT * out.confidence_bce
 
 

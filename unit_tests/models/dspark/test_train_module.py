@@ -334,3 +334,70 @@ def test_init_from_a_draft_dir_must_fit_the_flags(drafted, tmp_path):
     with pytest.raises(ValueError, match="does not fit"):
         tool.new_draft_module(hf, dataclasses.replace(train_cfg, dspark=dataclasses.replace(options, markov_rank=2)),
                               None, "cpu")
+
+
+# ---- soft labels (--soft_label_weight with --mtp_mode dspark)
+
+SOFT_SEQS = ((14, 4), (9, 3), (12, 8))  # (length, prompt_len): padded batch, anchors near both ends
+SOFT_RTOL = 1e-4  # fp32 batched blocks against the one-anchor reference (ATOL on the logits)
+
+
+@torch.no_grad()
+def _loop_reference_ces(hf, head, module, seqs, target_offset=0):
+    """Per depth d (block position d + 1): (hard CE, soft CE), float64 means over every anchor p of every
+    sequence (x_p an answer token, x_{p+1} real) whose label x_{p+d+1} exists, one anchor at a time
+    (``teacher_forced_logits``). The soft label is the target's transformers forward at p + d +
+    target_offset (0: the position that predicts the label)."""
+    hard, soft, n = [0.0] * K, [0.0] * K, [0] * K
+    for seq in seqs:
+        ids = torch.tensor([seq.token_ids])
+        target_logits = hf(ids).logits[0].double()
+        aux = target_aux_hidden(hf, ids, module.config.target_layer_ids)[0]
+        length = len(seq.token_ids)
+        for p in range(seq.prompt_len, length - 1):
+            prev = (list(seq.token_ids[p: p + K]) + [tool.PAD_TOKEN_ID] * K)[:K]
+            logits = teacher_forced_logits(module, head, aux, p, prev)[0].double()
+            for d in range(K):
+                if p + d + 1 >= length:
+                    continue
+                log_q = torch.log_softmax(logits[d], dim=-1)
+                hard[d] -= float(log_q[seq.token_ids[p + d + 1]])
+                soft[d] -= float((torch.softmax(target_logits[p + d + target_offset], dim=-1) * log_q).sum())
+                n[d] += 1
+    assert all(n)
+    return [h / c for h, c in zip(hard, n)], [s / c for s, c in zip(soft, n)]
+
+
+def test_soft_label_loss_matches_a_one_anchor_loop_reference(tmp_path):
+    hf = build_hf_model("llama", seed=1)
+    module = DSparkTrainModule.load_draft(hf.config, random_dspark_draft(hf.config, str(tmp_path), seed=3))
+    head = TargetHead(hf)
+    gen = torch.Generator().manual_seed(4)
+    seqs = [TrainSequence(torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist(), p)
+            for n, p in SOFT_SEQS]
+    batch = collate(seqs, "cpu")
+    options = DSparkTrainOptions(block_size=module.config.block_size, anchors_per_seq=5)  # 5: several chunks
+    cfg = {w: dataclasses.replace(TRAIN_CFG, dspark=options, soft_label_weight=w) for w in (0.0, 0.5, 1.0)}
+    outs = {w: ds.batch_outputs(module, hf, head, batch, c, sample=False) for w, c in cfg.items()}
+    hard, soft = _loop_reference_ces(hf, head, module, seqs)
+    for w, (out, _) in outs.items():
+        assert [float(x.detach()) for x in out.ce_by_depth] == pytest.approx(hard, rel=SOFT_RTOL)  # reported: hard
+        want = [(1 - w) * h + w * s for h, s in zip(hard, soft)]
+        assert [float(x.detach()) for x in out.loss_by_depth] == pytest.approx(want, rel=SOFT_RTOL), w
+    # the total: depth-weighted losses plus the confidence term, which the weight does not touch
+    (out0, loss0), (out1, loss1) = outs[0.0], outs[1.0]
+    assert float(out0.confidence_bce) == pytest.approx(float(out1.confidence_bce), rel=SOFT_RTOL)
+    gap = sum(w * (s - h) for w, h, s in zip(TRAIN_CFG.depth_weights, hard, soft))
+    assert float(loss1 - loss0) == pytest.approx(gap, rel=SOFT_RTOL, abs=1e-5)
+    # the reference tells the positions apart, and soft from hard
+    for offset in (-1, 1):
+        shifted = _loop_reference_ces(hf, head, module, seqs, offset)[1]
+        assert all(abs(a - b) > 10 * SOFT_RTOL * abs(b) for a, b in zip(shifted, soft)), (offset, shifted, soft)
+    assert all(abs(a - b) > 10 * SOFT_RTOL * abs(b) for a, b in zip(hard, soft))
+    # soft_labels=False (evaluation) is the hard loss exactly, whatever the weight
+    hard_only = ds.batch_outputs(module, hf, head, batch, cfg[1.0], sample=False, soft_labels=False)[1]
+    assert torch.equal(hard_only, loss0)
+    # the soft label is a constant: gradients reach the draft
+    loss1.backward()
+    missing = [n for n, p in module.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, missing
