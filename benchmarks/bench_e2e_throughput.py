@@ -723,14 +723,14 @@ def run_long_context(args) -> Dict[str, object]:
 # --serving: one server per mode, a closed-loop mix of short and long prompts, streamed
 SERVING_OUT = os.path.join("docs", "data", "perf", "serving.json")
 SMALL_CHUNK_TOKENS = 512  # the *_chunk512 arms: prompt tokens per step (inter-token latency against TTFT)
-GROUPED_WAIT_STEPS = 4  # the *_wait4 arms: --router_max_wait_tokens (arrivals share a mixed step)
+NO_WAIT_STEPS = 0  # the *_wait0 arms: --router_max_wait_tokens 0 (admit at every step; the default groups arrivals)
 SERVING_MODES = {"plain": MATRIX_MODES["plain"], "mtp": MATRIX_MODES["mtp3"], "asd_usage": MATRIX_MODES["asd_usage"],
                  "dspark": MATRIX_MODES["dspark3"], "dspark_asd_usage": MATRIX_MODES["dspark_asd_usage"],
                  "plain_no_overlap": MATRIX_MODES["plain_no_overlap"],
                  "mtp_chunk512": dict(MATRIX_MODES["mtp3"], batch_max_tokens=SMALL_CHUNK_TOKENS),
                  "asd_usage_chunk512": dict(MATRIX_MODES["asd_usage"], batch_max_tokens=SMALL_CHUNK_TOKENS),
-                 "mtp_wait4": dict(MATRIX_MODES["mtp3"], router_max_wait_tokens=GROUPED_WAIT_STEPS),
-                 "asd_usage_wait4": dict(MATRIX_MODES["asd_usage"], router_max_wait_tokens=GROUPED_WAIT_STEPS)}
+                 "mtp_wait0": dict(MATRIX_MODES["mtp3"], router_max_wait_tokens=NO_WAIT_STEPS),
+                 "asd_usage_wait0": dict(MATRIX_MODES["asd_usage"], router_max_wait_tokens=NO_WAIT_STEPS)}
 DEFAULT_SERVING_MODES = ("plain", "mtp", "asd_usage")
 SERVING_NUM_PROMPTS = 512
 SERVING_SHORT_NEW_TOKENS = 256

@@ -233,8 +233,9 @@ def test_serving_modes_are_server_flags():
     # the small-chunk arm's budget wins over the benchmark's base flags (the last occurrence of a flag)
     small = parser.parse_args(["--batch_max_tokens", "4096"] + bench.serving_mode_flags("mtp_chunk512"))
     assert (small.batch_max_tokens, small.mtp_step) == (512, 3)
-    grouped = parser.parse_args(bench.serving_mode_flags("asd_usage_wait4"))
-    assert (grouped.router_max_wait_tokens, grouped.mtp_asd_regret_budget) == (4, 2.0625)
+    eager = parser.parse_args(bench.serving_mode_flags("asd_usage_wait0"))
+    assert (eager.router_max_wait_tokens, eager.mtp_asd_regret_budget) == (0, 2.0625)
+    assert parser.parse_args(usage).router_max_wait_tokens == 4  # the default groups arrivals
 
 
 def _server_count(tokenizer, text):

@@ -19,7 +19,8 @@ class StartArgs:
     running_max_req_size: int = 64
     max_req_total_len: int = 4096  # prompt + new tokens of one request
     batch_max_tokens: Optional[int] = DEFAULT_BATCH_MAX_TOKENS  # prompt tokens per step (chunked prefill); None: max_req_total_len
-    router_max_wait_tokens: int = 0  # while requests decode, admit waiting ones after this many decode steps
+    # while requests decode, admit waiting ones after this many decode steps (docs/decode_step.md, "Grouped admission")
+    router_max_wait_tokens: int = 4
     data_type: Optional[str] = None  # None: bfloat16 on CUDA, float32 on CPU
     # MTP speculative decoding
     mtp_mode: Optional[str] = None
