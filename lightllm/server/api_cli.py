@@ -57,7 +57,7 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    help="While requests are decoding, admit waiting requests only once this many decode steps "
                         "have run since the last admission (LightLLM's flag), so arrivals join in groups and "
                         "share one mixed step; at once when nothing decodes or a prompt is being prefilled "
-                        "anyway. 0: admit at every step. Default %(default)s.")
+                        "anyway; 0: admit at every step (default: %(default)s).")
     p = top.add_argument_group("MTP / ASD", "Speculative decoding with draft modules, and ASD's approximate "
                                             "acceptance (docs/asd.md).")
     p.add_argument("--mtp_mode", type=str, default=d.mtp_mode, choices=MTP_MODES,
