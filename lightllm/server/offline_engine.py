@@ -5,7 +5,7 @@ processes as the server (``start_worker``), driven through rank 0's queues.
 """
 import queue
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 

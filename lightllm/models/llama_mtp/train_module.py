@@ -5,7 +5,7 @@ engine's inference path (``model.py``) is checked against an independent
 implementation. Saved dirs load with ``LlamaMTPDraftModel``.
 """
 import os
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
