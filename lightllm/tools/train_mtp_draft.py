@@ -69,6 +69,7 @@ from lightllm.models.draft_config import DRAFT_SAFETENSORS
 from lightllm.models.llama_mtp.model import MTPDraftConfig
 from lightllm.models.llama_mtp.train_module import MTPDraftTrainModule
 from lightllm.server.core.objs.start_args_type import MTP_MODES
+from lightllm.tools import answer_cache
 from lightllm.tools import magpie_prompts as magpie
 from lightllm.tools.client import generate_offline, model_dir_or_embedded
 from lightllm.tools.magpie_prompts import KIND_MATH, SOURCE_GSM8K, PromptRecord, abort_all_after, as_records
@@ -99,7 +100,8 @@ NON_MATH = "non_math"  # the held-out metrics over every kind but math together
 # The data folder beside the checkout (``../shared/data``), recorded relative to the repository.
 DATA_BESIDE_CHECKOUT = os.path.dirname(os.path.abspath(GSM8K_BESIDE_CHECKOUT))
 OUTSIDE_REPO = "<outside the repo>"  # training_info.json's stand-in for a machine's folder
-PATH_FLAGS = ("data", "out", "model_dir", "prompt_set", "prompt_set_out", "heldout", "init_from")  # recorded portably
+PATH_FLAGS = ("data", "out", "model_dir", "prompt_set", "prompt_set_out", "heldout", "init_from",
+              "answers_cache")  # recorded portably
 TRAIN_MODES = MTP_MODES if dspark_train.DSPARK in MTP_MODES else MTP_MODES + (dspark_train.DSPARK,)
 
 
@@ -703,6 +705,10 @@ def make_parser() -> argparse.ArgumentParser:
                         "the last layer's output alone. dspark: its context (default: "
                         f"{dspark_train.DEFAULT_NUM_TARGET_LAYERS} evenly spaced, the last included)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--answers_cache", default=None,
+                   help="a file of the target's answers: read when it exists (same target, prompts, held-out "
+                        "prompts and --max_new_tokens, else an error), else written after generating, so that "
+                        "several recipes train on the same answers")
     dspark_train.add_cli_flags(p)
     return p
 
@@ -717,6 +723,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if a.unroll is None:
         a.unroll = a.block_size - 1 if a.mtp_mode == dspark_train.DSPARK else TrainConfig.unroll
     return a
+
+
+def generate_all(a: argparse.Namespace, model_dir: str, device: str, prompts: List[List[int]],
+                 heldout_ids: List[List[int]], heldout_kinds: List[str], answer_budget: Optional[float],
+                 seconds: Dict[str, float]) -> Tuple[List[TrainSequence], Dict[str, List[TrainSequence]]]:
+    """The target's answers to the training prompts (within ``answer_budget`` s) and to the held-out ones,
+    grouped by kind; their seconds go into ``seconds``."""
+    logger.info("generating the target's answers (max_new_tokens %d, budget %s s)", a.max_new_tokens, answer_budget)
+    t = time.monotonic()
+    seqs = generate_answers(model_dir, prompts, a.max_new_tokens, device=device,
+                            running_max_req_size=a.gen_batch_size, max_seconds=answer_budget)
+    seconds["generate"] = time.monotonic() - t
+    logger.info("generated %d answer tokens for %d prompts in %.1f s",
+                sum(len(s.token_ids) - s.prompt_len for s in seqs), len(seqs), seconds["generate"])
+    heldout_seqs: Dict[str, List[TrainSequence]] = {}  # the target's answers to the held-out prompts, by kind
+    if heldout_ids:
+        t = time.monotonic()
+        heldout_kind = {tuple(p): kind for p, kind in zip(heldout_ids, heldout_kinds)}
+        for s in generate_answers(model_dir, heldout_ids, a.max_new_tokens, device=device,
+                                  running_max_req_size=min(a.gen_batch_size, len(heldout_ids))):
+            heldout_seqs.setdefault(heldout_kind[tuple(s.token_ids[: s.prompt_len])], []).append(s)
+        seconds["heldout_generate"] = time.monotonic() - t
+        logger.info("held-out answers in %.1f s", seconds["heldout_generate"])
+    return seqs, heldout_seqs
 
 
 def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
@@ -757,25 +787,26 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
 
     # the answers get what the user turns left of the generation budget (their engine's start included)
     answer_budget = None if gen_budget is None else max(0.0, gen_budget - (seconds["prompts"] if sampled else 0.0))
-    logger.info("generating the target's answers (max_new_tokens %d, budget %s s)", a.max_new_tokens, answer_budget)
-    t = time.monotonic()
     prompts = chat_prompt_ids(tokenizer, [r.prompt for r in records])
     kind_of = {tuple(p): r.kind for p, r in reversed(list(zip(prompts, records)))}  # a repeated prompt: its first kind
-    seqs = generate_answers(model_dir, prompts, a.max_new_tokens, device=device,
-                            running_max_req_size=a.gen_batch_size, max_seconds=answer_budget)
-    seconds["generate"] = time.monotonic() - t
-    answer_tokens = sum(len(s.token_ids) - s.prompt_len for s in seqs)
-    logger.info("generated %d answer tokens for %d prompts in %.1f s", answer_tokens, len(seqs), seconds["generate"])
-    heldout_seqs: Dict[str, List[TrainSequence]] = {}  # the target's answers to the held-out prompts, by kind
-    if heldout_rows:
+    heldout_ids = chat_prompt_ids(tokenizer, [r["prompt"] for r in heldout_rows]) if heldout_rows else []
+    key = answer_cache.make_key(model_dir, a.max_new_tokens, prompts, heldout_ids)
+    if a.answers_cache and os.path.exists(a.answers_cache):
         t = time.monotonic()
-        ids = chat_prompt_ids(tokenizer, [r["prompt"] for r in heldout_rows])
-        heldout_kind = {tuple(p): r["kind"] for p, r in zip(ids, heldout_rows)}
-        for s in generate_answers(model_dir, ids, a.max_new_tokens, device=device,
-                                  running_max_req_size=min(a.gen_batch_size, len(ids))):
-            heldout_seqs.setdefault(heldout_kind[tuple(s.token_ids[: s.prompt_len])], []).append(s)
-        seconds["heldout_generate"] = time.monotonic() - t
-        logger.info("held-out answers in %.1f s", seconds["heldout_generate"])
+        try:
+            seqs, heldout_seqs = answer_cache.load(a.answers_cache, key, TrainSequence)
+        except ValueError as e:
+            make_parser().error(str(e))
+        seconds["answers_cache"] = time.monotonic() - t
+        logger.info("read %d answers and %d held-out ones from %s in %.1f s", len(seqs),
+                    sum(map(len, heldout_seqs.values())), a.answers_cache, seconds["answers_cache"])
+    else:
+        seqs, heldout_seqs = generate_all(a, model_dir, device, prompts, heldout_ids,
+                                          [r["kind"] for r in heldout_rows], answer_budget, seconds)
+        if a.answers_cache:
+            answer_cache.save(a.answers_cache, key, seqs, heldout_seqs)
+            logger.info("answers written to %s", a.answers_cache)
+    answer_tokens = sum(len(s.token_ids) - s.prompt_len for s in seqs)
 
     # bf16 on CUDA (as the engine serves it), fp32 on CPU
     target_dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

@@ -11,13 +11,16 @@
 #   gpu_session.sh train_general OUT    the general draft (Magpie user turns mixed with GSM8K train, one call
 #                                       of under 10 minutes); OUT/draft/ comes back and is installed as by train;
 #                                       the checkout's draft is kept in /root/draft_old first
-#   gpu_session.sh train_dspark OUT     the dspark block draft on eagle v4's prompt set with soft labels (one call of
-#                                       under 10 minutes); OUT/draft/ comes back and env.sh installs it as the
-#                                       checkout's dspark draft from the next call of this lease on (the old one
-#                                       is kept in /root/dspark_old)
-#   gpu_session.sh quality_dspark OUT   tokens/step at K = 3, strict and ASD usage, of the checkout's dspark draft
-#                                       (and /root/dspark_old's) on 200 test questions and the held-out prompts by
-#                                       kind, then eagle's at K = 3 in the same call
+#   gpu_session.sh train_dspark OUT [NAME FLAGS...]  the dspark block draft on eagle v4's prompt set with soft
+#                                       labels (one call of under 10 minutes; the answers are generated once a
+#                                       lease, then read from /root); OUT/draft/ comes back and env.sh installs it
+#                                       as the checkout's dspark draft from the next call on (the old one is kept
+#                                       in /root/dspark_old). With NAME: the recipe's flags then FLAGS, kept in
+#                                       /root/dspark_NAME only (an ablation: ~260 s once the answers exist)
+#   gpu_session.sh quality_dspark OUT [DRAFT...]  tokens/step at K = DSPARK_QUALITY_STEPS (default 3), strict and
+#                                       ASD usage, of the drafts (default: /root/dspark_old if any, and the
+#                                       checkout's) on 200 test questions and the held-out prompts by kind, then
+#                                       eagle's at K = 3 in the same call
 #   gpu_session.sh asd_dspark OUT       GSM8K test (all 1319), dspark K = 3: strict, B = 0, usage, and no MTP
 #   gpu_session.sh prefill OUT          ms per one-request prefill (120 tokens), K = 0 and 3, rows from graphs
 #                                       (the default) vs the prefill forward (--graph_max_prefill_tokens 0)
@@ -93,6 +96,7 @@ TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/dat
                     --lr 1e-3 --batch_size 64 --soft_label_weight 1.0 --max_gen_seconds 150 --max_train_seconds 240
                     --device cuda)
 DSPARK_DIR=lightllm/drafts/SmolLM2-135M-Instruct/dspark
+DSPARK_ANSWERS=/root/dspark_answers_v4.pt  # the target's answers to that prompt set, generated once a lease
 DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
 CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
@@ -219,22 +223,29 @@ train_general)
     grep -E "prompt set:|generated|held-out |time budget|saved the draft" "$out/train.log" | cut -c 1-300
     ;;
 train_dspark)
-    out=${1:?OUT}; mkdir -p "$out/draft"
+    # train_dspark OUT: the recipe, installed as the checkout's draft from the next call; train_dspark OUT NAME FLAGS...:
+    # a variant (the recipe's flags, then FLAGS) in /root/dspark_NAME. Every run of a lease trains on the same answers.
+    out=${1:?OUT}; name=${2-}; mkdir -p "$out/draft"
+    extra=("${@:3}")
     # the checkout's dspark draft, before env.sh replaces it with this job's at the next call
     [[ -d /root/dspark_old || -f /root/dspark_new/model.safetensors ]] || { mkdir -p /root/dspark_old && cp "$DSPARK_DIR"/* /root/dspark_old/; }
-    python -m lightllm.tools.train_mtp_draft --out "$out/draft" "${TRAIN_DSPARK_FLAGS[@]}" \
-        --prompt_set_out /root/dspark_prompt_set.jsonl > "$out/train.log" 2>&1 || { tail -20 "$out/train.log"; exit 1; }
-    mkdir -p /root/dspark_new && cp "$out"/draft/* /root/dspark_new/
+    python -m lightllm.tools.train_mtp_draft --out "$out/draft" "${TRAIN_DSPARK_FLAGS[@]}" "${extra[@]}" \
+        --answers_cache "$DSPARK_ANSWERS" --prompt_set_out /root/dspark_prompt_set.jsonl > "$out/train.log" 2>&1 \
+        || { tail -20 "$out/train.log"; exit 1; }
+    dest=/root/dspark_new; [[ -n "$name" ]] && dest=/root/dspark_$name
+    mkdir -p "$dest" && cp "$out"/draft/* "$dest"/
     # files come back at most 16 MiB each: the weights in 15 MiB parts (cat them back in order)
     split -b 15m "$out/draft/model.safetensors" "$out/draft/model.safetensors.part_" && rm "$out/draft/model.safetensors"
-    grep -E "prompt set:|generated|held-out |time budget|saved the draft" "$out/train.log" | cut -c 1-300
+    grep -E "prompt set:|generated|answers|held-out |time budget|saved the draft" "$out/train.log" | cut -c 1-300
     ;;
 quality_dspark)
-    # the checkout's draft (after train_dspark: the new one) beside the one it replaced, then eagle at K = 3
-    out=${1:?OUT}; mkdir -p "$out"
-    drafts=(default); [[ -d /root/dspark_old ]] && drafts=(/root/dspark_old default)
+    # quality_dspark OUT [DRAFT...]: tokens/step at K = $DSPARK_QUALITY_STEPS (default 3), strict and usage, of the
+    # drafts (default: the one train_dspark replaced, if any, and the checkout's), then eagle's at K = 3
+    out=${1:?OUT}; shift; mkdir -p "$out"
+    drafts=("$@")
+    if (( ${#drafts[@]} == 0 )); then drafts=(default); [[ -d /root/dspark_old ]] && drafts=(/root/dspark_old default); fi
     python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 \
-        --steps 3 --asd_usage --mtp_mode dspark --draft_dir "${drafts[@]}" \
+        --steps ${DSPARK_QUALITY_STEPS:-3} --asd_usage --mtp_mode dspark --draft_dir "${drafts[@]}" \
         --out "$out/mtp_draft_quality_dspark.json" > "$out/quality_dspark.log" 2>&1
     status=$?
     tail -30 "$out/quality_dspark.log"

@@ -664,3 +664,42 @@ def test_a_bad_training_flag_is_a_usage_error_at_start_up(tiny_run, capsys):
             tool.main(_argv(tiny_run, tiny_run[0] / "bad", *flags))
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+# ---- --answers_cache: generate once, train several recipes on the same answers
+
+def test_answer_cache_round_trip_and_key_check(tmp_path):
+    from lightllm.tools import answer_cache as ac
+
+    seqs = [TrainSequence([5, 6, 7, 8], 2), TrainSequence([9], 1), TrainSequence(list(range(40, 70)), 7)]
+    heldout = {"code": [TrainSequence([1, 2, 3], 2)], "math": []}
+    key = ac.make_key("m", 6, [[5, 6], [9], list(range(40, 47))], [[1, 2]])
+    path = str(tmp_path / "sub" / "answers.pt")
+    ac.save(path, key, seqs, heldout)
+    assert ac.load(path, key, TrainSequence) == (seqs, heldout)
+    # the digest sees where one prompt ends and the next begins
+    assert ac.ids_digest([[1, 2], [3]]) != ac.ids_digest([[1], [2, 3]])
+    other = dataclasses.replace(key, max_new_tokens=7)
+    with pytest.raises(ValueError, match=r"holds other answers: max_new_tokens 6 \(now 7\)"):
+        ac.load(path, other, TrainSequence)
+
+
+def test_answers_cache_trains_the_same_draft_without_generating(tiny_run, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file
+
+    cache = str(tmp_path / "answers.pt")
+    first, second = tmp_path / "first", tmp_path / "second"
+    tool.main(_argv(tiny_run, first, "--answers_cache", cache))
+    assert os.path.exists(cache)
+    monkeypatch.setattr(tool, "generate_answers", lambda *a, **k: pytest.fail("generated despite the cache"))
+    tool.main(_argv(tiny_run, second, "--answers_cache", cache))
+    a, b = (load_file(str(d / "model.safetensors")) for d in (first, second))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same seed, same answers, CPU
+    info1, info2 = (json.loads((d / TRAINING_INFO_FILENAME).read_text()) for d in (first, second))
+    assert info2["answer_tokens"] == info1["answer_tokens"] and info2["heldout_by_kind"] == info1["heldout_by_kind"]
+    assert "generate" in info1["seconds"] and "answers_cache" in info2["seconds"] and "generate" not in info2["seconds"]
+    assert info2["recipe"]["answers_cache"] == os.path.join(tool.OUTSIDE_REPO, "answers.pt")  # portable
+    # other answers (another length limit) are refused at start-up with the reason, never reused
+    with pytest.raises(SystemExit):
+        tool.main(_argv(tiny_run, tmp_path / "third", "--answers_cache", cache, "--max_new_tokens", "5"))
+    assert "holds other answers: max_new_tokens 6 (now 5)" in capsys.readouterr().err
