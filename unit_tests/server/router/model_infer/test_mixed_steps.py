@@ -76,12 +76,13 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", **kw):
     return res, calls
 
 
+@pytest.mark.parametrize("wait", [0, 4])  # --router_max_wait_tokens: admission at every step, or grouped
 @pytest.mark.parametrize("layout", ["items", "rows"])
 @pytest.mark.parametrize("mode", ["plain", "mtp", "asd0", "asd", "dspark_mtp", "dspark_asd0", "dspark_asd"])
-def test_mixed_steps_give_one_request_at_a_times_outputs(tiny, mode, layout):
+def test_mixed_steps_give_one_request_at_a_times_outputs(tiny, mode, layout, wait):
     m, drafts = tiny
     prompts = random_prompts(m.vocab_size, len(MAX_NEW), PROMPT_LENS, seed=7)
-    kw = _mode_args(drafts, mode)
+    kw = dict(_mode_args(drafts, mode), router_max_wait_tokens=wait)
     alone, alone_calls = _run(m.model_dir, prompts, 1, **kw)
     mixed, calls = _run(m.model_dir, prompts, 3, layout, **kw)
     assert not alone_calls

@@ -271,13 +271,14 @@ PARITY_CASES = [("llama", "plain"), ("llama", "mtp"), ("llama", "asd0"), ("llama
                 ("qwen3", "plain"), ("qwen3", "mtp")]
 
 
+@pytest.mark.parametrize("wait", [0, 4])  # --router_max_wait_tokens: admission at every step, or grouped
 @pytest.mark.parametrize("kind,mode", PARITY_CASES)
-def test_overlap_gives_the_plain_schedules_outputs(models, kind, mode):
+def test_overlap_gives_the_plain_schedules_outputs(models, kind, mode, wait):
     """Stop sequences and EOS mid-run, waiting requests joining: the same updates, step by
     step (tokens, log-probs, accept lengths, ASD ledger) as --disable_overlap_schedule; steps
     really ran ahead, and (no ladder on CPU) the ones a finish invalidated were undone."""
     m = models[kind]
-    kw = dict(COMMON, **_mode_args(m, mode))
+    kw = dict(COMMON, router_max_wait_tokens=wait, **_mode_args(m, mode))
     specs = _parity_specs(m["target"], m["vocab"], PARITY_SEED, **kw)
     watch = FinishWatch()
     plain, overlap = _both(m["target"], specs, after_step=watch, **kw)
