@@ -32,8 +32,10 @@ default 256 here) and 20% (``--serving_long_fraction``) prompts of ``--serving_l
 tokens (seeded lengths, GSM8K questions repeated, cut so the server's tokenizer counts the length;
 ``--serving_long_new_tokens``, default 64), in a seeded order. Per arm: output tok/s, time to first
 token, inter-token latency (all requests, the short ones, and the short ones while a long prompt
-waits for its first token: SERVING_DEFINITIONS), and the engine's decode clock from /metrics
-(mean decode batch, ms per decode step). Ratios are to the first arm. Writes
+waits for its first token; the short ones' chunk gaps as vLLM counts ITL: SERVING_DEFINITIONS), and the engine's decode clock from /metrics
+(mean decode batch, ms per decode step). The servers keep the engine's chunk budget
+(``--batch_max_tokens``, default 2048: a long prompt takes several mixed steps; until the twenty-fourth
+session this benchmark set 4096, the ``*_chunk4096`` arms). Ratios are to the first arm. Writes
 ``docs/data/perf/serving.json`` by default.
 
 ``--prefix_cache``: the radix prompt cache (``run_prefix_cache``; the workloads, client and rows are
@@ -723,12 +725,14 @@ def run_long_context(args) -> Dict[str, object]:
 # --serving: one server per mode, a closed-loop mix of short and long prompts, streamed
 SERVING_OUT = os.path.join("docs", "data", "perf", "serving.json")
 SMALL_CHUNK_TOKENS = 512  # the *_chunk512 arms: prompt tokens per step (inter-token latency against TTFT)
+WHOLE_PROMPT_CHUNK_TOKENS = 4096  # the *_chunk4096 arms: a long prompt in one step (this benchmark's base before)
 NO_WAIT_STEPS = 0  # the *_wait0 arms: --router_max_wait_tokens 0 (admit at every step; the default groups arrivals)
 SERVING_MODES = {"plain": MATRIX_MODES["plain"], "mtp": MATRIX_MODES["mtp3"], "asd_usage": MATRIX_MODES["asd_usage"],
                  "dspark": MATRIX_MODES["dspark3"], "dspark_asd_usage": MATRIX_MODES["dspark_asd_usage"],
                  "plain_no_overlap": MATRIX_MODES["plain_no_overlap"],
                  "mtp_chunk512": dict(MATRIX_MODES["mtp3"], batch_max_tokens=SMALL_CHUNK_TOKENS),
                  "asd_usage_chunk512": dict(MATRIX_MODES["asd_usage"], batch_max_tokens=SMALL_CHUNK_TOKENS),
+                 "mtp_chunk4096": dict(MATRIX_MODES["mtp3"], batch_max_tokens=WHOLE_PROMPT_CHUNK_TOKENS),
                  "mtp_wait0": dict(MATRIX_MODES["mtp3"], router_max_wait_tokens=NO_WAIT_STEPS),
                  "asd_usage_wait0": dict(MATRIX_MODES["asd_usage"], router_max_wait_tokens=NO_WAIT_STEPS)}
 DEFAULT_SERVING_MODES = ("plain", "mtp", "asd_usage")
@@ -751,6 +755,8 @@ SERVING_DEFINITIONS = {
               "chunk gives n samples of g / n (MTP: one step commits several tokens, each gets its share); "
               "chunks read in one network read count as one",
     "itl_short_ms": "itl_ms of the short requests only",
+    "chunk_gap_short_ms": "the gaps between a short request's consecutive chunks, one sample per gap whatever its "
+                          "tokens (vLLM benchmark_serving's ITL: with MTP a step's tokens share one gap)",
     "itl_short_during_long_prefill_ms": "itl_ms of the short requests whose gap overlaps a long request's "
                                         "window from its send to its first token (queued or being prefilled)",
     "long_prefill_time_share": "the union of those windows / the run's wall time",
@@ -855,6 +861,11 @@ def itl_samples(trace: StreamTrace, starts: Sequence[float] = (),
     return out
 
 
+def chunk_gaps_ms(trace: StreamTrace) -> List[float]:
+    """The gaps between the request's consecutive chunks, in ms (none before its first: TTFT)."""
+    return [1e3 * (b - a) for (a, _), (b, _) in zip(trace.chunks, trace.chunks[1:])]
+
+
 def _percentiles(name: str, xs: Sequence[float]) -> Dict[str, Optional[float]]:
     values = np.percentile(xs, SERVING_PERCENTILES) if len(xs) else [None] * len(SERVING_PERCENTILES)
     return {f"{name}_p{q}": None if v is None else float(v) for q, v in zip(SERVING_PERCENTILES, values)}
@@ -887,11 +898,12 @@ def serving_row(mode: str, requests: Sequence[ServingRequest], traces: Sequence[
     out_tokens = sum(t.output_tokens for t in traces)
     ttft = {k: [1e3 * t.ttft_s for r, t in zip(requests, traces) if t.chunks and k in (None, r.kind)]
             for k in (None, SHORT, LONG)}
-    itl_all, itl_short, itl_short_tagged = [], [], []
+    itl_all, itl_short, itl_short_tagged, gaps_short = [], [], [], []
     for r, t in zip(requests, traces):
         samples = itl_samples(t, starts, ends)
         itl_all += [ms for ms, _ in samples]
         if r.kind == SHORT:
+            gaps_short += chunk_gaps_ms(t)
             itl_short += [ms for ms, _ in samples]
             itl_short_tagged += [ms for ms, tagged in samples if tagged]
     row: Dict[str, object] = {
@@ -903,6 +915,7 @@ def serving_row(mode: str, requests: Sequence[ServingRequest], traces: Sequence[
         **_percentiles("ttft_long_ms", ttft[LONG]), **_percentiles("itl_ms", itl_all),
         **_percentiles("itl_short_ms", itl_short),
         **_percentiles("itl_short_during_long_prefill_ms", itl_short_tagged),
+        **_percentiles("chunk_gap_short_ms", gaps_short),
         "itl_short_samples": len(itl_short), "itl_short_during_long_prefill_samples": len(itl_short_tagged),
         "long_prefill_time_share": sum(b - a for a, b in zip(starts, ends)) / wall if wall > 0 else None,
         "finish_reasons": dict(Counter(str(t.finish_reason) for t in traces)),
@@ -910,6 +923,7 @@ def serving_row(mode: str, requests: Sequence[ServingRequest], traces: Sequence[
         "stream_token_mismatches": sum(sum(n for _, n in t.chunks) != t.output_tokens for t in traces),
     }
     row["itl_short_p99_over_p50"] = ratio(row["itl_short_ms_p99"], row["itl_short_ms_p50"])
+    row["chunk_gap_short_p99_over_p50"] = ratio(row["chunk_gap_short_ms_p99"], row["chunk_gap_short_ms_p50"])
     row["itl_short_during_long_prefill_p99_over_p50"] = ratio(row["itl_short_during_long_prefill_ms_p99"],
                                                               row["itl_short_during_long_prefill_ms_p50"])
     row.update(engine_clock_fields(grown))
@@ -930,6 +944,7 @@ SERVING_TABLE = (
     Column("ttft_ms_p99", "TTFT p99 ms", ".1f"), Column("itl_ms_p50", "ITL p50", ".2f"),
     Column("itl_ms_p99", "ITL p99", ".2f"), Column("itl_short_ms_p50", "short ITL p50", ".2f"),
     Column("itl_short_ms_p99", "short ITL p99", ".2f"),
+    Column("chunk_gap_short_ms_p50", "short gap p50", ".2f"), Column("chunk_gap_short_ms_p99", "gap p99", ".2f"),
     Column("itl_short_during_long_prefill_ms_p50", "during long prefill p50", ".2f"),
     Column("itl_short_during_long_prefill_ms_p99", "p99", ".2f"),
     Column("itl_short_during_long_prefill_p99_over_p50", "p99/p50", ".2f"),
@@ -969,7 +984,9 @@ def run_serving(args) -> Dict[str, object]:
           f"built in {time.perf_counter() - t0:.1f}s; concurrency {args.concurrency}, "
           f"{args.client_procs} client processes", flush=True)
     max_len = auto_max_req_total_len([r.prompt_tokens + r.max_new_tokens for r in workload], 0)
-    base = wave_server_flags(None, args.concurrency, max_len) + list(shared)  # --server_args last: they win
+    # the engine's own chunk budget (a long prompt takes several mixed steps, as a user's server runs it), not
+    # wave_server_flags' one-request chunk; --server_args last: they win
+    base = server_flags(running_max_req_size=args.concurrency, max_req_total_len=max_len) + list(shared)
     bodies = [completion_stream_body(r.text, r.max_new_tokens, args.ignore_eos) for r in workload]
     warm_texts = [r.text for r in workload]
     warm_tokens = min([args.warmup_tokens] + [r.max_new_tokens for r in workload])  # within max_req_total_len
@@ -999,7 +1016,8 @@ def run_serving(args) -> Dict[str, object]:
         rows.append(row)
         add_serving_ratios(rows)
         print(f"[{mode}] {row['requests']} requests in {row['wall_s']:.2f}s, {row['output_tok_s']:.1f} out tok/s, "
-              f"short ITL p50 / p99 {row['itl_short_ms_p50']:.2f} / {row['itl_short_ms_p99']:.2f} ms", flush=True)
+              f"short ITL p50 / p99 {row['itl_short_ms_p50']:.2f} / {row['itl_short_ms_p99']:.2f} ms, "
+              f"chunk gaps {row['chunk_gap_short_ms_p50']:.2f} / {row['chunk_gap_short_ms_p99']:.2f} ms", flush=True)
         result = {"commit": _git_commit(), "args": vars(args), "meta": meta, "definitions": SERVING_DEFINITIONS,
                   "arms": rows}
         write_json(args.out, result)  # after every arm: a run cut short keeps its finished arms

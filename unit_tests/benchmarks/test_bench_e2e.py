@@ -233,6 +233,7 @@ def test_serving_modes_are_server_flags():
     # the small-chunk arm's budget wins over the benchmark's base flags (the last occurrence of a flag)
     small = parser.parse_args(["--batch_max_tokens", "4096"] + bench.serving_mode_flags("mtp_chunk512"))
     assert (small.batch_max_tokens, small.mtp_step) == (512, 3)
+    assert parser.parse_args(bench.serving_mode_flags("mtp_chunk4096")).batch_max_tokens == 4096
     eager = parser.parse_args(bench.serving_mode_flags("asd_usage_wait0"))
     assert (eager.router_max_wait_tokens, eager.mtp_asd_regret_budget) == (0, 2.0625)
     assert parser.parse_args(usage).router_max_wait_tokens == 4  # the default groups arrivals
@@ -339,6 +340,11 @@ def test_serving_row_by_hand():
     assert (row["ttft_long_ms_p50"], row["ttft_long_ms_p99"]) == approx((750, 995))
     # short ITL, 14 samples: 100 x 6, 200 x 4, 300 x 3, 500 -> p50 200, p99 300 + 0.87 * 200
     assert row["itl_short_samples"] == 14 and (row["itl_short_ms_p50"], row["itl_short_ms_p99"]) == approx((200, 474))
+    # short requests' chunk gaps, one sample each: A 100 300 600 300 400 200, B 100, C 200 500 100 -> sorted
+    # 100 100 100 200 200 300 300 400 500 600: p50 250, p99 500 + 0.91 * 100
+    assert (row["chunk_gap_short_ms_p50"], row["chunk_gap_short_ms_p99"]) == approx((250, 591))
+    assert row["chunk_gap_short_p99_over_p50"] == approx(591 / 250)
+    assert bench.chunk_gaps_ms(traces[2]) == [] and bench.chunk_gaps_ms(traces[3]) == approx([100])
     # during long prefill, 8 samples: 100 x 4, 200, 300 x 2, 500 -> p50 150, p99 300 + 0.93 * 200
     assert row["itl_short_during_long_prefill_samples"] == 8
     assert (row["itl_short_during_long_prefill_ms_p50"], row["itl_short_during_long_prefill_ms_p99"]) == approx(
