@@ -65,11 +65,14 @@ def run_arm(draft: str, name: str, args: StartArgs, prompts: Sequence[List[int]]
 
 
 def measure(model_dir: Optional[str], prompts: Sequence[List[int]], groups: Sequence[str], drafts: Sequence[str],
-            steps: Sequence[int], mtp_mode: str, max_new_tokens: int, asd_usage: bool = False) -> List[Dict]:
+            steps: Sequence[int], mtp_mode: str, max_new_tokens: int, asd_usage: bool = False,
+            deterministic: bool = False) -> List[Dict]:
     """The no-MTP arm, then every draft at every K (strict, and with ``asd_usage`` the ASD usage
-    setting too); each MTP row counts the requests whose tokens differ from no-MTP."""
+    setting too); each MTP row counts the requests whose tokens differ from no-MTP. ``deterministic``:
+    every arm with --enable_deterministic_inference (CUDA), under which strict rows differ in none."""
     common = dict(model_dir=model_dir, running_max_req_size=len(prompts),
-                  max_req_total_len=auto_max_req_total_len([len(p) for p in prompts], max_new_tokens))
+                  max_req_total_len=auto_max_req_total_len([len(p) for p in prompts], max_new_tokens),
+                  enable_deterministic_inference=deterministic)
     rows = [run_arm("-", "no_mtp", StartArgs(**common), prompts, groups, max_new_tokens)]
     for draft in drafts:
         dirs = None if draft == DEFAULT_DRAFT else draft.split(",")
@@ -109,6 +112,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
                         f"'{DEFAULT_DRAFT}' (the engine's packaged draft, as without --mtp_draft_model_dir)")
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--asd_usage", action="store_true", help="each K also at the ASD usage setting (2.0625, 0.25, 2)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every arm with --enable_deterministic_inference (CUDA): strict MTP then differs from "
+                        "no-MTP in no request (bf16 batches otherwise can, at near-ties)")
     p.add_argument("--out", default="mtp_draft_quality.json")
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
@@ -118,14 +124,15 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     heldout = load_heldout(a.heldout) if a.heldout else []
     prompts = chat_prompt_ids(tok, questions + [h["prompt"] for h in heldout])
     groups = [GSM8K_TEST] * len(questions) + [h["kind"] for h in heldout]
-    rows = measure(a.model_dir, prompts, groups, a.draft_dir, a.steps, a.mtp_mode, a.max_new_tokens, a.asd_usage)
+    rows = measure(a.model_dir, prompts, groups, a.draft_dir, a.steps, a.mtp_mode, a.max_new_tokens, a.asd_usage,
+                   a.deterministic)
     print(render_table(rows, ARM_TABLE))
     for draft in a.draft_dir:
         print()
         print(set_table(rows, draft))
     out = {"num_questions": len(questions), "heldout": a.heldout and os.path.relpath(a.heldout, REPO_ROOT),
            "heldout_prompts": len(heldout),
-           "max_new_tokens": a.max_new_tokens, "drafts": a.draft_dir, "rows": rows,
+           "max_new_tokens": a.max_new_tokens, "deterministic": a.deterministic, "drafts": a.draft_dir, "rows": rows,
            "tokens_per_step_tables": {d: set_table(rows, d, markdown=True) for d in a.draft_dir}}
     write_json(a.out, out)
     return out

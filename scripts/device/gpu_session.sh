@@ -20,7 +20,8 @@
 #   gpu_session.sh quality_dspark OUT [DRAFT...]  tokens/step at K = DSPARK_QUALITY_STEPS (default 3), strict and
 #                                       ASD usage, of the drafts (default: /root/dspark_old if any, and the
 #                                       checkout's) on 200 test questions and the held-out prompts by kind, then
-#                                       eagle's at K = 3 in the same call
+#                                       eagle's at K = 3 in the same call (QUALITY_FLAGS=--deterministic: strict
+#                                       MTP must then differ from no-MTP in no request)
 #   gpu_session.sh asd_dspark OUT       GSM8K test (all 1319), dspark K = 3: strict, B = 0, usage, and no MTP
 #   gpu_session.sh prefill OUT          ms per one-request prefill (120 tokens), K = 0 and 3, rows from graphs
 #                                       (the default) vs the prefill forward (--graph_max_prefill_tokens 0)
@@ -245,12 +246,12 @@ quality_dspark)
     drafts=("$@")
     if (( ${#drafts[@]} == 0 )); then drafts=(default); [[ -d /root/dspark_old ]] && drafts=(/root/dspark_old default); fi
     python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 \
-        --steps ${DSPARK_QUALITY_STEPS:-3} --asd_usage --mtp_mode dspark --draft_dir "${drafts[@]}" \
+        --steps ${DSPARK_QUALITY_STEPS:-3} --asd_usage --mtp_mode dspark --draft_dir "${drafts[@]}" ${QUALITY_FLAGS-} \
         --out "$out/mtp_draft_quality_dspark.json" > "$out/quality_dspark.log" 2>&1
     status=$?
     tail -30 "$out/quality_dspark.log"
     python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 3 \
-        --out "$out/mtp_draft_quality_eagle_k3.json" > "$out/quality_eagle.log" 2>&1 || status=1
+        ${QUALITY_FLAGS-} --out "$out/mtp_draft_quality_eagle_k3.json" > "$out/quality_eagle.log" 2>&1 || status=1
     tail -8 "$out/quality_eagle.log"
     exit $status
     ;;

@@ -73,3 +73,20 @@ def test_asd_usage_arms_sit_beside_the_strict_ones(tiny):
     assert usage >= strict  # the usage budget can only accept more
     table = bench.set_table(rows, old)
     assert "K=2 usage" in table and "K=2 " in table
+
+
+def test_deterministic_reaches_every_arm(monkeypatch):
+    """--deterministic: every arm's StartArgs asks for the batch-invariant kernels (CUDA only: on CPU the
+    engine refuses them at start-up, so the arms are stubbed here)."""
+    seen = []
+
+    def arm(draft, name, args, prompts, groups, max_new_tokens):
+        seen.append((name, args.enable_deterministic_inference))
+        return {"draft": draft, "arm": name, "output_tokens_per_s": 1.0, "token_ids": [[1]] * len(prompts)}
+
+    monkeypatch.setattr(bench, "run_arm", arm)
+    for deterministic in (False, True):
+        seen.clear()
+        bench.measure(None, [[1, 2]], ["code"], ["default"], [3], "dspark", 4, asd_usage=True,
+                      deterministic=deterministic)
+        assert seen == [(n, deterministic) for n in ("no_mtp", "dspark_k3", "dspark_k3_asd_usage")]
