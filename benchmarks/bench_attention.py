@@ -17,7 +17,8 @@ Cases, bf16, for each head shape (the 8B shape: 32 query / 8 KV heads of 128; th
   SDPA: the flash backend with a bottom-right causal mask (``causal_lower_right``).
 
 The engine's KV cache is a random permutation of slots (a non-contiguous slot table, wider than
-the longest request, like a real cache); SDPA reads the same values gathered into contiguous
+the longest request, like a real cache after churn; ``--slots contiguous``: each request's slots in order,
+a fresh cache, so the two runs tell the gather's cost from the kernel's); SDPA reads the same values gathered into contiguous
 [batch, kv_heads, seq, head_dim] tensors, with ``enable_gqa=True`` (or K/V repeated per query
 head before timing, where this torch's flash backend refuses GQA: ``sdpa_gqa`` says which).
 
@@ -62,6 +63,7 @@ DECODE_BATCHES = (1, 16)
 MTP_BATCH = 64
 MTP_KV_LEN = 1024
 MTP_ROWS = 4  # K + 1 verify rows at K = 3
+SLOT_ORDERS = ("random", "contiguous")  # --slots: the slot table's order (a churned cache, or a fresh one)
 SLOT_TABLE_PAD = 64  # extra columns of the slot table past the longest request (its stride is not kv_len)
 COPY_BYTES = 1 << 30  # the copy bandwidth's buffer: far larger than the L2
 BENCH_WARMUP_MS, BENCH_REP_MS = 25, 200
@@ -164,11 +166,17 @@ def row_layout(batch: int, q_len: int, kv_len: int, device="cpu") -> Tuple[torch
     return row_req_idx, row_seq_len
 
 
-def slot_table(batch: int, kv_len: int, gen: torch.Generator, pad: int = SLOT_TABLE_PAD) -> torch.Tensor:
-    """[batch, kv_len + pad] int64 on the generator's device: a random permutation of the
-    batch * kv_len slots (the padding columns hold slot 0, never read)."""
+def slot_table(batch: int, kv_len: int, gen: torch.Generator, pad: int = SLOT_TABLE_PAD,
+               order: str = "random") -> torch.Tensor:
+    """[batch, kv_len + pad] int64 on the generator's device: the batch * kv_len slots as a random permutation,
+    or (``contiguous``) request b at slots b * kv_len onwards in order; the padding columns hold slot 0, never read."""
+    if order not in SLOT_ORDERS:
+        raise ValueError(f"slot order {order!r} is not one of {SLOT_ORDERS}")
     table = torch.zeros(batch, kv_len + pad, dtype=torch.int64, device=gen.device)
-    table[:, :kv_len] = torch.randperm(batch * kv_len, generator=gen, device=gen.device).view(batch, kv_len)
+    slots = batch * kv_len
+    used = (torch.randperm(slots, generator=gen, device=gen.device) if order == "random"
+            else torch.arange(slots, device=gen.device))
+    table[:, :kv_len] = used.view(batch, kv_len)
     return table
 
 
@@ -187,13 +195,13 @@ def check_target(row: Dict[str, object]) -> Tuple[Optional[str], Optional[bool]]
 
 
 def result_row(case: Case, engine_ms: float, sdpa_ms: float, *, plan_ms: float, max_abs_diff: float,
-               copy_bw: float, commit: str, timing: str, sdpa_gqa: str) -> Dict[str, object]:
+               copy_bw: float, commit: str, timing: str, sdpa_gqa: str, slots: str = "random") -> Dict[str, object]:
     """One JSON row: the case, its times and the measures derived from them."""
     row: Dict[str, object] = {
         "case": case.kind, "heads": case.heads.name, "shape": case.shape, "batch": case.batch,
         "q_len": case.q_len, "kv_len": case.kv_len, "engine_ms": engine_ms, "sdpa_ms": sdpa_ms,
         "vs_sdpa": sdpa_ms / engine_ms, "plan_ms": plan_ms, "max_abs_diff": max_abs_diff,
-        "timing": timing, "sdpa_gqa": sdpa_gqa, "commit": commit,
+        "timing": timing, "sdpa_gqa": sdpa_gqa, "slots": slots, "commit": commit,
     }
     if case.kind == "prefill":
         flops = attention_flops(case)
@@ -240,6 +248,9 @@ def parse_args(argv=None):
     p.add_argument("--deterministic", action="store_true", help="the kernel's batch-invariant plans")
     p.add_argument("--no_graphs", action="store_true", help="time decode and MTP cases eagerly too")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slots", default="random", choices=SLOT_ORDERS,
+                   help="the KV slot table: a random permutation (a cache after churn; the default) or each "
+                        "request's slots in order (a fresh cache)")
     return p.parse_args(argv)
 
 
@@ -270,10 +281,10 @@ class Inputs:
     v4: torch.Tensor  # [batch, kv_heads, kv_len, head_dim]
 
 
-def make_inputs(case: Case, gen: torch.Generator) -> Inputs:
+def make_inputs(case: Case, gen: torch.Generator, slots: str = "random") -> Inputs:
     """The case's tensors on the generator's device, the engine's and SDPA's holding the same values."""
     h, device = case.heads, gen.device
-    table = slot_table(case.batch, case.kv_len, gen)
+    table = slot_table(case.batch, case.kv_len, gen, order=slots)
     slots = case.batch * case.kv_len
     k_cache, v_cache = (torch.randn(slots, h.kv_heads, h.head_dim, generator=gen, device=device, dtype=DTYPE)
                         for _ in range(KV_TENSORS))
@@ -361,7 +372,7 @@ def bench_case(case: Case, args, gen: torch.Generator, copy_bw: float, commit: s
 
     h = case.heads
     use_graph = case.kind != "prefill" and not args.no_graphs
-    layers = [make_inputs(case, gen) for _ in range(GRAPH_LAYERS if use_graph else 1)]
+    layers = [make_inputs(case, gen, args.slots) for _ in range(GRAPH_LAYERS if use_graph else 1)]
     x = layers[0]
     sm_scale = 1.0 / math.sqrt(h.head_dim)
 
@@ -393,7 +404,7 @@ def bench_case(case: Case, args, gen: torch.Generator, copy_bw: float, commit: s
     if len(layers) > 1:
         timing += f" of {len(layers)} layers, per layer"
     return result_row(case, engine_ms, sdpa_ms, plan_ms=plan_ms, max_abs_diff=diff, copy_bw=copy_bw,
-                      commit=commit, timing=timing, sdpa_gqa=gqa)
+                      commit=commit, timing=timing, sdpa_gqa=gqa, slots=args.slots)
 
 
 def main(argv=None) -> int:

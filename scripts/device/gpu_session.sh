@@ -147,7 +147,7 @@ perf)
     ;;
 attention)
     out=${1:?OUT}; mkdir -p "$out"
-    python benchmarks/bench_attention.py --out "$out/attention.json" > "$out/attention.log" 2>&1
+    python benchmarks/bench_attention.py ${ATTENTION_FLAGS-} --out "$out/attention.json" > "$out/attention.log" 2>&1
     status=$?; tail -40 "$out/attention.log"; exit $status
     ;;
 long_context)

@@ -97,6 +97,10 @@ def test_slot_table_is_a_random_permutation_wider_than_the_requests():
     assert sorted(used.flatten().tolist()) == list(range(400))
     assert not torch.equal(used.flatten(), torch.arange(400))  # not contiguous
     assert torch.all(table[:, 100:] == 0)
+    ordered = bench.slot_table(4, 100, torch.Generator().manual_seed(0), order="contiguous")
+    assert torch.equal(ordered[:, :100], torch.arange(400).view(4, 100)) and torch.all(ordered[:, 100:] == 0)
+    with pytest.raises(ValueError, match="slot order"):
+        bench.slot_table(4, 100, torch.Generator(), order="sorted")
 
 
 def test_inputs_hold_the_same_values_for_the_engine_and_sdpa():
