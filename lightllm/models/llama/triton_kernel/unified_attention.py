@@ -55,6 +55,10 @@ H200_SMS = 132  # without CUDA (the interpreter)
 # The merge unrolls MAX_KV_SPLITS loads: at 32 the embedded model's wide decode tile took 151 registers
 # against 120 at 16 (3 programs per SM, not 4; 34.9 against 27.5 us a layer at batch 16, 6000 keys).
 MAX_KV_SPLITS = 16
+# A grid that MAX_KV_SPLITS splits per block leave short of the SMs (batch 1-2 on few KV heads) may split
+# further: it runs fewer programs than SMs, so the merge's registers cost nothing (embedded model, batch 1,
+# 8192 keys: 11.8 us a layer at 32 against 14.5 at 16; DECODE_SPLIT_KEYS keeps splits at 256 keys or more).
+SMALL_GRID_MAX_KV_SPLITS = 32
 DECODE_SPLIT_KEYS = 256
 WORK_FIELDS = tl.constexpr(3)  # a work item: block (-1: none), split, the block's splits
 # Prefill-shaped plans: most splits of one block's KV, and fewest keys per split.
@@ -420,6 +424,12 @@ def length_split_work(block_len: torch.Tensor, programs: int, max_splits: int = 
     return work.to(torch.int32)
 
 
+def decode_max_splits(max_blocks: int, kv_heads: int, sms: int) -> int:
+    """Most splits per block of a decode-shaped plan: SMALL_GRID_MAX_KV_SPLITS where MAX_KV_SPLITS per block
+    would not give every SM a program, else MAX_KV_SPLITS."""
+    return SMALL_GRID_MAX_KV_SPLITS if max_blocks * kv_heads * MAX_KV_SPLITS < sms else MAX_KV_SPLITS
+
+
 def split_target_programs(head_dim: int, sms: int) -> int:
     """Programs a split plan aims for."""
     return sms * SPLIT_PROGRAMS_PER_SM * max(1, TARGET_HEAD_DIM // max(head_dim, 1))
@@ -527,8 +537,9 @@ def plan_attention(
         block_len = block_len.scatter_reduce_(0, row_block, lens, "amax")
         block_len = torch.where(first >= 0, block_len, -1)
     programs = length_split_programs(max_blocks, kv_heads, head_dim, sms)
-    work = length_split_work(block_len, programs)
-    return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, MAX_KV_SPLITS,
+    max_splits = decode_max_splits(max_blocks, kv_heads, sms)
+    work = length_split_work(block_len, programs, max_splits)
+    return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, max_splits,
                          work=work, wide_tiles=max_blocks * kv_heads < sms,
                          split_counter=torch.zeros(max_blocks * kv_heads, dtype=torch.int32, device=idx.device))
 

@@ -14,7 +14,10 @@ from lightllm.models.llama.triton_kernel.unified_attention import (
     BLOCK_N,
     DECODE_SPLIT_KEYS,
     MAX_BLOCK_M,
+    MAX_KV_SPLITS,
+    SMALL_GRID_MAX_KV_SPLITS,
     block_shape,
+    decode_max_splits,
     length_split_work,
     plan_attention,
     plan_split_rows,
@@ -112,6 +115,29 @@ def test_long_rows_among_short_ones_split_by_length_cpu():
         assert not plan.split_counter.any()  # the merging split reset them for the next launch
         again = unified_attention(batch.q, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale)
         assert torch.equal(again, out)
+
+
+def test_small_grids_split_further():
+    """Where MAX_KV_SPLITS splits per block leave SMs without a program (batch 1-2 on few KV heads), a block
+    may split SMALL_GRID_MAX_KV_SPLITS ways; a grid that fills the SMs keeps MAX_KV_SPLITS."""
+    sms = 132
+    assert decode_max_splits(1, 3, sms) == decode_max_splits(2, 3, sms) == SMALL_GRID_MAX_KV_SPLITS  # 48, 96 < 132
+    assert decode_max_splits(1, 8, sms) == SMALL_GRID_MAX_KV_SPLITS  # 128 < 132
+    assert decode_max_splits(3, 3, sms) == decode_max_splits(16, 3, sms) == MAX_KV_SPLITS  # 144, 768
+    assert decode_max_splits(2, 8, sms) == MAX_KV_SPLITS
+
+
+@needs_triton_cpu
+def test_one_long_row_splits_past_max_kv_splits_cpu():
+    """One decode row over SMALL_GRID_MAX_KV_SPLITS * DECODE_SPLIT_KEYS keys: the plan splits it that many
+    ways (more than MAX_KV_SPLITS), and the merged result is the reference's."""
+    keys = SMALL_GRID_MAX_KV_SPLITS * DECODE_SPLIT_KEYS
+    batch = make_batch(((0, keys, 1),), 2, 1, 16, torch.float32, "cpu")
+    out, plan, scale = _run(batch, 1)
+    assert plan.num_kv_splits == SMALL_GRID_MAX_KV_SPLITS > MAX_KV_SPLITS
+    assert max(n for block, _, n in plan.work.tolist() if block >= 0) == SMALL_GRID_MAX_KV_SPLITS
+    torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
+    assert not plan.split_counter.any()
 
 
 @needs_triton_cpu

@@ -9,7 +9,7 @@ from unit_tests.triton_compile_util import run_compile_child
 COMPILE_SCRIPT = """
 from unit_tests.triton_compile_util import compile_for_sm90, sm90_resource_usage
 from lightllm.models.llama.triton_kernel.unified_attention import (
-    DYNAMIC_SPLIT_KEYS, MAX_KV_SPLITS, SPLIT_MAX_BLOCK_M, _combine_dynamic_splits_kernel,
+    DYNAMIC_SPLIT_KEYS, MAX_KV_SPLITS, SMALL_GRID_MAX_KV_SPLITS, SPLIT_MAX_BLOCK_M, _combine_dynamic_splits_kernel,
     _unified_attention_kernel, block_shape, launch_config)
 
 SM90_SHARED_BYTES = 232448  # an H100 / H200 block's shared memory limit
@@ -30,11 +30,13 @@ TYPES = {"req_to_token_ptr": "*i64", "row_req_idx_ptr": "*i64", "row_seq_len_ptr
 DIVISIBLE = [n for n in ATTENTION_ARGS if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_req_row")]
 # (dtype, head_dim, group, rows per block hint, splits, dynamic): SmolLM2-135M prefill (dynamic splits) /
 # decode / MTP (splits by length), Llama-3-8B prefill (dynamic) / decode / MTP rows, fp32 prefill at head_dim
-# 128 and with one that is not a power of two, without dynamic splits, and a deterministic (unsplit) decode
+# 128 and with one that is not a power of two, without dynamic splits, a deterministic (unsplit) decode, and
+# batch-1 decode of both models (small grids: SMALL_GRID_MAX_KV_SPLITS)
 CASES = (("*bf16", 64, 3, 4096, 8, True), ("*bf16", 64, 3, 1, MAX_KV_SPLITS, False), ("*bf16", 64, 3, 4, 1, False),
          ("*bf16", 128, 4, 8192, 8, True), ("*bf16", 128, 4, 1, 8, False), ("*bf16", 128, 4, 4, 1, False),
          ("*fp16", 128, 8, 4, 4, False), ("*fp32", 128, 4, 8192, 8, True), ("*fp32", 80, 2, 64, 8, True),
-         ("*bf16", 64, 3, 4096, 1, False), ("*bf16", 128, 4, 1, 1, False), ("*fp32", 64, 3, 4, 32, False))
+         ("*bf16", 64, 3, 4096, 1, False), ("*bf16", 128, 4, 1, 1, False), ("*fp32", 64, 3, 4, 32, False),
+         ("*bf16", 64, 3, 1, SMALL_GRID_MAX_KV_SPLITS, False), ("*bf16", 128, 4, 1, SMALL_GRID_MAX_KV_SPLITS, False))
 ELEM_BYTES = {"*bf16": 2, "*fp16": 2, "*fp32": 4}
 for dtype, head_dim, group, rows, splits, dynamic in CASES:
     block_q, block_m = block_shape(group, rows, deterministic=False)
