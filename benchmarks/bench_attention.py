@@ -18,7 +18,8 @@ Cases, bf16, for each head shape (the 8B shape: 32 query / 8 KV heads of 128; th
 
 The engine's KV cache is a random permutation of slots (a non-contiguous slot table, wider than
 the longest request, like a real cache after churn; ``--slots contiguous``: each request's slots in order,
-a fresh cache, so the two runs tell the gather's cost from the kernel's); SDPA reads the same values gathered into contiguous
+a fresh cache, so the two runs tell the gather's cost from the kernel's); SDPA reads the same values
+gathered into contiguous
 [batch, kv_heads, seq, head_dim] tensors, with ``enable_gqa=True`` (or K/V repeated per query
 head before timing, where this torch's flash backend refuses GQA: ``sdpa_gqa`` says which).
 

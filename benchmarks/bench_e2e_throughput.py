@@ -32,8 +32,8 @@ default 256 here) and 20% (``--serving_long_fraction``) prompts of ``--serving_l
 tokens (seeded lengths, GSM8K questions repeated, cut so the server's tokenizer counts the length;
 ``--serving_long_new_tokens``, default 64), in a seeded order. Per arm: output tok/s, time to first
 token, inter-token latency (all requests, the short ones, and the short ones while a long prompt
-waits for its first token; the short ones' chunk gaps as vLLM counts ITL: SERVING_DEFINITIONS), and the engine's decode clock from /metrics
-(mean decode batch, ms per decode step). The servers keep the engine's chunk budget
+waits for its first token; the short ones' chunk gaps as vLLM counts ITL: SERVING_DEFINITIONS), and the
+engine's decode clock from /metrics (mean decode batch, ms per decode step). The servers keep the engine's chunk budget
 (``--batch_max_tokens``, default 2048: a long prompt takes several mixed steps; until the twenty-fourth
 session this benchmark set 4096, the ``*_chunk4096`` arms). Ratios are to the first arm. Writes
 ``docs/data/perf/serving.json`` by default.
@@ -398,7 +398,7 @@ def _engine_wave(eng, prompts, max_new_tokens: int) -> Wave:
                 timing.seconds - timing.decode_seconds)
 
 
-def _hf_generate(model, prompts: Sequence[List[int]], pad_id: int, **kwargs) -> Tuple["torch.Tensor", float]:
+def _hf_generate(model, prompts: Sequence[List[int]], pad_id: int, **kwargs) -> Tuple[object, float]:
     """Greedy ``model.generate`` over the left-padded prompts: the new tokens and the seconds they took."""
     import torch
 
