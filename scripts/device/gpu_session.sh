@@ -250,9 +250,11 @@ quality_dspark)
         --out "$out/mtp_draft_quality_dspark.json" > "$out/quality_dspark.log" 2>&1
     status=$?
     tail -30 "$out/quality_dspark.log"
-    python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 3 \
-        ${QUALITY_FLAGS-} --out "$out/mtp_draft_quality_eagle_k3.json" > "$out/quality_eagle.log" 2>&1 || status=1
-    tail -8 "$out/quality_eagle.log"
+    if [[ ${QUALITY_EAGLE:-1} == 1 ]]; then  # QUALITY_EAGLE=0: the dspark drafts only
+        python benchmarks/bench_mtp_draft_quality.py --data .data/test.jsonl --num_questions 200 --steps 3 \
+            ${QUALITY_FLAGS-} --out "$out/mtp_draft_quality_eagle_k3.json" > "$out/quality_eagle.log" 2>&1 || status=1
+        tail -8 "$out/quality_eagle.log"
+    fi
     exit $status
     ;;
 prefill)
