@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lightllm.models.dspark import train_module as dspark_train
+from lightllm.models.dspark.train_module import mix_soft_labels, target_hidden
 from lightllm.models.draft_config import DRAFT_SAFETENSORS
 from lightllm.models.llama_mtp.model import MTPDraftConfig
 from lightllm.models.llama_mtp.train_module import MTPDraftTrainModule
@@ -255,19 +256,6 @@ class TargetHead(nn.Module):
 
 
 @torch.no_grad()
-def target_hidden(target: nn.Module, tokens: torch.Tensor,
-                  layer_ids: Sequence[int] = ()) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """tokens: [batch, seq] -> (h^{(0)} [batch, seq, hidden] fp32, the input of the target's final norm;
-    the outputs of decoder layers ``layer_ids`` side by side [batch, seq, len * hidden] fp32, or None
-    without layer_ids), from one forward. Right padding needs no attention mask: causal attention
-    never lets a real position see the padding after it."""
-    last = target.config.num_hidden_layers - 1  # its output is the final norm's input
-    states = dspark_train.target_aux_hidden(target, tokens, [*layer_ids, last])
-    hidden = states.shape[-1] // (len(layer_ids) + 1)
-    return states[..., -hidden:], (states[..., :-hidden] if layer_ids else None)
-
-
-@torch.no_grad()
 def measure_hidden_scale(target: nn.Module, batch: Batch) -> float:
     """Median per-token RMS of the target's h^{(0)} over the real (unpadded) tokens of ``batch``."""
     h = target_hidden(target, batch.tokens)[0]  # [batch, seq, hidden]
@@ -387,8 +375,7 @@ def draft_outputs(module: nn.Module, target: nn.Module, head: TargetHead, batch:
         ce = F.cross_entropy(logits, labels[valid]) if has_labels else hidden.sum() * 0.0
         out.ce_by_depth.append(ce)
         if soft_weight > 0 and has_labels:
-            soft_ce = -(target_probs(head, h0, valid, depth) * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-            ce = (1 - soft_weight) * ce + soft_weight * soft_ce
+            ce = mix_soft_labels(ce, logits, target_probs(head, h0, valid, depth), soft_weight)
         out.loss_by_depth.append(ce)
         correct = torch.zeros_like(valid)
         correct[valid] = logits.argmax(-1) == labels[valid]

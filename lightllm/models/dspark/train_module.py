@@ -287,6 +287,26 @@ def target_aux_hidden(target: nn.Module, tokens: torch.Tensor, layer_ids: Sequen
     return torch.cat([captured[j].float() for j in layer_ids], dim=-1)
 
 
+@torch.no_grad()
+def target_hidden(target: nn.Module, tokens: torch.Tensor,
+                  layer_ids: Sequence[int] = ()) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """tokens: [batch, seq] -> (h^{(0)} [batch, seq, hidden] fp32, the input of the target's final norm;
+    the outputs of decoder layers ``layer_ids`` side by side [batch, seq, len * hidden] fp32, or None
+    without layer_ids), from one forward. Right padding needs no attention mask: causal attention
+    never lets a real position see the padding after it."""
+    last = target.config.num_hidden_layers - 1  # its output is the final norm's input
+    states = target_aux_hidden(target, tokens, [*layer_ids, last])
+    hidden = states.shape[-1] // (len(layer_ids) + 1)
+    return states[..., -hidden:], (states[..., :-hidden] if layer_ids else None)
+
+
+def mix_soft_labels(ce: torch.Tensor, logits: torch.Tensor, target_probs: torch.Tensor, weight: float) -> torch.Tensor:
+    """(1 - weight) * ``ce`` + weight * the cross-entropy of ``logits`` [n, vocab] against the target's
+    distribution ``target_probs`` [n, vocab] (``--soft_label_weight``; the drafts of every mode)."""
+    soft_ce = -(target_probs * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+    return (1 - weight) * ce + weight * soft_ce
+
+
 # --------------------------------------------------------------------------- configs and initialisation
 
 
@@ -475,9 +495,7 @@ def anchor_outputs(module: DSparkTrainModule, head, ctx_kv, tokens: torch.Tensor
             ce = F.cross_entropy(logits, labels[has_label])
             result.ce_by_depth.append(ce)
             if soft_weight > 0:
-                probs = _target_probs(head, target_h, has_label, label_pos - 1)
-                soft_ce = -(probs * F.log_softmax(logits, dim=-1)).sum(-1).mean()
-                ce = (1 - soft_weight) * ce + soft_weight * soft_ce
+                ce = mix_soft_labels(ce, logits, _target_probs(head, target_h, has_label, label_pos - 1), soft_weight)
             result.loss_by_depth.append(ce)
             correct[has_label] = logits.argmax(-1) == labels[has_label]
             bce_terms.append(F.binary_cross_entropy_with_logits(
@@ -526,14 +544,13 @@ def batch_outputs(module: DSparkTrainModule, target: nn.Module, head, batch, cfg
     sequence (training), else every anchor in chunks of that width (evaluation). ``soft_labels`` False
     drops the soft-label term (the loss is then the hard one, as evaluation reports it)."""
     soft_weight = cfg.soft_label_weight if soft_labels else 0.0
-    layer_ids = list(module.config.target_layer_ids)
-    last = target.config.num_hidden_layers - 1  # its output is the final norm's input
-    states = target_aux_hidden(target, batch.tokens, layer_ids + ([last] if soft_weight > 0 else []))
-    target_h = None
+    layer_ids = module.config.target_layer_ids
+    target_h = None  # the final norm's input: the soft labels' only need
     if soft_weight > 0:
-        hidden = states.shape[-1] // (len(layer_ids) + 1)
-        states, target_h = states[..., :-hidden], states[..., -hidden:]
-    ctx_kv = module.context_kv(states)
+        target_h, aux = target_hidden(target, batch.tokens, layer_ids)
+    else:
+        aux = target_aux_hidden(target, batch.tokens, layer_ids)
+    ctx_kv = module.context_kv(aux)
     candidates = anchor_candidates(batch.is_answer, batch.is_real)
     width = cfg.dspark.anchors_per_seq
     chunks = [] if sample else list(all_anchor_chunks(candidates, width))
