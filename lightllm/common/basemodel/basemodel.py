@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm
+from lightllm.common.basemodel.triton_kernel.logits_rows import argmax_rows
 from lightllm.common.basemodel.layer_weights.dummy_weights import dummy_weights
 from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict
 from lightllm.common.basemodel.layer_weights.pre_and_post_layer_weight import PreAndPostLayerWeight
@@ -272,9 +273,11 @@ class TpPartBaseModel:
     def greedy_ids(self, hidden_states: torch.Tensor, comm: Optional[TpComm] = None,
                    normed: bool = False) -> torch.Tensor:
         """[n] int64: the argmax of ``compute_logits`` without its fp32 copy (the upcast is exact and keeps
-        the order, so the ids are the same; a draft's greedy guess reads half the bytes). ``normed``: the
+        the order, so the ids are the same; a draft's greedy guess reads half the bytes; CUDA: logits_rows.py's
+        one pass, the first of a tie as torch.argmax). ``normed``: the
         hidden states are past the final norm already."""
-        return torch.argmax(self._vocab_logits(hidden_states, comm, normed), dim=-1)
+        logits = self._vocab_logits(hidden_states, comm, normed)
+        return argmax_rows(logits) if logits.is_cuda else torch.argmax(logits, dim=-1)
 
     def _vocab_logits(self, hidden_states: torch.Tensor, comm: Optional[TpComm], normed: bool = False) -> torch.Tensor:
         """[n, vocab] in the model's dtype (a view past the gather of a vocabulary split)."""
