@@ -192,7 +192,8 @@ class TpPartBaseModel:
             if i in self.aux_layer_ids:
                 aux.append(hidden)
         logits = self.compute_logits(hidden[infer_state.last_token_index], infer_state.comm)  # [batch, vocab]
-        return ModelOutput(logits=logits, hidden_states=hidden, aux_hidden_states=self._cat_aux(aux))
+        return ModelOutput(logits=logits, hidden_states=hidden, aux_hidden_states=self._cat_aux(aux),
+                           infer_state=infer_state)
 
     def _cat_aux(self, aux: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """The asked layers' outputs side by side, in ``aux_layer_ids`` order (None if none asked)."""
