@@ -15,7 +15,6 @@ from transformers import AutoConfig
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm
-from lightllm.common.basemodel.triton_kernel.logits_rows import argmax_rows
 from lightllm.common.basemodel.layer_weights.dummy_weights import dummy_weights
 from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict
 from lightllm.common.basemodel.layer_weights.pre_and_post_layer_weight import PreAndPostLayerWeight
@@ -192,8 +191,7 @@ class TpPartBaseModel:
             if i in self.aux_layer_ids:
                 aux.append(hidden)
         logits = self.compute_logits(hidden[infer_state.last_token_index], infer_state.comm)  # [batch, vocab]
-        return ModelOutput(logits=logits, hidden_states=hidden, aux_hidden_states=self._cat_aux(aux),
-                           infer_state=infer_state)
+        return ModelOutput(logits=logits, hidden_states=hidden, aux_hidden_states=self._cat_aux(aux))
 
     def _cat_aux(self, aux: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """The asked layers' outputs side by side, in ``aux_layer_ids`` order (None if none asked)."""
@@ -274,11 +272,9 @@ class TpPartBaseModel:
     def greedy_ids(self, hidden_states: torch.Tensor, comm: Optional[TpComm] = None,
                    normed: bool = False) -> torch.Tensor:
         """[n] int64: the argmax of ``compute_logits`` without its fp32 copy (the upcast is exact and keeps
-        the order, so the ids are the same; a draft's greedy guess reads half the bytes; CUDA: logits_rows.py's
-        one pass, the first of a tie as torch.argmax). ``normed``: the
+        the order, so the ids are the same; a draft's greedy guess reads half the bytes). ``normed``: the
         hidden states are past the final norm already."""
-        logits = self._vocab_logits(hidden_states, comm, normed)
-        return argmax_rows(logits) if logits.is_cuda else torch.argmax(logits, dim=-1)
+        return torch.argmax(self._vocab_logits(hidden_states, comm, normed), dim=-1)
 
     def _vocab_logits(self, hidden_states: torch.Tensor, comm: Optional[TpComm], normed: bool = False) -> torch.Tensor:
         """[n, vocab] in the model's dtype (a view past the gather of a vocabulary split)."""

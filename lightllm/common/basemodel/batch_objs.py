@@ -1,6 +1,6 @@
 """Tensors that travel between the router backend and a model forward."""
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -56,6 +56,3 @@ class ModelOutput:
     hidden_states: torch.Tensor  # [num_new_tokens, hidden] last layer output, before final norm
     # [num_new_tokens, len(aux_layer_ids) * hidden]: outputs of the layers a draft asked for
     aux_hidden_states: Optional[torch.Tensor] = None
-    # the forward's InferStateInfo (positions, rotary tables, attention plans): a draft over the same rows
-    # reads it instead of building its own (None: build one)
-    infer_state: Optional[Any] = None

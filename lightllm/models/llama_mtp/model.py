@@ -12,7 +12,6 @@ Depth d (1..K) of a draft chain runs module d (vanilla) or the one module
 (eagle). Every depth has its own KV buffer, indexed by the target's KV slots:
 depth d at the row of target position s writes slot(s) of buffer d.
 """
-import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -143,16 +142,11 @@ class LlamaMTPDraftModel:
         return self.modules[0 if self.eagle else depth]
 
     @torch.no_grad()
-    def depth_state(self, model_input: ModelInput, target_state: Optional[InferStateInfo] = None
-                    ) -> Optional[InferStateInfo]:
+    def depth_state(self, model_input: ModelInput) -> Optional[InferStateInfo]:
         """The rows' state for the attention of every depth (positions, rotary tables, the attention plan:
-        the same rows at every depth, so one state serves them all); None without attention.
-        ``target_state``: the target forward's over the same rows (``ModelOutput.infer_state``): its tables
-        and plans over the draft's KV buffers, nothing built again."""
+        the same rows at every depth, so one state serves them all); None without attention."""
         if not self.with_att:
             return None
-        if target_state is not None and target_state.num_new_tokens == model_input.input_ids.shape[0]:
-            return dataclasses.replace(target_state, mem_manager=self.mem_manager)
         t = self.target
         state = InferStateInfo.from_model_input(model_input, self.mem_manager, t.req_manager, t.device,
                                                 t.parallel.comm(0))

@@ -524,7 +524,7 @@ class DecodeStep:
         if verifying and self.verify_observer is not None:
             self.verify_observer(self._verify_record(rows, target_ids, next_ids, s.processed_logits[:real], accept_len))
         # Log-probs after verification: a relaxed row reports the token it commits.
-        logprobs = token_logprobs(s.processed_logits, s.next_token_ids, s.lse)
+        logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
         # k_max from the requests' parameters on the host: 0 (nobody asks) adds no device work
         top_width = min(max(max_top_logprobs(rows.reqs), max_top_logprobs(firsts.reqs) if m else 0),
                         s.processed_logits.shape[-1])

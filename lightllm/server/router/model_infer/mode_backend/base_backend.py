@@ -337,7 +337,7 @@ class ModeBackend:
         b_req_idx = self._to_dev([r.req_idx for r in reqs], torch.int32)
         mask = rows_bitmask([r.grammar for r in reqs], [()] * len(reqs), out.logits.shape[-1])  # None: no grammar
         s = self.sample_rows(out.logits[sel], b_req_idx, reqs, [self._seed(r, 0) for r in reqs], mask)
-        logprobs = token_logprobs(s.processed_logits, s.next_token_ids, s.lse)
+        logprobs = token_logprobs(s.processed_logits, s.next_token_ids)
         self.req_to_next_token_ids[b_req_idx.long(), 0] = s.next_token_ids
         ids_cpu, lp_cpu = s.next_token_ids.tolist(), logprobs.tolist()
         top_width = min(max_top_logprobs(reqs), s.processed_logits.shape[-1])

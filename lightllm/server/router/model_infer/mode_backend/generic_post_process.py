@@ -4,7 +4,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from lightllm.common.basemodel.triton_kernel.logits_rows import argmax_lse, token_logprobs_triton
+from lightllm.common.basemodel.triton_kernel.token_logprobs import token_logprobs_triton
 from lightllm.common.req_manager import ReqSamplingParamsManager
 from lightllm.server.core.objs.sampling_params import TOP_K_GREEDY
 from lightllm.server.router.model_infer.grammar import BITS_PER_WORD
@@ -26,7 +26,6 @@ def _finite(logits: torch.Tensor) -> torch.Tensor:
 class SampleOutput:
     next_token_ids: torch.Tensor  # [rows] int64, the chosen token of each row
     processed_logits: torch.Tensor  # [rows, vocab] fp32, the logits the choice was made from
-    lse: Optional[torch.Tensor] = None  # [rows] fp32 log-sum-exp of processed_logits, when the sampler has it
 
 
 def _apply_penalties(logits, b_req_idx, pm: ReqSamplingParamsManager, rows: Optional[torch.Tensor] = None):
@@ -130,9 +129,6 @@ def sample(
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
     all_greedy = all(r.params.top_k == TOP_K_GREEDY for r in distinct)
-    if all_greedy and logits.is_cuda:  # one pass: the argmax and the log-sum-exp the log-probs need
-        ids, lse = argmax_lse(logits)
-        return SampleOutput(ids, logits, lse)
     if all_greedy:
         return SampleOutput(torch.argmax(logits, dim=-1), logits)
     idx = b_req_idx.long()
@@ -148,14 +144,12 @@ def sample(
     return SampleOutput(next_ids, logits)
 
 
-def token_logprobs(processed_logits: torch.Tensor, token_ids: torch.Tensor,
-                   lse: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """log p(token) under the processed logits: [rows, vocab], [rows] -> [rows] fp32. CUDA: the token's logit
-    minus the row's log-sum-exp (``lse``, the sampler's, or one pass over each row's logits in logits_rows.py:
-    no [rows, vocab] output, a row's value independent of the other rows); CPU: one fused log_softmax and a
-    gather (torch.logsumexp is about six kernels)."""
+def token_logprobs(processed_logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log p(token) under the processed logits: [rows, vocab], [rows] -> [rows] fp32. CUDA: one pass over
+    each row's logits (token_logprobs.py: no [rows, vocab] output, a row's value independent of the other
+    rows); CPU: one fused log_softmax and a gather (torch.logsumexp is about six kernels)."""
     if processed_logits.is_cuda:
-        return token_logprobs_triton(processed_logits, token_ids, lse)
+        return token_logprobs_triton(processed_logits, token_ids)
     return torch.log_softmax(processed_logits, dim=-1).gather(1, token_ids.long().unsqueeze(1)).squeeze(1)
 
 

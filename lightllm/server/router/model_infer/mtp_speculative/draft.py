@@ -82,7 +82,7 @@ class DraftProposer:
         all_next = torch.empty((hidden.shape[0], k + 1), dtype=torch.int64, device=hidden.device)
         all_next[:, 0] = first_tokens
         tok = first_tokens
-        state = self.model.depth_state(model_input, out.infer_state)
+        state = self.model.depth_state(model_input)
         for depth in range(k):
             hidden = self.model.forward_depth(depth, model_input, hidden, tok, state)
             tok = self._greedy(hidden)
@@ -100,7 +100,7 @@ class DraftProposer:
         rows = hidden.shape[0]
         guess = torch.zeros(rows, dtype=torch.int64, device=hidden.device)
         guesses = []
-        state = self.model.depth_state(model_input, out.infer_state)
+        state = self.model.depth_state(model_input)
         for d in range(self.mtp_step):
             tok = torch.where(known[d] == UNKNOWN_TOKEN, guess, known[d])
             hidden = self.model.forward_depth(d, model_input, hidden, tok, state)
