@@ -65,6 +65,11 @@
 #                                       requests each at concurrency 64 (80% GSM8K, 20% 2k-4k tokens): tok/s, TTFT, ITL
 #                                       (SERVING_MODES: other arms, e.g. "mtp mtp_chunk512")
 #   gpu_session.sh steps OUT            decode step ms on the engine's graphs: batch 1 / 64, plain and MTP K = 3
+#   gpu_session.sh steps_ab OUT [NAME=PATCH...]  decode step ms of the checkout and of copies of it with each PATCH
+#                                       (a `git diff` against the checkout, in the carried tree) applied, interleaved
+#                                       in STEPS_AB_ROUNDS rounds (default 2) over STEPS_AB_CASES (';'-separated
+#                                       profile_decode_step.py flags); with .smol_shape carried (the embedded model's
+#                                       config and tokenizer, no weights) dummy weights of that shape: no model parts
 #   gpu_session.sh mixed OUT [COMMIT]   where a mixed step's time goes (profile_mixed_step.py --trace_steps) on GSM8K
 #                                       and on the serving mix (every 5th prompt 3000 tokens) at chunk budgets 512
 #                                       and 2048, eagle K = 3; with COMMIT also at that commit (a git worktree);
@@ -192,6 +197,33 @@ serving)
     timeout 540 python benchmarks/bench_e2e_throughput.py --serving --gsm8k .data/test.jsonl --out "$out/serving.json" \
         ${SERVING_MODES:+--serving_modes $SERVING_MODES} > "$out/serving.log" 2>&1
     status=$?; grep -v " INFO " "$out/serving.log" | grep -v "req/s\]" | tail -20; exit $status
+    ;;
+steps_ab)
+    out=${1:?OUT}; shift; mkdir -p "$out"
+    trees=("$PWD:checkout")
+    for arm in "$@"; do
+        name=${arm%%=*}; patch=$(readlink -f "${arm#*=}"); dir=/tmp/steps_ab_$name
+        rm -rf "$dir" && mkdir -p "$dir"
+        tar --exclude=./.git --exclude=./.mparts --exclude=./.whl --exclude=./.dz -cf - . | tar -xf - -C "$dir"
+        if (cd "$dir" && git apply "$patch"); then trees+=("$dir:$name"); else echo "steps_ab: $patch does not apply" >&2; fi
+    done
+    model=()
+    if [ -d .smol_shape ]; then
+        m=${LIGHTLLM_CACHE_DIR:-/root/lightllm_cache}/models/SmolLM2-135M-Instruct
+        mkdir -p "$m" && cp .smol_shape/* "$m/" && model=(--model_dir "$m" --load_format dummy)
+    fi
+    IFS=';' read -r -a cases <<< "${STEPS_AB_CASES:---batch 64;--batch 64 --mtp_step 3;--batch 1 --mtp_step 3}"
+    for round in $(seq "${STEPS_AB_ROUNDS:-2}"); do
+        for args in "${cases[@]}"; do
+            for tree in "${trees[@]}"; do
+                dir=${tree%%:*}; tag=${tree##*:}
+                # each tree imports its own lightllm (env.sh put the checkout on PYTHONPATH)
+                ms=$(cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python benchmarks/profile_decode_step.py $args \
+                     "${model[@]}" --rows 0 --steps 100 2>>"$out/steps_ab.err" | grep -o "[0-9.]* ms per decode step")
+                echo "round $round | $tag | $args | ${ms:-failed}"
+            done
+        done
+    done | tee "$out/steps_ab.txt"
     ;;
 steps)
     out=${1:?OUT}; mkdir -p "$out"
