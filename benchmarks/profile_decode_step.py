@@ -1,7 +1,7 @@
 """Profile decode steps of the in-process engine (torch.profiler): where a step's time goes.
 
     python benchmarks/profile_decode_step.py --batch 256 [--mtp_step 3] [--disable_cudagraph]
-        [--enable_deterministic_inference] [--rows 0] [--prefill]
+        [--enable_deterministic_inference] [--rows 0] [--prefill] [--ranges]
 
 ``--rows 0`` prints only the step time (no profiler tables). ``--prefill``: one request at a
 time, prefill only (``max_new_tokens`` 1), a request's whole time in the router from admission
@@ -46,7 +46,13 @@ def main():
     p.add_argument("--prefill", action="store_true", help="profile one-request prefills, not decode steps")
     p.add_argument("--prompt_len", type=int, default=PROMPT_LEN)
     p.add_argument("--graph_max_prefill_tokens", type=int, default=StartArgs.graph_max_prefill_tokens)
+    p.add_argument("--ranges", action="store_true",
+                   help="record_function ranges around the decode step's parts (the target forward, the draft, "
+                        "launch_finish, the wait for the packed copy) in the profile tables: each range's CPU time "
+                        "and the GPU time of the kernels it launched (a graph replay's included)")
     a = p.parse_args()
+    if a.ranges:
+        add_step_ranges()
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=a.mtp_step) if a.mtp_step else {}
     eng = OfflineEngine(StartArgs(model_dir=a.model_dir, load_format=a.load_format, running_max_req_size=a.batch,
                                   max_req_total_len=a.prompt_len + LEN_HEADROOM,
@@ -76,6 +82,23 @@ def main():
     graphs += ", MTP overlap" if a.mtp_overlap else ""
     print(f"batch {a.batch} K {a.mtp_step} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
     print_profile(lambda: router.step(), a.rows)
+
+
+# DecodeStep methods -> their profiler range (``--ranges``); launch_finish holds the sampler, verify, pack and
+# the draft, so "step.finish" minus "step.draft" is the eager part
+STEP_RANGES = (("forward", "step.target"), ("launch_finish", "step.finish"), ("_propose", "step.draft"),
+               ("wait", "step.wait"))
+
+
+def add_step_ranges() -> None:
+    """Wrap DecodeStep's parts in record_function ranges (this process only: the engine runs none)."""
+    from lightllm.server.router.model_infer.decode_step import DecodeStep
+
+    for name, label in STEP_RANGES:
+        def ranged(self, *args, _fn=getattr(DecodeStep, name), _label=label, **kwargs):
+            with torch.profiler.record_function(_label):
+                return _fn(self, *args, **kwargs)
+        setattr(DecodeStep, name, ranged)
 
 
 def prompt_ids(i: int, n: int):
