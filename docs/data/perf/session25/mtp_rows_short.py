@@ -16,21 +16,14 @@ import lightllm.models.llama.triton_kernel.unified_attention as ua  # noqa: E402
 BATCH = 64
 
 
-def run(case, max_seqs, gen, attrs=None):
-    saved = {k: getattr(ua, k) for k in (attrs or {})}
-    for k, v in (attrs or {}).items():
-        setattr(ua, k, v)
-    try:
-        layers = [ba.make_inputs(case, gen) for _ in range(ba.GRAPH_LAYERS)]
-        h = case.heads
-        plan = ua.plan_attention(layers[0].row_req_idx, layers[0].row_seq_len, h.q_heads, h.kv_heads, case.q_len,
-                                 max_seqs, head_dim=h.head_dim)
-        scale = 1.0 / math.sqrt(h.head_dim)
-        eng = lambda: [ua.unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, plan, scale) for y in layers]
-        return ba.time_ms(eng, True, 25, 200)[0] / len(layers) * 1e3, int(plan.work.shape[0]) if plan.work is not None else 0
-    finally:
-        for k, v in saved.items():
-            setattr(ua, k, v)
+def run(case, max_seqs, gen):
+    layers = [ba.make_inputs(case, gen) for _ in range(ba.GRAPH_LAYERS)]
+    h = case.heads
+    plan = ua.plan_attention(layers[0].row_req_idx, layers[0].row_seq_len, h.q_heads, h.kv_heads, case.q_len,
+                             max_seqs, head_dim=h.head_dim)
+    scale = 1.0 / math.sqrt(h.head_dim)
+    eng = lambda: [ua.unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, plan, scale) for y in layers]
+    return ba.time_ms(eng, True, 25, 200)[0] / len(layers) * 1e3, int(plan.work.shape[0]) if plan.work is not None else 0
 
 
 def main():
