@@ -1,7 +1,7 @@
 """Profile decode steps of the in-process engine (torch.profiler): where a step's time goes.
 
     python benchmarks/profile_decode_step.py --batch 256 [--mtp_step 3] [--disable_cudagraph]
-        [--enable_deterministic_inference] [--rows 0] [--prefill] [--ranges]
+        [--enable_deterministic_inference] [--rows 0] [--prefill] [--ranges] [--attention_calls]
 
 ``--rows 0`` prints only the step time (no profiler tables). ``--prefill``: one request at a
 time, prefill only (``max_new_tokens`` 1), a request's whole time in the router from admission
@@ -10,6 +10,8 @@ to its finish, ``--batch`` prompts in a row.
 import argparse
 import itertools
 import time
+from dataclasses import dataclass
+from typing import List
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,6 +24,7 @@ from lightllm.server.router.manager import AddReq
 PROMPT_LEN = 64
 DECODE_TOKENS = 900  # new tokens per request: more than any run's steps
 LEN_HEADROOM = 1024  # --max_req_total_len past the prompt
+ATTN_WARMUP_MS, ATTN_REP_MS = 10, 50  # --attention_calls: do_bench per call
 
 
 def sync() -> None:
@@ -50,7 +53,12 @@ def main():
                    help="record_function ranges around the decode step's parts (the target forward, the draft, "
                         "launch_finish, the wait for the packed copy) in the profile tables: each range's CPU time "
                         "and the GPU time of the kernels it launched (a graph replay's included)")
+    p.add_argument("--attention_calls", action="store_true",
+                   help="with --disable_cudagraph: after the profile, each attention call of one more step "
+                        "replayed alone and timed, beside its plan (tile rows, rows a block, split kind, programs)")
     a = p.parse_args()
+    if a.attention_calls and not a.disable_cudagraph:
+        p.error("--attention_calls needs --disable_cudagraph (a graph replay makes no calls to record)")
     if a.ranges:
         add_step_ranges()
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=a.mtp_step) if a.mtp_step else {}
@@ -82,6 +90,8 @@ def main():
     graphs += ", MTP overlap" if a.mtp_overlap else ""
     print(f"batch {a.batch} K {a.mtp_step} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
     print_profile(lambda: router.step(), a.rows)
+    if a.attention_calls:
+        print_attention_calls(router)
 
 
 # DecodeStep methods -> their profiler range (``--ranges``); launch_finish holds the sampler, verify, pack and
@@ -99,6 +109,58 @@ def add_step_ranges() -> None:
             with torch.profiler.record_function(_label):
                 return _fn(self, *args, **kwargs)
         setattr(DecodeStep, name, ranged)
+
+
+def plan_label(plan) -> str:
+    """An attention plan in a few words: tile rows, query rows a block, how it splits, its grid's first dim."""
+    if plan.work is not None:
+        kind, programs = "length", plan.work.shape[0]
+    else:
+        kind, programs = ("dynamic" if plan.dynamic_splits else "none"), plan.block_first_row.shape[0]
+    return f"bm{plan.block_m} bq{plan.block_q} {kind} x{programs} rows{plan.row_req_idx.shape[0]}"
+
+
+@dataclass
+class AttentionCall:
+    index: int  # in the step
+    label: str
+    args: tuple  # unified_attention's (q, k_cache, v_cache, req_to_token, plan, sm_scale), kept alive
+
+
+def record_attention_calls(router) -> List[AttentionCall]:
+    """One more step with every attention call's inputs kept (eager runs only; this process only)."""
+    import lightllm.models.llama.layer_infer.attention_backends as ab
+
+    calls: List[AttentionCall] = []
+    inner = ab.unified_attention
+
+    def recording(q, k_cache, v_cache, req_to_token, plan, sm_scale, out=None):
+        calls.append(AttentionCall(len(calls), plan_label(plan), (q, k_cache, v_cache, req_to_token, plan, sm_scale)))
+        return inner(q, k_cache, v_cache, req_to_token, plan, sm_scale, out)
+
+    ab.unified_attention = recording
+    try:
+        router.step()
+        sync()
+    finally:
+        ab.unified_attention = inner
+    return calls
+
+
+def print_attention_calls(router) -> None:
+    """Each attention call of one step replayed alone (its inputs as the step left them: the KV cache, the
+    plan), timed as bench_attention times a case (a CUDA graph, do_bench's median)."""
+    from benchmarks.bench_attention import time_ms
+    from lightllm.models.llama.triton_kernel.unified_attention import unified_attention
+
+    calls = record_attention_calls(router)
+    total = 0.0
+    print(f"attention calls of one step ({len(calls)}): index, plan, us")
+    for c in calls:
+        us = 1e3 * time_ms(lambda: unified_attention(*c.args), True, ATTN_WARMUP_MS, ATTN_REP_MS)[0]
+        total += us
+        print(f"  #{c.index:02d} {c.label:48s} {us:8.1f}")
+    print(f"  sum {total:.1f} us")
 
 
 def prompt_ids(i: int, n: int):
@@ -137,6 +199,11 @@ def print_profile(run, rows: int) -> None:
         sync()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+    calls = sorted((e for e in prof.key_averages() if e.key.startswith("attn#")), key=lambda e: e.key)
+    if calls:  # --attention_calls: each call's kernels (device time of the range)
+        print("attention calls (index in the step, plan): calls, GPU us a call")
+        for e in calls:
+            print(f"  {e.key:70s} {e.count:4d} {e.device_time_total / max(e.count, 1):9.1f}")
 
 
 if __name__ == "__main__":

@@ -167,6 +167,7 @@ def _unified_attention_kernel(
     DYNAMIC_SPLITS: tl.constexpr = False,
     SPLIT_KEYS: tl.constexpr = DYNAMIC_SPLIT_KEYS,  # DYNAMIC_SPLITS: fewest keys per split
     LENGTH_SPLITS: tl.constexpr = False,  # decode-shaped plans: each program's (block, split) from the work list
+    ONE_LOOP: tl.constexpr = False,  # every tile through the masked loop (one pipelined loop, not two)
 ):
     kv_head = tl.program_id(1)
     if DYNAMIC_SPLITS:
@@ -226,6 +227,8 @@ def _unified_attention_kernel(
         end = tl.where(split < n_split, tl.minimum(start + split_len, hi), start)
         # Tiles below ``lo`` need no mask.
         unmasked_end = tl.maximum(tl.minimum(end, (lo // BLOCK_N) * BLOCK_N), start)
+        if ONE_LOOP:
+            unmasked_end = start
 
         m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -401,17 +404,21 @@ def length_split_programs(max_blocks: int, kv_heads: int, head_dim: int = TARGET
     return max_blocks + max(max_blocks, triton.cdiv(split_target_programs(head_dim, sms), kv_heads))
 
 
-def length_split_work(block_len: torch.Tensor, programs: int, max_splits: int = MAX_KV_SPLITS,
-                      min_keys: int = DECODE_SPLIT_KEYS) -> torch.Tensor:
+def length_split_work(block_len: torch.Tensor, programs: int, fill_programs: Optional[int] = None,
+                      max_splits: int = MAX_KV_SPLITS, min_keys: int = DECODE_SPLIT_KEYS) -> torch.Tensor:
     """The work list of blocks whose rows see ``block_len`` keys at most (-1: no block): each block splits
-    into cdiv(len, keys) programs (1 to ``max_splits``), keys = the batch's keys over the programs left
-    after one per block (at least ``min_keys``), so the splits always fit in ``programs``. Returns
-    [programs, WORK_FIELDS] int32: (block, split, the block's splits), consecutive per block; (-1, 0, 0)
-    past the list. Device ops only (no host sync: CUDA-graph safe)."""
+    into cdiv(len, keys) programs (1 to ``max_splits``), keys = the batch's keys over a spare share of
+    programs (at least ``min_keys``): max(blocks used, ``fill_programs``), never more than the programs left
+    after one per block (``fill_programs`` None: all of those), so the splits always fit in ``programs``.
+    The share does not grow with the list's padding (a graph's padded batch, MTP plans' room for
+    misaligned runs), which split full grids for nothing. Returns [programs, WORK_FIELDS] int32: (block,
+    split, the block's splits), consecutive per block; (-1, 0, 0) past the list. Device ops only (no host
+    sync: CUDA-graph safe)."""
     blocks = block_len.shape[0]
     block_len = block_len.to(torch.int64)
     used = block_len >= 0
-    spare = (programs - used.sum()).clamp(min=1)
+    left = (programs - used.sum()).clamp(min=1)
+    spare = left if fill_programs is None else used.sum().clamp(min=fill_programs).clamp(max=left)
     keys = ((block_len.clamp(min=0).sum() + spare - 1) // spare).clamp(min=min_keys)
     n = torch.where(used, ((block_len + keys - 1) // keys).clamp(1, max_splits), 0)
     end = torch.cumsum(n, 0)
@@ -449,6 +456,10 @@ PREFILL_DEFAULT = LaunchConfig(BLOCK_N, 4, 2)
 DECODE_CONFIG = LaunchConfig(BLOCK_N, 4, 2)
 DECODE_SPLIT_CONFIG = LaunchConfig(2 * BLOCK_N, 4, 2)
 HALF_BYTES = 2  # the tables above are for bf16 / fp16; fp32 tiles take half the positions
+# Decode-shaped plans: every tile in the masked loop, so a program's last, masked tile (MTP rows of unequal lengths,
+# a split's end) shares the pipeline instead of waiting alone (8B heads, batch 64, 4 rows over 1024 keys: 97.3 us
+# a layer against 106.9; never slower by more than 0.4 us in docs/data/perf/session26/decode_plan_variants.py)
+LENGTH_SPLIT_ONE_LOOP = True
 
 
 def launch_config(block_m: int, block_dmodel: int, wide: bool = False, elem_bytes: int = HALF_BYTES) -> LaunchConfig:
@@ -538,7 +549,8 @@ def plan_attention(
         block_len = torch.where(first >= 0, block_len, -1)
     programs = length_split_programs(max_blocks, kv_heads, head_dim, sms)
     max_splits = decode_max_splits(max_blocks, kv_heads, sms)
-    work = length_split_work(block_len, programs, max_splits)
+    work = length_split_work(block_len, programs, triton.cdiv(split_target_programs(head_dim, sms), kv_heads),
+                             max_splits)
     return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, max_splits,
                          work=work, wide_tiles=max_blocks * kv_heads < sms,
                          split_counter=torch.zeros(max_blocks * kv_heads, dtype=torch.int32, device=idx.device))
@@ -631,6 +643,7 @@ def unified_attention(
         HEAD_DIM=head_dim, GROUP=plan.group, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_DMODEL=block_dmodel,
         BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IEEE_DOT=q.dtype == torch.float32, EVEN_D=head_dim == block_dmodel,
         DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, LENGTH_SPLITS=by_length,
+        ONE_LOOP=by_length and LENGTH_SPLIT_ONE_LOOP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if dynamic:

@@ -77,6 +77,22 @@ def test_length_split_work_by_hand():
     assert short[:64, 2].tolist() == [1] * 64 and short[:64, 0].tolist() == list(range(64))
 
 
+def test_length_split_work_spare_share_by_hand():
+    """The spare share is max(blocks used, fill_programs), at most the programs left after one per block.
+    64 blocks of 1024 keys in a list of 128 (an MTP plan's room) over 256 programs, 33 fill the GPU: the
+    share is 64, 1024 keys a split, no block splits; over all 192 programs left it would be 342 keys a
+    split, 3 splits a block (a full grid split for nothing)."""
+    lens = torch.tensor([1024] * 64 + [-1] * 64, dtype=torch.int32)
+    assert length_split_work(lens, 256, 33)[:64, 2].tolist() == [1] * 64
+    assert length_split_work(lens, 256)[:64, 2].tolist() == [3] * 64
+    # batch 1: the share is the 33 that fill the GPU (all the programs left): 8192 / 33 -> 256 keys, 32 splits
+    one = length_split_work(torch.tensor([8192, -1], dtype=torch.int32), 35, 33, max_splits=32)
+    assert one[:32].tolist() == [[0, s, 32] for s in range(32)] and one[32:].tolist() == [[-1, 0, 0]] * 3
+    # a fill past the programs left takes what is left: 4 x 600 keys over 2 spare programs -> 1200 keys a split
+    few = length_split_work(torch.tensor([600] * 4, dtype=torch.int32), 6, 10, min_keys=64)
+    assert few[:4, 2].tolist() == [1] * 4
+
+
 def test_length_split_work_fits_its_programs():
     """Random lengths: every block with keys gets its splits (consecutive, 0..n-1) inside the programs."""
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +101,8 @@ def test_length_split_work_fits_its_programs():
         lens = torch.randint(0, 9000, (blocks,), generator=gen, dtype=torch.int32)
         lens[torch.rand(blocks, generator=gen) < 0.3] = -1
         programs = blocks + int(torch.randint(1, 200, (1,), generator=gen))
-        work = length_split_work(lens, programs).tolist()
+        fill = None if trial % 2 else int(torch.randint(1, 300, (1,), generator=gen))
+        work = length_split_work(lens, programs, fill).tolist()
         got = {}
         for block, split, n in work:
             if block >= 0:

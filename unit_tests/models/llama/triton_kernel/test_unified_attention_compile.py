@@ -9,8 +9,8 @@ from unit_tests.triton_compile_util import run_compile_child
 COMPILE_SCRIPT = """
 from unit_tests.triton_compile_util import compile_for_sm90, sm90_resource_usage
 from lightllm.models.llama.triton_kernel.unified_attention import (
-    DYNAMIC_SPLIT_KEYS, MAX_KV_SPLITS, SMALL_GRID_MAX_KV_SPLITS, SPLIT_MAX_BLOCK_M, _combine_dynamic_splits_kernel,
-    _unified_attention_kernel, block_shape, launch_config)
+    DYNAMIC_SPLIT_KEYS, LENGTH_SPLIT_ONE_LOOP, MAX_KV_SPLITS, SMALL_GRID_MAX_KV_SPLITS, SPLIT_MAX_BLOCK_M,
+    _combine_dynamic_splits_kernel, _unified_attention_kernel, block_shape, launch_config)
 
 SM90_SHARED_BYTES = 232448  # an H100 / H200 block's shared memory limit
 SM90_REGISTERS = 65536  # per SM
@@ -47,7 +47,8 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
     constexprs = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": block_m,
                   "BLOCK_DMODEL": block_dmodel, "BLOCK_N": cfg.block_n, "NUM_SPLITS": splits,
                   "IEEE_DOT": dtype == "*fp32", "EVEN_D": head_dim == block_dmodel, "DYNAMIC_SPLITS": dynamic,
-                  "SPLIT_KEYS": DYNAMIC_SPLIT_KEYS, "LENGTH_SPLITS": by_length}
+                  "SPLIT_KEYS": DYNAMIC_SPLIT_KEYS, "LENGTH_SPLITS": by_length,
+                  "ONE_LOOP": by_length and LENGTH_SPLIT_ONE_LOOP}
     signature.update({name: "constexpr" for name in constexprs})
     compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs,
                                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, DIVISIBLE)
