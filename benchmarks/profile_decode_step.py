@@ -8,10 +8,11 @@ time, prefill only (``max_new_tokens`` 1), a request's whole time in the router 
 to its finish, ``--batch`` prompts in a row.
 """
 import argparse
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -91,7 +92,10 @@ def main():
     print(f"batch {a.batch} K {a.mtp_step} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
     print_profile(lambda: router.step(), a.rows)
     if a.attention_calls:
-        print_attention_calls(router)
+        with recording_attention([]) as calls:
+            router.step()
+            sync()
+        print_attention_calls(calls)
 
 
 # DecodeStep methods -> their profiler range (``--ranges``); launch_finish holds the sampler, verify, pack and
@@ -113,11 +117,14 @@ def add_step_ranges() -> None:
 
 def plan_label(plan) -> str:
     """An attention plan in a few words: tile rows, query rows a block, how it splits, its grid's first dim."""
+    blocks = int((plan.block_first_row >= 0).sum())
     if plan.work is not None:
         kind, programs = "length", plan.work.shape[0]
+        kind += f" items {int((plan.work[:, 0] >= 0).sum())} max_split {int(plan.work[:, 2].max())}"
     else:
         kind, programs = ("dynamic" if plan.dynamic_splits else "none"), plan.block_first_row.shape[0]
-    return f"bm{plan.block_m} bq{plan.block_q} {kind} x{programs} rows{plan.row_req_idx.shape[0]}"
+    return (f"bm{plan.block_m} bq{plan.block_q} {kind} x{programs} rows{plan.row_req_idx.shape[0]} "
+            f"blocks {blocks} max_len {int(plan.row_seq_len.max())}")
 
 
 @dataclass
@@ -127,11 +134,11 @@ class AttentionCall:
     args: tuple  # unified_attention's (q, k_cache, v_cache, req_to_token, plan, sm_scale), kept alive
 
 
-def record_attention_calls(router) -> List[AttentionCall]:
-    """One more step with every attention call's inputs kept (eager runs only; this process only)."""
+@contextlib.contextmanager
+def recording_attention(calls: List[AttentionCall]):
+    """Within it, every attention call's inputs are kept in ``calls`` (eager runs only; this process only)."""
     import lightllm.models.llama.layer_infer.attention_backends as ab
 
-    calls: List[AttentionCall] = []
     inner = ab.unified_attention
 
     def recording(q, k_cache, v_cache, req_to_token, plan, sm_scale, out=None):
@@ -140,27 +147,44 @@ def record_attention_calls(router) -> List[AttentionCall]:
 
     ab.unified_attention = recording
     try:
-        router.step()
-        sync()
+        yield calls
     finally:
         ab.unified_attention = inner
-    return calls
 
 
-def print_attention_calls(router) -> None:
-    """Each attention call of one step replayed alone (its inputs as the step left them: the KV cache, the
-    plan), timed as bench_attention times a case (a CUDA graph, do_bench's median)."""
+def decode_twin(q, k_cache, v_cache, req_to_token, plan, sm_scale) -> Optional[tuple]:
+    """A mixed step's decode-head call (a split-by-length plan over the forward's first rows only) as a decode
+    step would run those rows: their own tensors, planned by ``plan_attention`` alone; None for other calls."""
+    from lightllm.models.llama.triton_kernel.unified_attention import plan_attention
+
+    if plan.work is None:
+        return None
+    n = int(plan.block_first_row.max()) + plan.block_q  # the head's rows
+    if n >= q.shape[0]:
+        return None
+    kv_heads = k_cache.shape[1]
+    twin = plan_attention(plan.row_req_idx[:n], plan.row_seq_len[:n], q.shape[1], kv_heads, plan.block_q,
+                          n // plan.block_q + 1, head_dim=q.shape[2])
+    return q[:n].contiguous(), k_cache, v_cache, req_to_token, twin, sm_scale
+
+
+def print_attention_calls(calls: List[AttentionCall], what: str = "one step") -> List[dict]:
+    """Each recorded attention call replayed alone (its inputs as the step left them: the KV cache, the plan),
+    timed as bench_attention times a case (a CUDA graph, do_bench's median)."""
     from benchmarks.bench_attention import time_ms
     from lightllm.models.llama.triton_kernel.unified_attention import unified_attention
 
-    calls = record_attention_calls(router)
-    total = 0.0
-    print(f"attention calls of one step ({len(calls)}): index, plan, us")
+    rows = []
+    print(f"attention calls of {what} ({len(calls)}): index, plan, us; a mixed step's decode head: us as a decode "
+          "step plans its rows")
     for c in calls:
         us = 1e3 * time_ms(lambda: unified_attention(*c.args), True, ATTN_WARMUP_MS, ATTN_REP_MS)[0]
-        total += us
-        print(f"  #{c.index:02d} {c.label:48s} {us:8.1f}")
-    print(f"  sum {total:.1f} us")
+        twin = decode_twin(*c.args)
+        twin_us = 1e3 * time_ms(lambda: unified_attention(*twin), True, ATTN_WARMUP_MS, ATTN_REP_MS)[0] if twin else None
+        rows.append(dict(index=c.index, plan=c.label, us=us, as_decode_plan_us=twin_us))
+        print(f"  #{c.index:02d} {c.label:90s} {us:8.1f} {'' if twin_us is None else f'{twin_us:8.1f}'}")
+    print(f"  sum {sum(r['us'] for r in rows):.1f} us")
+    return rows
 
 
 def prompt_ids(i: int, n: int):

@@ -133,6 +133,11 @@ def main(argv=None) -> int:
                    help="also record this many mixed and decode steps (from the --trace_from-th mixed one) with "
                         "torch.profiler: GPU time per step by kind and kernel")
     p.add_argument("--trace_from", type=int, default=TRACE_FROM, help="the mixed step the trace starts at")
+    p.add_argument("--attention_calls", type=int, default=0, metavar="N",
+                   help="eager (no CUDA graphs): after the run, each attention call of the N-th mixed step and of the "
+                        "N-th decode step replayed alone and timed, beside its plan")
+    p.add_argument("--model_dir", default=None, help="default: the embedded model")
+    p.add_argument("--load_format", default="auto", help="dummy: random weights of the model's shape (step timing)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -141,7 +146,7 @@ def main(argv=None) -> int:
 
     from lightllm.tools.prompts import chat_prompt_ids
 
-    model_dir = model_dir_or_embedded(None)
+    model_dir = model_dir_or_embedded(args.model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(args.gsm8k) as f:
         questions = [json.loads(line)["question"] for line in f]
@@ -158,11 +163,12 @@ def main(argv=None) -> int:
                    for j, x in enumerate(prompts)]
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=args.mtp_step) if args.mtp_step else {}
     max_len = auto_max_req_total_len([len(x) for x in prompts], args.max_new_tokens)
-    start = StartArgs(running_max_req_size=args.concurrency, max_req_total_len=max(1024, max_len),
+    start = StartArgs(model_dir=model_dir, load_format=args.load_format,
+                      running_max_req_size=args.concurrency, max_req_total_len=max(1024, max_len),
                       disable_mixed_steps=args.disable_mixed_steps,
                       **({"batch_max_tokens": args.batch_max_tokens} if args.batch_max_tokens else {}),
                       disable_dynamic_prompt_cache=not args.prompt_cache,  # default: prefill every prompt
-                      **mtp)
+                      disable_cudagraph=bool(args.attention_calls), **mtp)
     on_gpu = torch.cuda.is_available()  # CPU: a smoke run of the script (no performance number)
     eng = OfflineEngine(start, device="cuda" if on_gpu else "cpu", dtype="bfloat16" if on_gpu else "float32")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
@@ -172,6 +178,7 @@ def main(argv=None) -> int:
     profiles = {"mixed": cProfile.Profile(), "decode": cProfile.Profile()}
     b = eng.backend
     b.mixed = _timed(b.mixed, clocks["mixed"], sync, profiles["mixed"])
+    attention_calls = {"mixed": [], "decode": []}  # --attention_calls: the N-th step of each kind
     b.decode = _timed(b.decode, clocks["decode"], sync, profiles["decode"])
     b.prefill_chunks = _timed(b.prefill_chunks, clocks["prefill"], sync)
     # every engine step, by what it ran (overlapped decode steps run outside b.decode)
@@ -185,10 +192,18 @@ def main(argv=None) -> int:
         return "mixed" if prefilling and decoding and b.mixed_rows is not None else (
             "prefill" if prefilling and not decoding else "decode")
 
+    counts = {k: 0 for k in STEP_KINDS}
+
     def timed_step(running, *a, **kw):
         kind = kind_of(running)
         if kind == "decode":
             decode_reqs.append(sum(not r.in_prefill and r.finish_reason is None for r in running))
+        counts[kind] += 1
+        if args.attention_calls and counts[kind] == args.attention_calls and kind in attention_calls:
+            from benchmarks.profile_decode_step import recording_attention
+
+            with recording_attention(attention_calls[kind]):
+                return _timed(run_step, step_clocks[kind], sync)(running, *a, **kw)
         return _timed(run_step, step_clocks[kind], sync)(running, *a, **kw)
 
     b.run_step = timed_step
@@ -214,6 +229,11 @@ def main(argv=None) -> int:
     print(f"engine steps (synchronized, by kind): {by_step}; mean decode batch {mean_decode_batch:.1f}")
     for kind, text in host_profiles.items():
         print(f"host profile of the {kind} steps (cProfile):\n{text}")
+    if args.attention_calls:
+        from benchmarks.profile_decode_step import print_attention_calls
+
+        attention_calls = {kind: print_attention_calls(calls, f"{kind} step {args.attention_calls}")
+                           for kind, calls in attention_calls.items() if calls}
     trace = tracer.report() if tracer is not None else None
     for kind, t in (trace or {}).items():
         print(f"traced {kind} steps: {t['steps']}, GPU kernel time per step {t['gpu_ms_per_step']:.2f} ms, "
@@ -223,7 +243,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "tokens": tokens, "wall_s": wall, "steps": summary, "engine_steps": by_step,
-                       "mean_decode_batch": mean_decode_batch, "host_profiles": host_profiles, "trace": trace},
+                       "mean_decode_batch": mean_decode_batch, "host_profiles": host_profiles, "trace": trace,
+                       "attention_calls": attention_calls},
                       f, indent=1)
     return 0
 
