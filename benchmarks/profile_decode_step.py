@@ -9,9 +9,9 @@ to its finish, ``--batch`` prompts in a row.
 """
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -127,7 +127,7 @@ def plan_label(plan) -> str:
             f"blocks {blocks} max_len {int(plan.row_seq_len.max())}")
 
 
-@dataclass
+@dataclasses.dataclass
 class AttentionCall:
     index: int  # in the step
     label: str
@@ -136,13 +136,20 @@ class AttentionCall:
 
 @contextlib.contextmanager
 def recording_attention(calls: List[AttentionCall]):
-    """Within it, every attention call's inputs are kept in ``calls`` (eager runs only; this process only)."""
+    """Within it, every attention call's inputs are kept in ``calls`` (eager runs only; this process only). The
+    plan's tensors (views of the step's persistent row buffers, which later steps overwrite) and the slot table
+    are copied as the call saw them; q is the call's own; the KV caches are kept as they are (later steps change
+    their values, not which slots a call reads)."""
     import lightllm.models.llama.layer_infer.attention_backends as ab
 
     inner = ab.unified_attention
+    tables = {}  # the slot table, copied once per recording
 
     def recording(q, k_cache, v_cache, req_to_token, plan, sm_scale, out=None):
-        calls.append(AttentionCall(len(calls), plan_label(plan), (q, k_cache, v_cache, req_to_token, plan, sm_scale)))
+        table = tables.setdefault(id(req_to_token), req_to_token.clone())
+        kept = dataclasses.replace(plan, **{f.name: getattr(plan, f.name).clone() for f in dataclasses.fields(plan)
+                                            if isinstance(getattr(plan, f.name), torch.Tensor)})
+        calls.append(AttentionCall(len(calls), plan_label(plan), (q.clone(), k_cache, v_cache, table, kept, sm_scale)))
         return inner(q, k_cache, v_cache, req_to_token, plan, sm_scale, out)
 
     ab.unified_attention = recording
