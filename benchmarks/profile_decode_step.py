@@ -176,8 +176,8 @@ def decode_twin(q, k_cache, v_cache, req_to_token, plan, sm_scale) -> Optional[t
 
 
 def print_attention_calls(calls: List[AttentionCall], what: str = "one step") -> List[dict]:
-    """Each recorded attention call replayed alone (its inputs as the step left them: the KV cache, the plan),
-    timed as bench_attention times a case (a CUDA graph, do_bench's median)."""
+    """Each recorded attention call replayed alone (its plan, q and slot table as the call saw them, the KV cache
+    as the run left it), timed as bench_attention times a case (a CUDA graph, do_bench's median)."""
     from benchmarks.bench_attention import time_ms
     from lightllm.models.llama.triton_kernel.unified_attention import unified_attention
 
@@ -230,11 +230,6 @@ def print_profile(run, rows: int) -> None:
         sync()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
-    calls = sorted((e for e in prof.key_averages() if e.key.startswith("attn#")), key=lambda e: e.key)
-    if calls:  # --attention_calls: each call's kernels (device time of the range)
-        print("attention calls (index in the step, plan): calls, GPU us a call")
-        for e in calls:
-            print(f"  {e.key:70s} {e.count:4d} {e.device_time_total / max(e.count, 1):9.1f}")
 
 
 if __name__ == "__main__":
