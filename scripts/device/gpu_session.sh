@@ -70,6 +70,10 @@
 #                                       in STEPS_AB_ROUNDS rounds (default 2) over STEPS_AB_CASES (';'-separated
 #                                       profile_decode_step.py flags); with .smol_shape carried (the embedded model's
 #                                       config and tokenizer, no weights) dummy weights of that shape: no model parts
+#   gpu_session.sh mixed_calls OUT [N]  carrying .smol_shape and .dz, no model: each attention call of mixed and
+#                                       decode step N (default 40) on the serving-like mix, replayed alone (eager,
+#                                       dummy weights; a mixed head also as a decode plan), then the graphed run's
+#                                       kernels by step kind (--trace_steps)
 #   gpu_session.sh mixed OUT [COMMIT]   where a mixed step's time goes (profile_mixed_step.py --trace_steps) on GSM8K
 #                                       and on the serving mix (every 5th prompt 3000 tokens) at chunk budgets 512
 #                                       and 2048, eagle K = 3; with COMMIT also at that commit (a git worktree);
@@ -416,6 +420,22 @@ mixed)
             echo "== $tag $name"; grep -E "^engine steps|^traced" "$out/mixed_${name}_$tag.log"
         done
     done
+    ;;
+mixed_calls)
+    # no model parts: .smol_shape (the embedded shape, dummy weights) and .dz; the serving-like mix at 512-token
+    # chunks, eagle K = 3: each attention call of mixed and decode step N (eager), then the graphed steps' kernels
+    out=${1:?OUT}; n=${2:-40}; mkdir -p "$out" .data
+    for f in .dz/*.jsonl.gz; do gunzip -c "$f" > ".data/$(basename "$f" .gz)"; done
+    m=${LIGHTLLM_CACHE_DIR:-/root/lightllm_cache}/models/SmolLM2-135M-Instruct
+    mkdir -p "$m" && cp .smol_shape/* "$m/"
+    mix=(--gsm8k .data/test.jsonl --model_dir "$m" --load_format dummy --num_prompts 200 --long_every 5
+         --long_tokens 3000 --batch_max_tokens 512)
+    timeout 240 python benchmarks/profile_mixed_step.py "${mix[@]}" --attention_calls "$n" --out "$out/calls.json" \
+        > "$out/calls.log" 2>&1; echo "calls rc $?"
+    grep -A 70 "^attention calls of" "$out/calls.log" | grep -E "^attention|#0[0-3]|sum"
+    timeout 240 python benchmarks/profile_mixed_step.py "${mix[@]}" --trace_steps 20 --out "$out/trace.json" \
+        > "$out/trace.log" 2>&1; echo "trace rc $?"
+    grep -E "^engine steps|^traced" "$out/trace.log"
     ;;
 profile)
     out=${1:?OUT}; mkdir -p "$out"
