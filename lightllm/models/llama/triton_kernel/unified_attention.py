@@ -60,7 +60,9 @@ MAX_KV_SPLITS = 16
 # 8192 keys: 11.8 us a layer at 32 against 14.5 at 16; DECODE_SPLIT_KEYS keeps splits at 256 keys or more).
 SMALL_GRID_MAX_KV_SPLITS = 32
 DECODE_SPLIT_KEYS = 256
-WORK_FIELDS = tl.constexpr(3)  # a work item: block (-1: none), split, the block's splits
+SPLIT_FIELDS = tl.constexpr(3)  # a work item's split: block (-1: none), split, the block's splits
+# and the block's first row (-1: none), request and keys, read with the item instead of through the block
+WORK_FIELDS = tl.constexpr(SPLIT_FIELDS + 3)
 # Prefill-shaped plans: most splits of one block's KV, and fewest keys per split.
 DYNAMIC_MAX_SPLITS = 8
 DYNAMIC_SPLIT_KEYS = 512
@@ -179,15 +181,22 @@ def _unified_attention_kernel(
         split = tl.where(pid < num_active, 0, 1 + (pid - num_active) // num_active)
     elif LENGTH_SPLITS:
         pid = tl.program_id(0)
-        block = tl.load(work_ptr + pid * WORK_FIELDS)
-        split = tl.load(work_ptr + pid * WORK_FIELDS + 1)
+        item = work_ptr + pid * WORK_FIELDS
+        block = tl.load(item)
+        split = tl.load(item + 1)
     else:
         tl.static_assert(NUM_SPLITS == 1, "a split plan takes DYNAMIC_SPLITS or LENGTH_SPLITS")
         block = tl.program_id(0)
         split = 0
-    first_row = tl.load(block_first_row_ptr + block, mask=block >= 0, other=-1)  # -1: a work item past the list
+    if LENGTH_SPLITS:
+        first_row = tl.load(item + SPLIT_FIELDS)  # -1: a work item past the list
+    else:
+        first_row = tl.load(block_first_row_ptr + block, mask=block >= 0, other=-1)
     if first_row >= 0:
-        req_idx = tl.load(row_req_idx_ptr + first_row)
+        if LENGTH_SPLITS:
+            req_idx = tl.load(item + SPLIT_FIELDS + 1)
+        else:
+            req_idx = tl.load(row_req_idx_ptr + first_row)
         seq = tl.load(row_seq_start_ptr + first_row)
         first_len = tl.load(row_seq_len_ptr + first_row)
 
@@ -200,7 +209,10 @@ def _unified_attention_kernel(
         valid = in_rows & (tl.load(row_seq_start_ptr + row_c) == seq)
         row_len = tl.where(valid, tl.load(row_seq_len_ptr + row_c), first_len)  # other tile rows copy the first row
         lo = tl.min(row_len, 0)  # keys every row of the block sees
-        hi = tl.max(row_len, 0)  # keys some row of the block sees
+        if LENGTH_SPLITS:
+            hi = tl.load(item + SPLIT_FIELDS + 2)  # the plan's: the loop's bounds need no row's length
+        else:
+            hi = tl.max(row_len, 0)  # keys some row of the block sees
 
         if DYNAMIC_SPLITS:
             # Split while the blocks that hold rows leave the GPU idle, by the block's length, as far
@@ -211,7 +223,7 @@ def _unified_attention_kernel(
             n_split = tl.minimum(n_split, (tl.num_programs(0) - block + num_active - 1) // num_active)
             n_split = tl.where((block + 1) * BLOCK_Q > num_part_rows, 1, tl.maximum(n_split, 1))
         elif LENGTH_SPLITS:
-            n_split = tl.load(work_ptr + pid * WORK_FIELDS + 2)
+            n_split = tl.load(item + 2)
         else:
             n_split = 1
         offs_d = tl.arange(0, BLOCK_DMODEL)
@@ -371,7 +383,8 @@ class AttentionPlan:
     active_blocks: Optional[torch.Tensor] = None  # [1] int32: blocks that hold rows
     num_part_blocks: int = 0  # blocks with room for partial sums (the first ones: a split needs few)
     split_keys: int = DYNAMIC_SPLIT_KEYS  # fewest keys per dynamic split
-    # Decode-shaped plans: [programs, WORK_FIELDS] int32, each program's block and split (length splits)
+    # Decode-shaped plans: [programs, WORK_FIELDS] int32, each program's block and split, and the block's first
+    # row, request and keys (length splits)
     work: Optional[torch.Tensor] = None
     split_counter: Optional[torch.Tensor] = None  # [max_blocks * kv_heads] int32 zeros, the kernel's counters
     wide_tiles: bool = False  # few blocks: the split launch configuration (more bytes in flight per program)
@@ -411,7 +424,7 @@ def length_split_work(block_len: torch.Tensor, programs: int, fill_programs: Opt
     programs (at least ``min_keys``): max(blocks used, ``fill_programs``), never more than the programs left
     after one per block (``fill_programs`` None: all of those), so the splits always fit in ``programs``.
     The share does not grow with the list's padding (a graph's padded batch, MTP plans' room for
-    misaligned runs), which split full grids for nothing. Returns [programs, WORK_FIELDS] int32: (block,
+    misaligned runs), which split full grids for nothing. Returns [programs, SPLIT_FIELDS] int32: (block,
     split, the block's splits), consecutive per block; (-1, 0, 0) past the list. Device ops only (no host
     sync: CUDA-graph safe)."""
     blocks = block_len.shape[0]
@@ -429,6 +442,19 @@ def length_split_work(block_len: torch.Tensor, programs: int, fill_programs: Opt
     split = p - (end[b] - n[b])
     work = torch.stack((torch.where(inside, block, -1), torch.where(inside, split, 0), torch.where(inside, n[b], 0)), 1)
     return work.to(torch.int32)
+
+
+def with_block_rows(work: torch.Tensor, block_first_row: torch.Tensor, row_req_idx: torch.Tensor,
+                    block_len: torch.Tensor) -> torch.Tensor:
+    """``length_split_work``'s list [programs, SPLIT_FIELDS] with each item's block's first row (-1: none),
+    request and keys appended ([programs, WORK_FIELDS]): a program reads them with its item, so its first keys
+    wait for one load instead of a chain (item, block, row, lengths). Device ops only."""
+    block = work[:, 0].long()
+    b = block.clamp(min=0)
+    first = torch.where(block >= 0, block_first_row[b].long(), -1)
+    req = torch.where(first >= 0, row_req_idx[first.clamp(min=0)].long(), 0)
+    keys = torch.where(block >= 0, block_len[b].long().clamp(min=0), 0)
+    return torch.cat((work, torch.stack((first, req, keys), 1).to(torch.int32)), 1)
 
 
 def decode_max_splits(max_blocks: int, kv_heads: int, sms: int) -> int:
@@ -541,16 +567,18 @@ def plan_attention(
         return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, 1)
     if block_q == 1 and not ranged:
         block_len = row_seq_len
-    else:  # a block's longest row; its rows follow its leader
-        row_block = (torch.cumsum(leader, 0) - 1).clamp_(0, max_blocks - 1)
+    else:  # a block's longest row; its rows follow its leader (a leader past max_blocks has no block: its rows
+        # go to the extra entry, so every length is that of the rows the kernel reads for the block)
+        row_block = (torch.cumsum(leader, 0) - 1).clamp_(0, max_blocks)
         lens = row_seq_len if in_range is None else torch.where(in_range, row_seq_len, 0)
-        block_len = torch.zeros(max_blocks, dtype=torch.int32, device=idx.device)
-        block_len = block_len.scatter_reduce_(0, row_block, lens, "amax")
+        block_len = torch.zeros(max_blocks + 1, dtype=torch.int32, device=idx.device)
+        block_len = block_len.scatter_reduce_(0, row_block, lens, "amax")[:max_blocks]
         block_len = torch.where(first >= 0, block_len, -1)
     programs = length_split_programs(max_blocks, kv_heads, head_dim, sms)
     max_splits = decode_max_splits(max_blocks, kv_heads, sms)
     work = length_split_work(block_len, programs, triton.cdiv(split_target_programs(head_dim, sms), kv_heads),
                              max_splits)
+    work = with_block_rows(work, first, row_req_idx, block_len)
     return AttentionPlan(row_req_idx, row_seq_len, seq_start, first, group, block_q, block_m, max_splits,
                          work=work, wide_tiles=max_blocks * kv_heads < sms,
                          split_counter=torch.zeros(max_blocks * kv_heads, dtype=torch.int32, device=idx.device))

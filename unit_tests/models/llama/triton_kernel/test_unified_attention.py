@@ -22,6 +22,7 @@ from lightllm.models.llama.triton_kernel.unified_attention import (
     plan_attention,
     plan_split_rows,
     unified_attention,
+    with_block_rows,
 )
 from unit_tests.devices import KERNEL_DEVICES, needs_cuda, needs_triton_cpu
 from unit_tests.models.llama.triton_kernel.attention_reference import make_batch, reference_attention
@@ -77,6 +78,17 @@ def test_length_split_work_by_hand():
     assert short[:64, 2].tolist() == [1] * 64 and short[:64, 0].tolist() == list(range(64))
 
 
+def test_with_block_rows_by_hand():
+    """Items of blocks 0, 0, 2 and none: each gets its block's first row, that row's request and the block's
+    keys; an item past the list gets (-1, 0, 0)."""
+    work = torch.tensor([[0, 0, 2], [0, 1, 2], [2, 0, 1], [-1, 0, 0]], dtype=torch.int32)
+    first = torch.tensor([0, -1, 5], dtype=torch.int32)
+    row_req_idx = torch.tensor([7, 7, 7, 7, 3, 9, 9], dtype=torch.int64)
+    block_len = torch.tensor([900, -1, 41], dtype=torch.int32)
+    assert with_block_rows(work, first, row_req_idx, block_len).tolist() == [
+        [0, 0, 2, 0, 7, 900], [0, 1, 2, 0, 7, 900], [2, 0, 1, 5, 9, 41], [-1, 0, 0, -1, 0, 0]]
+
+
 def test_length_split_work_spare_share_by_hand():
     """The spare share is max(blocks used, fill_programs), at most the programs left after one per block.
     64 blocks of 1024 keys in a list of 128 (an MTP plan's room) over 256 programs, 33 fill the GPU: the
@@ -124,9 +136,16 @@ def test_long_rows_among_short_ones_split_by_length_cpu():
             batch.num_runs = len(batch.row_req_idx)  # one-row blocks: every row is its own run
         out, plan, scale = _run(batch, max_q_len)
         splits = {}
-        for block, _, n in plan.work.tolist():
+        req, lens, firsts = batch.row_req_idx.tolist(), batch.row_seq_len.tolist(), plan.block_first_row.tolist()
+        for block, _, n, first, item_req, keys in plan.work.tolist():
             if block >= 0:
                 splits[block] = n
+                # the block's own rows (from its first, one request, at most block_q): first row, request, keys
+                rows = [r for r in range(firsts[block], min(firsts[block] + plan.block_q, len(req)))
+                        if req[r] == req[firsts[block]]]
+                assert (first, item_req, keys) == (firsts[block], req[first], max(lens[r] for r in rows))
+            else:
+                assert first == -1
         assert max(splits.values()) > 1 and min(splits.values()) == 1, splits
         torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
         assert not plan.split_counter.any()  # the merging split reset them for the next launch
@@ -152,7 +171,7 @@ def test_one_long_row_splits_past_max_kv_splits_cpu():
     batch = make_batch(((0, keys, 1),), 2, 1, 16, torch.float32, "cpu")
     out, plan, scale = _run(batch, 1)
     assert plan.num_kv_splits == SMALL_GRID_MAX_KV_SPLITS > MAX_KV_SPLITS
-    assert max(n for block, _, n in plan.work.tolist() if block >= 0) == SMALL_GRID_MAX_KV_SPLITS
+    assert max(n for block, _, n, *_ in plan.work.tolist() if block >= 0) == SMALL_GRID_MAX_KV_SPLITS
     torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
     assert not plan.split_counter.any()
 
