@@ -74,6 +74,9 @@
 #                                       decode step N (default 40) on the serving-like mix, replayed alone (eager,
 #                                       dummy weights; a mixed head also as a decode plan), then the graphed run's
 #                                       kernels by step kind (--trace_steps)
+#   gpu_session.sh attention_ab OUT [NAME=PATCH...]  bench_attention.py (ATTENTION_FLAGS; default --cases decode
+#                                       mtp_rows) in the checkout and in copies with each PATCH applied, interleaved
+#                                       in ATTENTION_AB_ROUNDS rounds (default 2)
 #   gpu_session.sh mixed OUT [COMMIT]   where a mixed step's time goes (profile_mixed_step.py --trace_steps) on GSM8K
 #                                       and on the serving mix (every 5th prompt 3000 tokens) at chunk budgets 512
 #                                       and 2048, eagle K = 3; with COMMIT also at that commit (a git worktree);
@@ -81,6 +84,19 @@
 #   gpu_session.sh pack                 everything under $OUT into $OUT/out.tgz (at most 8 files
 #                                       come back from a call)
 set -uo pipefail
+
+# trees: the checkout ("$PWD:checkout"), then a copy per NAME=PATCH argument with the patch (a `git diff` against the
+# checkout, in the carried tree) applied ("/tmp/ab_NAME:NAME"); a patch that does not apply is reported and left out
+patched_trees() {
+    trees=("$PWD:checkout")
+    local arm name patch dir
+    for arm in "$@"; do
+        name=${arm%%=*}; patch=$(readlink -f "${arm#*=}"); dir=/tmp/ab_$name
+        rm -rf "$dir" && mkdir -p "$dir"
+        tar --exclude=./.git --exclude=./.mparts --exclude=./.whl --exclude=./.dz -cf - . | tar -xf - -C "$dir"
+        if (cd "$dir" && git apply "$patch"); then trees+=("$dir:$name"); else echo "$patch does not apply" >&2; fi
+    done
+}
 
 TRAIN_FLAGS=(--mtp_mode eagle_with_att --init last_layer --unroll 4 --max_new_tokens 200
              --gen_batch_size 768 --epochs 8 --lr 1e-3 --batch_size 64 --max_gen_seconds 240
@@ -204,13 +220,7 @@ serving)
     ;;
 steps_ab)
     out=${1:?OUT}; shift; mkdir -p "$out"
-    trees=("$PWD:checkout")
-    for arm in "$@"; do
-        name=${arm%%=*}; patch=$(readlink -f "${arm#*=}"); dir=/tmp/steps_ab_$name
-        rm -rf "$dir" && mkdir -p "$dir"
-        tar --exclude=./.git --exclude=./.mparts --exclude=./.whl --exclude=./.dz -cf - . | tar -xf - -C "$dir"
-        if (cd "$dir" && git apply "$patch"); then trees+=("$dir:$name"); else echo "steps_ab: $patch does not apply" >&2; fi
-    done
+    patched_trees "$@"
     model=()
     if [ -d .smol_shape ]; then
         m=${LIGHTLLM_CACHE_DIR:-/root/lightllm_cache}/models/SmolLM2-135M-Instruct
@@ -228,6 +238,21 @@ steps_ab)
             done
         done
     done | tee "$out/steps_ab.txt"
+    ;;
+attention_ab)
+    # bench_attention.py (ATTENTION_FLAGS, default the decode and MTP-rows cases) in the checkout and in patched
+    # copies, interleaved in ATTENTION_AB_ROUNDS rounds (default 2); each tree's JSON per round
+    out=${1:?OUT}; shift; mkdir -p "$out"
+    patched_trees "$@"
+    for round in $(seq "${ATTENTION_AB_ROUNDS:-2}"); do
+        for tree in "${trees[@]}"; do
+            dir=${tree%%:*}; tag=${tree##*:}
+            echo "== round $round | $tag"
+            (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 200 python benchmarks/bench_attention.py \
+                ${ATTENTION_FLAGS:---cases decode mtp_rows} --out "$out/attention_${tag}_r$round.json" \
+                2>>"$out/attention_ab.err" | grep -E "^(decode|mtp_rows) ")
+        done
+    done | tee "$out/attention_ab.txt"
     ;;
 steps)
     out=${1:?OUT}; mkdir -p "$out"
