@@ -15,9 +15,11 @@ from lightllm.models.llama.triton_kernel.unified_attention import (
     DECODE_SPLIT_KEYS,
     MAX_BLOCK_M,
     MAX_KV_SPLITS,
+    MIN_BLOCK_M,
     SMALL_GRID_MAX_KV_SPLITS,
     block_shape,
     decode_max_splits,
+    launch_config,
     length_split_work,
     plan_attention,
     plan_split_rows,
@@ -161,6 +163,11 @@ def test_small_grids_split_further():
     assert decode_max_splits(1, 8, sms) == SMALL_GRID_MAX_KV_SPLITS  # 128 < 132
     assert decode_max_splits(3, 3, sms) == decode_max_splits(16, 3, sms) == MAX_KV_SPLITS  # 144, 768
     assert decode_max_splits(2, 8, sms) == MAX_KV_SPLITS
+    # small grids also take one more pipeline stage; a wide tile of a fuller grid (8B batch 16) does not
+    small = launch_config(MIN_BLOCK_M, 128, wide=True, small=True)
+    assert (small.num_stages, small.block_n) == (3, 2 * BLOCK_N)
+    assert launch_config(MIN_BLOCK_M, 128, wide=True).num_stages == 2
+    assert launch_config(MIN_BLOCK_M, 128, wide=True, elem_bytes=4, small=True).num_stages == 2  # fp32: same smem
 
 
 @needs_triton_cpu
@@ -170,7 +177,7 @@ def test_one_long_row_splits_past_max_kv_splits_cpu():
     keys = SMALL_GRID_MAX_KV_SPLITS * DECODE_SPLIT_KEYS
     batch = make_batch(((0, keys, 1),), 2, 1, 16, torch.float32, "cpu")
     out, plan, scale = _run(batch, 1)
-    assert plan.num_kv_splits == SMALL_GRID_MAX_KV_SPLITS > MAX_KV_SPLITS
+    assert plan.num_kv_splits == SMALL_GRID_MAX_KV_SPLITS > MAX_KV_SPLITS and plan.small_grid
     assert max(n for block, _, n, *_ in plan.work.tolist() if block >= 0) == SMALL_GRID_MAX_KV_SPLITS
     torch.testing.assert_close(out, batch.reference(scale), atol=FP32_ATOL, rtol=FP32_ATOL)
     assert not plan.split_counter.any()

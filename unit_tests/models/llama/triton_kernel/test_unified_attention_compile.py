@@ -42,7 +42,8 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
     block_q, block_m = block_shape(group, rows, deterministic=False)
     block_dmodel = 1 << (head_dim - 1).bit_length()
     by_length = splits > 1 and not dynamic
-    cfg = launch_config(block_m, block_dmodel, by_length and rows == 1, ELEM_BYTES[dtype])
+    cfg = launch_config(block_m, block_dmodel, by_length and rows == 1, ELEM_BYTES[dtype],
+                        small=splits == SMALL_GRID_MAX_KV_SPLITS)
     signature = {name: TYPES.get(name, dtype if name.endswith("_ptr") else "i32") for name in ATTENTION_ARGS}
     constexprs = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": block_m,
                   "BLOCK_DMODEL": block_dmodel, "BLOCK_N": cfg.block_n, "NUM_SPLITS": splits,
