@@ -87,6 +87,20 @@ set -uo pipefail
 
 # trees: the checkout ("$PWD:checkout"), then a copy per NAME=PATCH argument with the patch (a `git diff` against the
 # checkout, in the carried tree) applied ("/tmp/ab_NAME:NAME"); a patch that does not apply is reported and left out
+# .dz/*.jsonl.gz (carried) unpacked into .data/
+unpack_data() {
+    mkdir -p .data
+    local f
+    for f in .dz/*.jsonl.gz; do gunzip -c "$f" > ".data/$(basename "$f" .gz)"; done
+}
+
+# the embedded model's config and tokenizer (.smol_shape, carried, no weights) where the engine looks for the
+# model: prints that folder, for --model_dir with --load_format dummy
+shape_model_dir() {
+    local m=${LIGHTLLM_CACHE_DIR:-/root/lightllm_cache}/models/SmolLM2-135M-Instruct
+    mkdir -p "$m" && cp .smol_shape/* "$m/" && echo "$m"
+}
+
 patched_trees() {
     trees=("$PWD:checkout")
     local arm name patch dir
@@ -223,8 +237,7 @@ steps_ab)
     patched_trees "$@"
     model=()
     if [ -d .smol_shape ]; then
-        m=${LIGHTLLM_CACHE_DIR:-/root/lightllm_cache}/models/SmolLM2-135M-Instruct
-        mkdir -p "$m" && cp .smol_shape/* "$m/" && model=(--model_dir "$m" --load_format dummy)
+        m=$(shape_model_dir) && model=(--model_dir "$m" --load_format dummy)
     fi
     IFS=';' read -r -a cases <<< "${STEPS_AB_CASES:---batch 64;--batch 64 --mtp_step 3;--batch 1 --mtp_step 3}"
     for round in $(seq "${STEPS_AB_ROUNDS:-2}"); do
@@ -261,8 +274,7 @@ steps)
     done | tee "$out/steps.txt"
     ;;
 data)
-    mkdir -p .data
-    for f in .dz/*.jsonl.gz; do gunzip -c "$f" > ".data/$(basename "$f" .gz)"; done
+    unpack_data
     ls -la .data
     ;;
 train)
@@ -449,10 +461,9 @@ mixed)
 mixed_calls)
     # no model parts: .smol_shape (the embedded shape, dummy weights) and .dz; the serving-like mix at 512-token
     # chunks, eagle K = 3: each attention call of mixed and decode step N (eager), then the graphed steps' kernels
-    out=${1:?OUT}; n=${2:-40}; mkdir -p "$out" .data
-    for f in .dz/*.jsonl.gz; do gunzip -c "$f" > ".data/$(basename "$f" .gz)"; done
-    m=${LIGHTLLM_CACHE_DIR:-/root/lightllm_cache}/models/SmolLM2-135M-Instruct
-    mkdir -p "$m" && cp .smol_shape/* "$m/"
+    out=${1:?OUT}; n=${2:-40}; mkdir -p "$out"
+    unpack_data
+    m=$(shape_model_dir) || exit 1
     mix=(--gsm8k .data/test.jsonl --model_dir "$m" --load_format dummy --num_prompts 200 --long_every 5
          --long_tokens 3000 --batch_max_tokens 512)
     timeout 240 python benchmarks/profile_mixed_step.py "${mix[@]}" --attention_calls "$n" --out "$out/calls.json" \
