@@ -15,6 +15,9 @@ Cases, bf16, for each head shape (the 8B shape: 32 query / 8 KV heads of 128; th
 - ``mtp_rows``: batch 64 over KV 1024, K + 1 = 4 rows per request (row_seq_len L-3..L);
   ``vs_one_row`` = its time over the decode case of 1 row per request at the same batch and KV.
   SDPA: the flash backend with a bottom-right causal mask (``causal_lower_right``).
+- ``chunk``: one request's next chunk of q new tokens over a cached prefix (kv_len keys in all), as a
+  mixed step or a later prefill chunk runs it: (q, kv) in CHUNK_SHAPES; FLOPs and TFLOP/s as for
+  prefill, SDPA bottom-right causal. Timed as the decode cases (GRAPH_LAYERS layers in a graph).
 
 The engine's KV cache is a random permutation of slots (a non-contiguous slot table, wider than
 the longest request, like a real cache after churn; ``--slots contiguous``: each request's slots in order,
@@ -64,6 +67,7 @@ DECODE_BATCHES = (1, 16)
 MTP_BATCH = 64
 MTP_KV_LEN = 1024
 MTP_ROWS = 4  # K + 1 verify rows at K = 3
+CHUNK_SHAPES = ((512, 3072), (2048, 4096))  # (new rows, keys in all): a serving mix's long prompt, chunked
 SLOT_ORDERS = ("random", "contiguous")  # --slots: the slot table's order (a churned cache, or a fresh one)
 SLOT_TABLE_PAD = 64  # extra columns of the slot table past the longest request (its stride is not kv_len)
 COPY_BYTES = 1 << 30  # the copy bandwidth's buffer: far larger than the L2
@@ -78,7 +82,8 @@ QUICK_WARMUP_MS, QUICK_REP_MS = 5, 20
 # issue 25's goals, on the 8B shape: (case, batch or prefill length) -> (key, comparison, bound)
 TARGETS = {("prefill", 8192): ("vs_sdpa", ">=", 0.8), ("decode", 16): ("copy_frac", ">=", 0.75),
            ("decode", 1): ("copy_frac", ">=", 0.5), ("mtp_rows", MTP_BATCH): ("vs_one_row", "<=", 1.3)}
-CASE_KINDS = ("prefill", "decode", "mtp_rows")
+CASE_KINDS = ("prefill", "decode", "mtp_rows", "chunk")
+FLOP_KINDS = ("prefill", "chunk")  # compute-bound: TFLOP/s; the others read the KV: GB/s
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,8 @@ def build_cases(kinds: Sequence[str], shapes: Sequence[str], quick: bool) -> Lis
             cases.append(Case("decode", h, MTP_BATCH, 1, MTP_KV_LEN))
         if "mtp_rows" in kinds:
             cases.append(Case("mtp_rows", h, MTP_BATCH, MTP_ROWS, MTP_KV_LEN))
+        if "chunk" in kinds:
+            cases += [Case("chunk", h, 1, q, kv) for q, kv in CHUNK_SHAPES]
     return cases
 
 
@@ -204,7 +211,7 @@ def result_row(case: Case, engine_ms: float, sdpa_ms: float, *, plan_ms: float, 
         "vs_sdpa": sdpa_ms / engine_ms, "plan_ms": plan_ms, "max_abs_diff": max_abs_diff,
         "timing": timing, "sdpa_gqa": sdpa_gqa, "slots": slots, "commit": commit,
     }
-    if case.kind == "prefill":
+    if case.kind in FLOP_KINDS:
         flops = attention_flops(case)
         row.update(tflops=tflops(flops, engine_ms), sdpa_tflops=tflops(flops, sdpa_ms))
     else:

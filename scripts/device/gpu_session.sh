@@ -253,7 +253,7 @@ steps_ab)
     done | tee "$out/steps_ab.txt"
     ;;
 attention_ab)
-    # bench_attention.py (ATTENTION_FLAGS, default the decode and MTP-rows cases) in the checkout and in patched
+    # bench_attention.py (ATTENTION_FLAGS, default the decode and MTP-rows cases; e.g. "--cases prefill chunk") in the checkout and in patched
     # copies, interleaved in ATTENTION_AB_ROUNDS rounds (default 2); each tree's JSON per round
     out=${1:?OUT}; shift; mkdir -p "$out"
     patched_trees "$@"
@@ -263,7 +263,7 @@ attention_ab)
             echo "== round $round | $tag"
             (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 200 python benchmarks/bench_attention.py \
                 ${ATTENTION_FLAGS:---cases decode mtp_rows} --out "$out/attention_${tag}_r$round.json" \
-                2>>"$out/attention_ab.err" | grep -E "^(decode|mtp_rows) ")
+                2>>"$out/attention_ab.err" | grep -E "^(prefill|decode|mtp_rows|chunk) ")
         done
     done | tee "$out/attention_ab.txt"
     ;;

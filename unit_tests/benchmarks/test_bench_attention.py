@@ -21,7 +21,7 @@ EMBEDDED = bench.HEAD_SHAPES["embedded"]
 def test_cli_defaults_and_choices():
     args = bench.parse_args([])
     assert args.out == os.path.join("docs", "data", "perf", "attention.json")
-    assert args.cases == ["prefill", "decode", "mtp_rows"] and args.shapes == ["8b", "embedded"]
+    assert args.cases == ["prefill", "decode", "mtp_rows", "chunk"] and args.shapes == ["8b", "embedded"]
     assert not (args.quick or args.deterministic or args.no_graphs)
     quick = bench.parse_args(["--quick", "--cases", "decode", "--shapes", "8b", "--out", "x.json"])
     assert quick.quick and quick.cases == ["decode"] and quick.shapes == ["8b"] and quick.out == "x.json"
@@ -69,7 +69,7 @@ def test_cases_full_and_quick():
     got = [(c.kind, c.heads.name, c.batch, c.q_len, c.kv_len) for c in full if c.heads.name == "8b"]
     assert got == [("prefill", "8b", 1, 8192, 8192), ("prefill", "8b", 1, 2048, 2048), ("prefill", "8b", 1, 512, 512),
                    ("decode", "8b", 1, 1, 8192), ("decode", "8b", 16, 1, 8192), ("decode", "8b", 64, 1, 1024),
-                   ("mtp_rows", "8b", 64, 4, 1024)]
+                   ("mtp_rows", "8b", 64, 4, 1024), ("chunk", "8b", 1, 512, 3072), ("chunk", "8b", 1, 2048, 4096)]
     assert len(full) == 2 * len(got)
     quick = bench.build_cases(["prefill", "decode"], ["embedded"], quick=True)
     assert [(c.kind, c.q_len, c.kv_len) for c in quick] == [
@@ -128,6 +128,15 @@ def test_prefill_row_by_hand():
     assert row["tflops"] == pytest.approx(274.911461376) and row["sdpa_tflops"] == pytest.approx(366.548615168)
     assert row["vs_sdpa"] == 0.75 and "gb_s" not in row
     assert {"case", "shape", "engine_ms", "sdpa_ms", "commit", "plan_ms", "max_abs_diff"} <= set(row)
+
+
+def test_chunk_row_by_hand():
+    """A chunk of 2 new rows over 5 keys: the rows see 4 and 5 keys (9 pairs); TFLOP/s, not GB/s."""
+    case = bench.Case("chunk", EMBEDDED, 1, 2, 5)
+    assert bench.attention_flops(case) == 4 * 9 * 64 * 9
+    row = _row(case, 1e-3, 2e-3)
+    assert row["tflops"] == pytest.approx(4 * 9 * 64 * 9 / 1e-3 / 1e9) and "gb_s" not in row
+    assert row["vs_sdpa"] == 2.0
 
 
 def test_decode_row_by_hand():
