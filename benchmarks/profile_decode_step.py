@@ -122,7 +122,8 @@ def plan_label(plan) -> str:
         kind, programs = "length", plan.work.shape[0]
         kind += f" items {int((plan.work[:, 0] >= 0).sum())} max_split {int(plan.work[:, 2].max())}"
     else:
-        kind, programs = ("dynamic" if plan.dynamic_splits else "none"), plan.block_first_row.shape[0]
+        kind = "dynamic" if plan.dynamic_splits else "none"
+        programs = max(plan.block_first_row.shape[0], plan.dynamic_programs)
     return (f"bm{plan.block_m} bq{plan.block_q} {kind} x{programs} rows{plan.row_req_idx.shape[0]} "
             f"blocks {blocks} max_len {int(plan.row_seq_len.max())}")
 

@@ -21,9 +21,9 @@ second kernel launches. The work list is built on the device from the plan's ten
 
 Prefill-shaped plans split on the device (``dynamic_splits``): when the blocks that hold rows
 are too few to fill the GPU (a short chunk after a long cached prefix, a few long requests'
-rows), the grid's programs for blocks that hold no rows read splits of those that do (by their
-length, up to ``num_kv_splits`` ways) and write partial sums for the combine; a block that does
-not split writes its output at once. A grid whose blocks all hold rows runs as without splits.
+rows), the grid's programs past the blocks that hold rows (its empty blocks, and helpers up to
+``dynamic_split_programs``) read splits of those that do (by their length, up to ``num_kv_splits``
+ways) and write partial sums for the combine; a block that does not split writes its output at once. A grid whose blocks all hold rows runs as without splits.
 The choice reads only the plan's tensors, so graphs and eager runs of one shape still agree.
 
 Deterministic plans (``--enable_deterministic_inference``): every row is its own block and
@@ -383,6 +383,7 @@ class AttentionPlan:
     active_blocks: Optional[torch.Tensor] = None  # [1] int32: blocks that hold rows
     num_part_blocks: int = 0  # blocks with room for partial sums (the first ones: a split needs few)
     split_keys: int = DYNAMIC_SPLIT_KEYS  # fewest keys per dynamic split
+    dynamic_programs: int = 0  # programs per KV head (``dynamic_split_programs``): the blocks, then their helpers
     # Decode-shaped plans: [programs, WORK_FIELDS] int32, each program's block and split, and the block's first
     # row, request and keys (length splits)
     work: Optional[torch.Tensor] = None
@@ -456,6 +457,16 @@ def with_block_rows(work: torch.Tensor, block_first_row: torch.Tensor, row_req_i
     req = torch.where(first >= 0, row_req_idx[first.clamp(min=0)].long(), 0)
     keys = torch.where(block >= 0, block_len[b].long().clamp(min=0), 0)
     return torch.cat((work, torch.stack((first, req, keys), 1).to(torch.int32)), 1)
+
+
+def dynamic_split_programs(max_blocks: int, kv_heads: int, head_dim: int = TARGET_HEAD_DIM,
+                           sms: int = H200_SMS) -> int:
+    """Programs per KV head of a prefill-shaped plan that splits on the device: one per block, and helpers
+    up to the programs a split plan aims for (at most DYNAMIC_MAX_SPLITS per block), so that a chunk whose few
+    blocks leave the SMs idle splits even when the plan has no empty blocks (an eager chunk, a rows graph
+    whose padding is short)."""
+    helpers = min(max_blocks * DYNAMIC_MAX_SPLITS, triton.cdiv(split_target_programs(head_dim, sms), kv_heads))
+    return max(max_blocks, helpers)
 
 
 def small_grid(max_blocks: int, kv_heads: int, sms: int) -> bool:
@@ -575,6 +586,7 @@ def plan_attention(
         part_blocks = min(max_blocks, triton.cdiv(sms, kv_heads))
         return AttentionPlan(row_req_idx, row_seq_len, seq_start.to(torch.int32), first, group, block_q, block_m,
                              DYNAMIC_MAX_SPLITS, True, active, part_blocks,
+                             dynamic_programs=dynamic_split_programs(max_blocks, kv_heads, head_dim, sms),
                              row_split=torch.zeros((rows, 2), dtype=torch.int32, device=idx.device))
     seq_start = seq_start.to(torch.int32)
     if deterministic or block_m > SPLIT_MAX_BLOCK_M:
@@ -676,7 +688,13 @@ def unified_attention(
     target = split_target_programs(head_dim, sms)
     block_dmodel = triton.next_power_of_2(head_dim)
     cfg = launch_config(plan.block_m, block_dmodel, plan.wide_tiles, q.element_size(), plan.small_grid)
-    grid = (plan.work.shape[0] if by_length else plan.block_first_row.shape[0], kv_heads)
+    if by_length:
+        programs = plan.work.shape[0]
+    elif dynamic:
+        programs = max(plan.dynamic_programs, plan.block_first_row.shape[0])
+    else:
+        programs = plan.block_first_row.shape[0]
+    grid = (programs, kv_heads)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,
         plan.block_first_row,

@@ -13,12 +13,14 @@ import torch
 from lightllm.models.llama.triton_kernel.unified_attention import (
     BLOCK_N,
     DECODE_SPLIT_KEYS,
+    DYNAMIC_MAX_SPLITS,
     MAX_BLOCK_M,
     MAX_KV_SPLITS,
     MIN_BLOCK_M,
     SMALL_GRID_MAX_KV_SPLITS,
     block_shape,
     decode_max_splits,
+    dynamic_split_programs,
     launch_config,
     length_split_work,
     plan_attention,
@@ -184,15 +186,22 @@ def test_one_long_row_splits_past_max_kv_splits_cpu():
 
 
 @needs_triton_cpu
-def test_dynamic_splits_match_reference_cpu():
+@pytest.mark.parametrize("spare", ["empty_blocks", "helpers"])
+def test_dynamic_splits_match_reference_cpu(spare):
     """Prefill-shaped blocks that split their KV on the device (a split per BLOCK_N keys here, so
-    small shapes split) with the programs of blocks that hold no rows: chunks after a cached
-    prefix, blocks past the partial-sum room (they do not split), and rows of one block that see
-    different key counts."""
+    small shapes split) with the programs of blocks that hold no rows (``empty_blocks``: as many blocks
+    as rows, a rows graph's plan) or, in a plan with room for its runs only (an eager chunk), the helper
+    programs past its blocks (``helpers``): chunks after a cached prefix, blocks past the partial-sum
+    room (they do not split), and rows of one block that see different key counts."""
     q_heads, kv_heads, head_dim = CPU_SHAPES[1]  # GQA 3, head_dim not a power of two (the CUDA tests take more)
     batch = make_batch(SMALL_RUNS, q_heads, kv_heads, head_dim, torch.float32, "cpu")
-    rows = batch.q.shape[0]  # as many blocks as rows (the rows graphs' plan): spare programs to split with
-    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, q_heads, kv_heads, batch.max_q_len, rows)
+    rows = batch.q.shape[0]
+    max_seqs = rows if spare == "empty_blocks" else len(SMALL_RUNS)
+    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, q_heads, kv_heads, batch.max_q_len, max_seqs)
+    assert plan.dynamic_splits
+    blocks = plan.block_first_row.shape[0]
+    if spare == "helpers":  # a few empty blocks (the runs' slack), most spare programs are helpers
+        assert plan.dynamic_programs == dynamic_split_programs(blocks, kv_heads, head_dim) > blocks
     scale = head_dim ** -0.5
     for part_blocks in (plan.num_part_blocks, 1):
         forced = dataclasses.replace(plan, split_keys=BLOCK_N, num_part_blocks=part_blocks)
@@ -440,3 +449,12 @@ def test_dynamic_splits_graph_replay_equals_eager_cuda():
     batch = make_batch(SHORT_CHUNKS_LONG_KV, 9, 3, 64, torch.bfloat16, "cuda")
     rows = batch.q.shape[0]
     _graph_replay_equals_eager(batch, 9, 3, rows, rows, (0, -900, -2990))  # within the slot table
+
+
+def test_dynamic_split_programs_by_hand():
+    """One program per block, then helpers up to the split target (132 SMs x 2 at head_dim 128, x 4 at 64,
+    over the KV heads), at most DYNAMIC_MAX_SPLITS per block; a plan with more blocks keeps them."""
+    assert dynamic_split_programs(14, 3, 64, 132) == 14 * DYNAMIC_MAX_SPLITS  # an eager 512-row chunk, embedded heads
+    assert dynamic_split_programs(30, 3, 64, 132) == 176  # 528 programs over 3 KV heads
+    assert dynamic_split_programs(17, 8, 128, 132) == 33  # the 8B heads
+    assert dynamic_split_programs(300, 8, 128, 132) == 300
