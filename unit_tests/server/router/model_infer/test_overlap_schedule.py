@@ -483,7 +483,87 @@ def test_a_request_finished_by_an_aborts_flush_gets_one_final_update(models):
     assert [u.finish_reason for u in ups if u.req_id == 1 and u.finish_reason is not None] == ["length"]
 
 
-# ---- 4. the router's step clock ----
+# ---- 4. mixed steps launched ahead ----
+
+CHUNK_TOKENS = 4  # --batch_max_tokens: a prompt of many chunks runs in consecutive mixed steps
+MIX_ARGS = dict(max_req_total_len=64, running_max_req_size=8, batch_max_tokens=CHUNK_TOKENS, max_total_token_num=500)
+MIX_MAX_NEW = 16
+JOIN_AFTER_TOKENS = 5  # request 0's committed tokens when the late prompts are added
+
+
+def test_consecutive_mixed_steps_run_ahead_with_the_plain_schedules_updates(models):
+    """Four requests decode while a fifth (waiting for a slot, then alone in the queue) is prefilled in
+    chunks of CHUNK_TOKENS: each mixed step after the first is launched right after the one before it is
+    committed (the router's work runs under it), and every update is the plain schedule's."""
+    m = models["llama"]
+    prompts = random_prompts(m["vocab"], 5, range(4, 6), seed=80)
+    prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
+    specs = _greedy_specs(prompts, [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW])
+    kw = dict(MIX_ARGS, running_max_req_size=4)
+    plain, overlap = _both(m["target"], specs, **kw)
+    assert overlap.groups == plain.groups
+    assert overlap.backend.mixed_ahead >= 3 and plain.backend.mixed_ahead == 0
+    _assert_pools_whole(plain, overlap)
+
+
+def _join_mid_run(model_dir: str, overlap: bool, specs: List[Spec], late: List[Spec], join_after: int) -> Run:
+    """``specs`` from the start; ``late`` added once request 0 has ``join_after`` tokens (the queue is
+    empty then: they join at the next call, while a decode step is in flight with overlap)."""
+    eng = _engine(model_dir, overlap, **MIX_ARGS)
+    router = eng.router
+    before = hold_rows(eng.backend)
+    _add(router, specs)
+    tokens, groups = {}, []
+    _step_until(router, tokens, 0, join_after, groups)
+    _add(router, late, first_id=len(specs))
+    _drive(router, groups)
+    return _finished_run(eng, groups, before)
+
+
+def _assert_same_outputs(plain: Run, overlap: Run) -> None:
+    """Each request's tokens, and its log-probs up to CPU rounding (the schedules batch rows differently)."""
+    assert overlap.tokens() == plain.tokens()
+    lp_plain, lp_overlap = plain.logprobs(), overlap.logprobs()
+    for i in lp_plain:
+        assert lp_overlap[i] == pytest.approx(lp_plain[i], abs=CPU_POSITION_ROUNDING), i
+    assert {i: u.finish_reason for i, u in overlap.last().items()} == {i: u.finish_reason for i, u in plain.last().items()}
+
+
+def test_a_prompt_joining_mid_run_is_staged_under_the_decode_step_in_flight(models):
+    """Prompts that join while a decode step is in flight: their first mixed step is staged while that step
+    runs and launched right after its commit; the same tokens as the plain schedule (which, with nothing in
+    flight, mixes them in one decode step earlier: log-probs to CPU rounding)."""
+    m = models["llama"]
+    prompts = random_prompts(m["vocab"], 3, range(5, 9), seed=82)
+    specs = _greedy_specs(prompts, [MIX_MAX_NEW] * 3)
+    late = _greedy_specs(random_prompts(m["vocab"], 2, range(2, 3), seed=83), [6, 6])  # both in one chunk
+    plain = _join_mid_run(m["target"], False, specs, late, JOIN_AFTER_TOKENS)
+    overlap = _join_mid_run(m["target"], True, specs, late, JOIN_AFTER_TOKENS)
+    _assert_same_outputs(plain, overlap)
+    assert overlap.backend.mixed_ahead == 1 and overlap.backend.mixed_dropped == 0
+    _assert_pools_whole(plain, overlap)
+
+
+def test_a_finish_in_the_step_in_flight_drops_the_staged_mixed_step(models):
+    """The decode step in flight when prompts join finishes a request (its stop sequence): the mixed step
+    staged under it is dropped (its slots back) and the plain schedule's step runs instead."""
+    m = models["llama"]
+    prompts = random_prompts(m["vocab"], 3, range(5, 9), seed=86)
+    ref = _run(_engine(m["target"], False, **MIX_ARGS), _greedy_specs(prompts, [MIX_MAX_NEW] * 3)).tokens()
+    at = _first_new_ngram_end(ref[1], JOIN_AFTER_TOKENS + 1, MIX_MAX_NEW - 1, STOP_NGRAM)
+    specs = _greedy_specs(prompts, [MIX_MAX_NEW] * 3)
+    specs[1].params["stop_token_ids"] = [ref[1][at - STOP_NGRAM + 1:at + 1]]
+    late = _greedy_specs(random_prompts(m["vocab"], 1, range(3, 4), seed=85), [6])
+    # request 0 and 1 commit a token a step: join when the step in flight is the one with request 1's stop
+    plain = _join_mid_run(m["target"], False, specs, late, at)
+    overlap = _join_mid_run(m["target"], True, specs, late, at)
+    _assert_same_outputs(plain, overlap)
+    assert plain.last()[1].finish_reason == "stop"
+    assert overlap.backend.mixed_dropped == 1
+    _assert_pools_whole(plain, overlap)
+
+
+# ---- 5. the router's step clock ----
 
 
 class ClockWatch:

@@ -31,7 +31,7 @@ from lightllm.server.router.model_infer.mode_backend.generic_post_process import
 )
 from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds, MixedAnchors, MixedProposal
 from lightllm.server.router.model_infer.prompt_cache import make_prompt_cache
-from lightllm.server.router.model_infer.step_rows import RowItem, StepRows, max_sampled_rows, step_ladder
+from lightllm.server.router.model_infer.step_rows import RowItem, RowsBatch, StepRows, max_sampled_rows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 from lightllm.utils.host_copy import to_device
 
@@ -50,6 +50,23 @@ class StepResult:
     prefilled: bool = False  # its forward prefilled prompt chunks (a prefill or a mixed step)
     decode_reqs: int = 0  # requests whose decode rows it ran (or, with overlap, committed)
     steps: int = 1  # forwards it launched (0: it only committed one an earlier call launched)
+
+
+@dataclass
+class MixedStep:
+    """A mixed step from its staging to its commit (``ModeBackend.stage_mixed`` / ``launch_mixed`` /
+    ``commit_mixed``)."""
+
+    rows_owner: StepRows
+    decoding: List[InferReq]  # requests whose decode rows come first
+    reqs: List[InferReq]  # prompts with a chunk in the step, in order
+    chunk_lens: List[int]
+    slots: torch.Tensor  # [rows] int64 host: the decode rows', then the chunks'
+    batch: RowsBatch
+    done_items: List[int]  # the items whose prompt the step finishes
+    rows: Optional[DecodeRows] = None  # set at launch
+    done: Optional[List[InferReq]] = None  # set at launch: the prompts the step finishes
+    pending: Optional[PendingResult] = None  # set at launch
 
 
 # Decode steps a request's KV table must hold room for past its committed tokens: the step
@@ -311,7 +328,7 @@ class ModeBackend:
                 first_ids = self._to_dev([first_tokens[i] for i in done], torch.int64)
                 req_idx = self._to_dev([r.req_idx for r in done_reqs], torch.int64)
                 anchors = MixedAnchors(verified=none, accept_len=none, row0_seq_len=none, req_idx=none,
-                                       **self._first_anchors(done_reqs, req_idx, first_ids))
+                                       **self._first_anchors([r.kv_len for r in done_reqs], req_idx, first_ids))
                 proposed = self.draft.propose_mixed(anchors, rows.model_input.max_len_in_batch)
                 self._write_prefill_drafts(anchors.first_req_idx, proposed.guesses, proposed.confidence)
         else:
@@ -320,11 +337,10 @@ class ModeBackend:
                 self._write_prefill_drafts(proposed.req_idx, proposed.drafts, proposed.confidence)
         return updates
 
-    def _first_anchors(self, done: List[InferReq], req_idx: torch.Tensor, first_ids: torch.Tensor) -> dict:
+    def _first_anchors(self, first_pos: List[int], req_idx: torch.Tensor, first_ids: torch.Tensor) -> dict:
         """MixedAnchors' fields of prompts just finished: their rows (``req_idx``, on the device), lengths
-        and first tokens."""
-        return dict(first_req_idx=req_idx, first_pos=self._to_dev([r.kv_len for r in done], torch.int64),
-                    first_ids=first_ids)
+        (``first_pos``: each prompt's length, its first token's position) and first tokens."""
+        return dict(first_req_idx=req_idx, first_pos=self._to_dev(first_pos, torch.int64), first_ids=first_ids)
 
     def _write_prefill_drafts(self, req_idx: torch.Tensor, drafts: torch.Tensor, conf: Optional[torch.Tensor]) -> None:
         """The K proposals [done, K] (and their confidences) after each finished prompt's first token."""
@@ -399,27 +415,43 @@ class ModeBackend:
         """One forward over the K + 1 decode rows of every request in ``decoding`` and the next
         ``chunk_lens[i]`` prompt tokens of each of ``reqs``; then the one decode flow, with the
         first token (and drafts) of every prompt this step finishes sampled beside the rows."""
+        step = self.stage_mixed(rows_owner, decoding, reqs, chunk_lens)
+        self.launch_mixed(step)
+        return self.commit_mixed(step)
+
+    def stage_mixed(self, rows_owner: StepRows, decoding: List[InferReq], reqs: List[InferReq],
+                    chunk_lens: List[int], kv_ahead: int = 0) -> "MixedStep":
+        """A mixed step's slots and rows, staged (host work and one copy; nothing runs yet). ``kv_ahead``:
+        tokens each decoding request commits before the step runs (1: staged while its plain decode step
+        is still in flight)."""
         k1 = self.mtp_step + 1
-        real = len(decoding) * k1
-        slots = self.mem_manager.alloc(real + sum(chunk_lens))  # [rows] host
-        items = [RowItem(r.req_idx, r.kv_len, k1) for r in decoding]
+        slots = self.mem_manager.alloc(len(decoding) * k1 + sum(chunk_lens))  # [rows] host
+        items = [RowItem(r.req_idx, r.kv_len + kv_ahead, k1) for r in decoding]
         items += [RowItem(r.req_idx, r.kv_len, n, r.prompt_ids) for r, n in zip(reqs, chunk_lens)]
         done_items = [len(decoding) + i for i, (r, n) in enumerate(zip(reqs, chunk_lens)) if r.kv_len + n >= r.prompt_len]
         batch = rows_owner.stage(items, slots)
+        return MixedStep(rows_owner, decoding, reqs, chunk_lens, slots, batch, done_items)
+
+    def drop_mixed(self, step: "MixedStep") -> None:
+        """A staged mixed step that will not run: its slots back."""
+        self.mem_manager.free(step.slots.tolist())
+
+    def launch_mixed(self, step: "MixedStep") -> None:
+        """The staged step's forward and the one decode flow, queued (no host wait)."""
+        rows_owner, decoding, batch, done_items = step.rows_owner, step.decoding, step.batch, step.done_items
+        k1 = self.mtp_step + 1
+        real = len(decoding) * k1
         mi, out = rows_owner.forward_rows(batch, done_items)
-        chunk_slots = slots[real:].tolist()
-        for req, start, n in zip(reqs, itertools.accumulate([0] + chunk_lens), chunk_lens):
-            req.slots.extend(chunk_slots[start:start + n])
-            req.kv_len += n
-        done = [reqs[i - len(decoding)] for i in done_items]
+        done = [step.reqs[i - len(decoding)] for i in done_items]
         rows = DecodeRows(
             reqs=decoding, mtp_step=self.mtp_step, b_req_idx=rows_owner.b_req_idx[:real],
             b_mtp_index=rows_owner.b_mtp_index[:real], b_seq_len=rows_owner.b_seq_len[:real],
             b_seq_len_cpu=rows_owner.staged_seq_len_cpu[:real], mem_indexes=rows_owner.mem_indexes[:real],
-            mem_indexes_cpu=slots[:real], b_req_mtp_start_loc=self.decode_step.b_req_mtp_start_loc[:len(decoding)],
+            mem_indexes_cpu=step.slots[:real], b_req_mtp_start_loc=self.decode_step.b_req_mtp_start_loc[:len(decoding)],
             model_input=mi,
         )
         first_req_idx = self._to_dev([r.req_idx for r in done], torch.int32)
+        first_pos = [step.reqs[i - len(decoding)].prompt_len for i in done_items]  # their prompts are done
 
         def propose_rows(decode_ids, first_ids, accept_len) -> MixedProposal:
             return MixedProposal(rows_owner.propose_after(batch, mi, out, decode_ids, done_items, first_ids))
@@ -428,7 +460,7 @@ class ModeBackend:
             rows_owner.write_context(batch, mi, out)
             anchors = MixedAnchors(verified=decode_ids, accept_len=accept_len, row0_seq_len=rows.b_seq_len[::k1],
                                    req_idx=rows.b_req_idx[::k1],
-                                   **self._first_anchors(done, first_req_idx, first_ids))
+                                   **self._first_anchors(first_pos, first_req_idx, first_ids))
             return self.draft.propose_mixed(anchors, mi.max_len_in_batch)
 
         propose = None
@@ -437,15 +469,26 @@ class ModeBackend:
         elif self.draft is not None:  # a draft that drafts the step itself (dspark)
             propose = propose_blocks
         firsts = FirstTokens(done, first_req_idx, rows_owner.logit_rows(batch, done_items), propose)
-        host = self.decode_step.finish(rows, out, self.sample_rows, self._seed, firsts)
-        updates = self.commit_decode(rows, host)
-        first = [(host.ids[real + j], host.logprobs[real + j]) for j in range(len(done))]
-        for j, (req, (tok, lp)) in enumerate(zip(done, first)):
+        step.rows, step.done = rows, done
+        step.pending = self.decode_step.launch_finish(rows, out, self.sample_rows, self._seed, firsts)
+
+    def commit_mixed(self, step: "MixedStep") -> List[ReqStepUpdate]:
+        """Wait for a launched mixed step and commit it: the chunks' progress, the decode rows' tokens, each
+        finished prompt's first token."""
+        host = self.decode_step.wait(step.pending)
+        real = step.rows.num_real_rows
+        chunk_slots = step.slots[real:].tolist()
+        for req, start, n in zip(step.reqs, itertools.accumulate([0] + step.chunk_lens), step.chunk_lens):
+            req.slots.extend(chunk_slots[start:start + n])
+            req.kv_len += n
+        updates = self.commit_decode(step.rows, host)
+        first = [(host.ids[real + j], host.logprobs[real + j]) for j in range(len(step.done))]
+        for j, (req, (tok, lp)) in enumerate(zip(step.done, first)):
             req.append_token(tok, lp)
             k = req.params.top_logprobs
             top = [host.row_top_logprobs(real + j, k)] if k else None
             updates.append(self._update(req, [tok], [lp], accept_len=0, top_logprobs=top))
-        self._update_penalties(done, [[tok] for tok, _ in first])
+        self._update_penalties(step.done, [[tok] for tok, _ in first])
         return updates
 
     # ---- decode: one owner (DecodeStep), three call sites (here and the DP backend) ----

@@ -14,13 +14,19 @@ decodes. Outputs stay those of the plain schedule: a step is only launched ahead
 whose next step does not depend on the host (no seeds, no penalties, no grammar), and when a request
 finishes, the step already launched for it is undone and run again without it unless the
 batch keeps its padded shape (docs/decode_step.md, "What overlaps").
+
+A mixed step after a decode step in flight is staged while that step runs, launched right after its
+commit when the commit left the step unchanged (no request finished, nobody waits to join), and left
+in flight: the router's work runs while the GPU runs it, and the next call commits it.
 """
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 from lightllm.server.router.model_infer.decode_step import DecodeRows, PendingResult
 from lightllm.server.router.model_infer.infer_batch import InferReq
-from lightllm.server.router.model_infer.mode_backend.base_backend import ModeBackend, ReqStepUpdate, StepResult
+from lightllm.server.router.model_infer.mode_backend.base_backend import (
+    MixedStep, ModeBackend, ReqStepUpdate, StepResult,
+)
 from lightllm.server.router.model_infer.step_rows import StepRows
 
 
@@ -30,6 +36,17 @@ class InFlightStep:
 
     rows: DecodeRows
     pending: PendingResult
+
+
+@dataclass
+class InFlightMixed:
+    """A launched mixed step whose result the host has not read yet."""
+
+    step: MixedStep
+
+    @property
+    def rows(self) -> DecodeRows:
+        return self.step.rows
 
 
 class ChunkedPrefillBackend(ModeBackend):
@@ -53,9 +70,11 @@ class ChunkedPrefillBackend(ModeBackend):
         # same for any K (the tests run it with MTP too).
         self.overlap_schedule = (not args.disable_overlap_schedule and self.parallel.world_size == 1
                                  and self.mtp_step == 0)
-        self._inflight: Optional[InFlightStep] = None
+        self._inflight: Optional[Union[InFlightStep, InFlightMixed]] = None
         self.steps_ahead = 0  # decode steps launched before the previous one was committed
         self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
+        self.mixed_ahead = 0  # mixed steps staged under a decode step in flight and launched after its commit
+        self.mixed_dropped = 0  # mixed steps staged so and dropped (the commit changed the step)
 
     def mixed_steps_enabled(self) -> bool:
         return not self.args.disable_mixed_steps
@@ -67,8 +86,18 @@ class ChunkedPrefillBackend(ModeBackend):
         one in, which the plain schedule prefills next)."""
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
+        if isinstance(self._inflight, InFlightMixed):
+            self.last_step_prefilled = True
+            step = self._inflight.step
+            self._inflight = None
+            updates = self.commit_mixed(step)
+            if not may_admit and self.mtp_step == 0:
+                self._mix_next(running)
+            return StepResult(updates, prefilled=True, decode_reqs=len(step.decoding))
         if self._inflight is not None:
             self.last_step_prefilled = False
+            if prefilling and self.mixed_rows is not None and self.mtp_step == 0:  # plain: one token a step
+                return self._mix_after(decoding, prefilling, may_admit)
             return self._advance(decoding, bool(prefilling), may_admit)
         if prefilling and decoding and self.mixed_rows is not None:
             self.last_step_prefilled = True
@@ -112,6 +141,44 @@ class ChunkedPrefillBackend(ModeBackend):
             return StepResult(updates, decode_reqs=decoded, steps=0)  # the re-run is counted when it runs
         return StepResult(updates, decode_reqs=decoded)
 
+    def _mix_after(self, decoding: List[InferReq], prefilling: List[InferReq], may_admit: bool) -> StepResult:
+        """With a decode step in flight and prompts to prefill: stage the mixed step the plain schedule runs
+        next while the GPU decodes (each decoding request one token further), commit the step in flight,
+        then launch the mixed step and leave it in flight, unless the commit changed it (a request finished,
+        or one is waiting to join: the plain schedule lays out another step, so the staging is dropped)."""
+        cur = self._inflight
+        decoded = sum(r.finish_reason is None for r in cur.rows.reqs)
+        same = len(decoding) == len(cur.rows.reqs) and all(a is b for a, b in zip(decoding, cur.rows.reqs))
+        if not same or may_admit:
+            return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
+        reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+        step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens, kv_ahead=1)
+        updates = self.flush_decode()
+        if any(r.finish_reason is not None for r in decoding):
+            self.drop_mixed(step)
+            self.mixed_dropped += 1
+            return StepResult(updates, decode_reqs=decoded, steps=0)
+        self.launch_mixed(step)
+        self._inflight = InFlightMixed(step)
+        self.mixed_ahead += 1
+        return StepResult(updates, decode_reqs=decoded, steps=0)
+
+    def _mix_next(self, running: List[InferReq]) -> None:
+        """Right after a mixed step's commit: when it finished no request and prompts still wait for chunks,
+        launch the next mixed step now (the one the plain schedule's next call runs: the router's work
+        between the two changes nothing) and leave it in flight, so the GPU runs it under the router's work."""
+        if any(r.finish_reason is not None for r in running):
+            return
+        prefilling = [r for r in running if r.in_prefill]
+        decoding = [r for r in running if not r.in_prefill]
+        if not prefilling or not decoding or not self._may_run_ahead(decoding):
+            return
+        reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+        step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens)
+        self.launch_mixed(step)
+        self._inflight = InFlightMixed(step)
+        self.mixed_ahead += 1
+
     def _undo(self, step: InFlightStep) -> None:
         """Take back a launched step: the batch it ran is not the one the plain schedule runs."""
         self.decode_step.wait(step.pending)  # its host buffers and inputs are reused later
@@ -135,6 +202,8 @@ class ChunkedPrefillBackend(ModeBackend):
         if self._inflight is None:
             return []
         cur, self._inflight = self._inflight, None
+        if isinstance(cur, InFlightMixed):
+            return self.commit_mixed(cur.step)
         return self.commit_decode(cur.rows, self.decode_step.wait(cur.pending))
 
     def drop_inflight(self) -> None:
