@@ -74,6 +74,9 @@
 #                                       decode step N (default 40) on the serving-like mix, replayed alone (eager,
 #                                       dummy weights; a mixed head also as a decode plan), then the graphed run's
 #                                       kernels by step kind (--trace_steps)
+#   gpu_session.sh serving_ab OUT [NAME=PATCH...]  the serving mix (SERVING_MODES, default plain) in the checkout
+#                                       and in copies with each PATCH applied, interleaved in SERVING_AB_ROUNDS rounds;
+#                                       carrying .smol_shape, .whl and .dz (no model): dummy weights
 #   gpu_session.sh attention_ab OUT [NAME=PATCH...]  bench_attention.py (ATTENTION_FLAGS; default --cases decode
 #                                       mtp_rows) in the checkout and in copies with each PATCH applied, interleaved
 #                                       in ATTENTION_AB_ROUNDS rounds (default 2)
@@ -231,6 +234,32 @@ serving)
     timeout 540 python benchmarks/bench_e2e_throughput.py --serving --gsm8k .data/test.jsonl --out "$out/serving.json" \
         ${SERVING_MODES:+--serving_modes $SERVING_MODES} > "$out/serving.log" 2>&1
     status=$?; grep -v " INFO " "$out/serving.log" | grep -v "req/s\]" | tail -20; exit $status
+    ;;
+serving_ab)
+    # the serving mix (SERVING_MODES, default plain) in the checkout and in patched copies, interleaved in
+    # SERVING_AB_ROUNDS rounds (default 2): one JSON per tree and round, a line each. With .smol_shape carried
+    # (and .whl, .dz; no model parts) the embedded shape with dummy weights (SERVING_AB_REAL=1: the real model)
+    out=${1:?OUT}; shift; mkdir -p "$out"
+    unpack_data
+    patched_trees "$@"
+    data=$PWD/.data/test.jsonl; sargs=()
+    if [ -d .smol_shape ] && [ -z "${SERVING_AB_REAL:-}" ]; then
+        m=$(shape_model_dir) && sargs=(--server_args "--model_dir $m --load_format dummy")
+    fi
+    for round in $(seq "${SERVING_AB_ROUNDS:-2}"); do
+        for tree in "${trees[@]}"; do
+            dir=${tree%%:*}; tag=${tree##*:}; json="$out/serving_${tag}_r$round.json"
+            (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 300 python benchmarks/bench_e2e_throughput.py --serving \
+                --gsm8k "$data" --serving_modes ${SERVING_MODES:-plain} "${sargs[@]}" --out "$json" \
+                > "$out/serving_${tag}_r$round.log" 2>&1)
+            echo "round $round | $tag | rc $?"
+            python3 -c "
+import json, sys
+for a in json.load(open(sys.argv[1]))['arms']:
+    print('  ', a['mode'], *(f'{k} {a[k]:.2f}' for k in ('output_tok_s', 'itl_short_ms_p50', 'itl_short_ms_p99',
+          'itl_short_p99_over_p50', 'mixed_step_ms', 'decode_step_ms', 'mixed_steps', 'mean_decode_batch')))" "$json"
+        done
+    done | tee "$out/serving_ab.txt"
     ;;
 steps_ab)
     out=${1:?OUT}; shift; mkdir -p "$out"
