@@ -292,6 +292,9 @@ class RouterManager:
         self._reap_finished()
         self.timing.add(time.perf_counter() - t0, batch_reqs, not result.prefilled, result.decode_reqs, self._ladder,
                         result.steps)
+        if result.launched_decode_reqs:  # a decode step launched after the committed one: its time comes at its commit
+            self._steps_since_admit += 1
+            self.timing.add(0.0, len(self.running), True, result.launched_decode_reqs, self._ladder)
         return updates + step_updates
 
     @property

@@ -149,6 +149,8 @@ class _Stepper:
         result = self.router.last_result
         if result is not None and not result.prefilled:
             self.decode_forwards += result.steps
+        if result is not None and result.launched_decode_reqs:  # launched after a mixed step's commit
+            self.decode_forwards += 1
 
     def until_running(self, req_id: int, max_steps: int = 50) -> int:
         """Step until ``req_id`` runs; the decode forwards run before the step that admitted it."""

@@ -500,9 +500,19 @@ def test_consecutive_mixed_steps_run_ahead_with_the_plain_schedules_updates(mode
     prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
     specs = _greedy_specs(prompts, [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW])
     kw = dict(MIX_ARGS, running_max_req_size=4)
-    plain, overlap = _both(m["target"], specs, **kw)
+    timings, runs = [], []
+    for overlap in (False, True):
+        eng = _engine(m["target"], overlap, **kw)
+        eng.router.take_timing()
+        runs.append(_run(eng, specs))
+        timings.append(eng.router.take_timing())
+    (plain, overlap), (plain_t, overlap_t) = runs, timings
     assert overlap.groups == plain.groups
-    assert overlap.backend.mixed_ahead >= 3 and plain.backend.mixed_ahead == 0
+    b = overlap.backend
+    assert b.mixed_ahead >= 3 and b.decode_after_mixed >= 1 and plain.backend.mixed_ahead == 0
+    # the step clock counts the steps launched after a commit as the plain schedule's calls do
+    for key in ("steps", "decode_steps", "decode_batch_reqs", "mixed_steps", "mixed_decode_reqs"):
+        assert getattr(overlap_t, key) == getattr(plain_t, key), key
     _assert_pools_whole(plain, overlap)
 
 

@@ -50,6 +50,9 @@ class StepResult:
     prefilled: bool = False  # its forward prefilled prompt chunks (a prefill or a mixed step)
     decode_reqs: int = 0  # requests whose decode rows it ran (or, with overlap, committed)
     steps: int = 1  # forwards it launched (0: it only committed one an earlier call launched)
+    # a decode step of this many requests it also launched after committing a mixed step (the step the plain
+    # schedule's next call launches; the router counts it as that call would)
+    launched_decode_reqs: int = 0
 
 
 @dataclass

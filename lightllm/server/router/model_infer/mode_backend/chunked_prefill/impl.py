@@ -75,6 +75,7 @@ class ChunkedPrefillBackend(ModeBackend):
         self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
         self.mixed_ahead = 0  # mixed steps staged under a decode step in flight and launched after its commit
         self.mixed_dropped = 0  # mixed steps staged so and dropped (the commit changed the step)
+        self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit
 
     def mixed_steps_enabled(self) -> bool:
         return not self.args.disable_mixed_steps
@@ -91,9 +92,8 @@ class ChunkedPrefillBackend(ModeBackend):
             step = self._inflight.step
             self._inflight = None
             updates = self.commit_mixed(step)
-            if not may_admit and self.mtp_step == 0:
-                self._mix_next(running)
-            return StepResult(updates, prefilled=True, decode_reqs=len(step.decoding))
+            launched = self._launch_after_mixed(running) if not may_admit else 0
+            return StepResult(updates, prefilled=True, decode_reqs=len(step.decoding), launched_decode_reqs=launched)
         if self._inflight is not None:
             self.last_step_prefilled = False
             if prefilling and self.mixed_rows is not None and self.mtp_step == 0:  # plain: one token a step
@@ -163,21 +163,29 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_ahead += 1
         return StepResult(updates, decode_reqs=decoded, steps=0)
 
-    def _mix_next(self, running: List[InferReq]) -> None:
-        """Right after a mixed step's commit: when it finished no request and prompts still wait for chunks,
-        launch the next mixed step now (the one the plain schedule's next call runs: the router's work
-        between the two changes nothing) and leave it in flight, so the GPU runs it under the router's work."""
-        if any(r.finish_reason is not None for r in running):
-            return
+    def _launch_after_mixed(self, running: List[InferReq]) -> int:
+        """Right after a mixed step's commit, when it finished no request: launch the step the plain schedule's
+        next call runs (the router's work between the two changes nothing) and leave it in flight, so the GPU
+        runs it under the router's work: the next mixed step while prompts still wait for chunks, else the
+        decode step. Returns the requests of a decode step so launched (0: none)."""
+        if self.mtp_step != 0 or any(r.finish_reason is not None for r in running):
+            return 0
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill]
-        if not prefilling or not decoding or not self._may_run_ahead(decoding):
-            return
-        reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
-        step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens)
-        self.launch_mixed(step)
-        self._inflight = InFlightMixed(step)
-        self.mixed_ahead += 1
+        if not decoding or not self._may_run_ahead(decoding):
+            return 0
+        if prefilling:
+            reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+            step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens)
+            self.launch_mixed(step)
+            self._inflight = InFlightMixed(step)
+            self.mixed_ahead += 1
+            return 0
+        rows = self.prepare_decode_rows(decoding)
+        self._inflight = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
+        self.last_step_prefilled = False
+        self.decode_after_mixed += 1
+        return len(decoding)
 
     def _undo(self, step: InFlightStep) -> None:
         """Take back a launched step: the batch it ran is not the one the plain schedule runs."""
