@@ -75,7 +75,8 @@
 #                                       dummy weights; a mixed head also as a decode plan), then the graphed run's
 #                                       kernels by step kind (--trace_steps)
 #   gpu_session.sh serving_ab OUT [NAME=PATCH...]  the serving mix (SERVING_MODES, default plain) in the checkout
-#                                       and in copies with each PATCH applied, interleaved in SERVING_AB_ROUNDS rounds;
+#                                       and in copies with each PATCH applied (SERVING_AB_ARMS: server flags in the
+#                                       checkout, "NAME=FLAGS;..."), interleaved in SERVING_AB_ROUNDS rounds;
 #                                       carrying .smol_shape, .whl and .dz (no model): dummy weights
 #   gpu_session.sh attention_ab OUT [NAME=PATCH...]  bench_attention.py (ATTENTION_FLAGS; default --cases decode
 #                                       mtp_rows) in the checkout and in copies with each PATCH applied, interleaved
@@ -239,18 +240,26 @@ serving_ab)
     # the serving mix (SERVING_MODES, default plain) in the checkout and in patched copies, interleaved in
     # SERVING_AB_ROUNDS rounds (default 2): one JSON per tree and round, a line each. With .smol_shape carried
     # (and .whl, .dz; no model parts) the embedded shape with dummy weights (SERVING_AB_REAL=1: the real model)
+    # SERVING_AB_ARMS: more arms in the checkout, ';'-separated NAME=SERVER_FLAGS (e.g. a flag's values)
     out=${1:?OUT}; shift; mkdir -p "$out"
     unpack_data
     patched_trees "$@"
-    data=$PWD/.data/test.jsonl; sargs=()
+    declare -A arm_flags=()
+    IFS=';' read -r -a flag_arms <<< "${SERVING_AB_ARMS:-}"
+    for arm in "${flag_arms[@]}"; do
+        [ -n "$arm" ] || continue
+        trees+=("$PWD:${arm%%=*}"); arm_flags[${arm%%=*}]=${arm#*=}
+    done
+    data=$PWD/.data/test.jsonl; base=""
     if [ -d .smol_shape ] && [ -z "${SERVING_AB_REAL:-}" ]; then
-        m=$(shape_model_dir) && sargs=(--server_args "--model_dir $m --load_format dummy")
+        m=$(shape_model_dir) && base="--model_dir $m --load_format dummy"
     fi
     for round in $(seq "${SERVING_AB_ROUNDS:-2}"); do
         for tree in "${trees[@]}"; do
             dir=${tree%%:*}; tag=${tree##*:}; json="$out/serving_${tag}_r$round.json"
             (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 300 python benchmarks/bench_e2e_throughput.py --serving \
-                --gsm8k "$data" --serving_modes ${SERVING_MODES:-plain} "${sargs[@]}" --out "$json" \
+                --gsm8k "$data" --serving_modes ${SERVING_MODES:-plain} \
+                --server_args "$base ${arm_flags[$tag]:-}" --out "$json" \
                 > "$out/serving_${tag}_r$round.log" 2>&1)
             echo "round $round | $tag | rc $?"
             python3 -c "

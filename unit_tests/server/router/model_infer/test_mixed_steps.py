@@ -112,6 +112,35 @@ def test_disable_mixed_steps_alternates(tiny):
         assert r.token_ids == hf_greedy(m.hf, prompt, n)
 
 
+def test_mixed_steps_take_their_own_budget_prefill_steps_the_whole_one(tiny):
+    """--mixed_max_prefill_tokens caps the prompt tokens of a step that also decodes; a step with nothing
+    to decode (the first, here) still takes --batch_max_tokens; outputs stay transformers'."""
+    m, _ = tiny
+    mixed_budget = 3
+    prompts = random_prompts(m.vocab_size, len(MAX_NEW), PROMPT_LENS, seed=9)
+    eng = make_engine(m.model_dir, running_max_req_size=3, batch_max_tokens=CHUNK,
+                      mixed_max_prefill_tokens=mixed_budget, **COMMON)
+    b = eng.backend
+    mixed_calls, prefill_calls = [], []
+    mixed, prefill = b.mixed, b.prefill
+
+    def spy_mixed(rows_owner, decoding, reqs, chunk_lens):
+        mixed_calls.append(sum(chunk_lens))
+        return mixed(rows_owner, decoding, reqs, chunk_lens)
+
+    def spy_prefill(reqs, chunk_lens, *args, **kwargs):
+        prefill_calls.append(sum(chunk_lens))
+        return prefill(reqs, chunk_lens, *args, **kwargs)
+
+    b.mixed, b.prefill = spy_mixed, spy_prefill
+    res = eng.generate(prompts, [{"max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW])
+    assert b.mixed_budget == mixed_budget
+    assert mixed_calls and max(mixed_calls) == mixed_budget  # chunks of a longer prompt fill the budget
+    assert prefill_calls[0] == CHUNK  # the first step: nothing decodes yet, three prompts of >= 3 tokens
+    for prompt, n, r in zip(prompts, MAX_NEW, res):
+        assert r.token_ids == hf_greedy(m.hf, prompt, n)
+
+
 def test_stage_lays_out_decode_rows_then_chunks_hand_computed(tiny):
     """Two decode requests (K + 1 = 3 rows each) then a chunk of positions 4..6 of a prompt."""
     m, _ = tiny

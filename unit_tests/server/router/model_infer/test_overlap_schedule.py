@@ -496,7 +496,7 @@ def test_consecutive_mixed_steps_run_ahead_with_the_plain_schedules_updates(mode
     chunks of CHUNK_TOKENS: each mixed step after the first is launched right after the one before it is
     committed (the router's work runs under it), and every update is the plain schedule's."""
     m = models["llama"]
-    prompts = random_prompts(m["vocab"], 5, range(4, 6), seed=80)
+    prompts = random_prompts(m["vocab"], 5, range(5, 7), seed=80)  # none fits one chunk: taken in arrival order
     prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
     specs = _greedy_specs(prompts, [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW])
     kw = dict(MIX_ARGS, running_max_req_size=4)

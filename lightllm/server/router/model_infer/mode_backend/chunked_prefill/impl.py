@@ -2,8 +2,8 @@
 wait, chunks of them in the same forward (a mixed step, step_rows.py); a step with nothing to decode
 prefills alone, one with nothing to prefill decodes alone (CUDA graphs, overlap).
 
-Mixed steps take at most ``mixed_budget`` prompt tokens: --batch_max_tokens, and on CUDA with
-graphs at most --graph_max_prefill_tokens, so that every mixed step is one graph replay for the target and
+Mixed steps take at most ``mixed_budget`` prompt tokens: --mixed_max_prefill_tokens and --batch_max_tokens,
+and on CUDA with graphs at most --graph_max_prefill_tokens, so that every mixed step is one graph replay for the target and
 one for the draft (dspark: one for its context, one for its blocks, padded to the decode ladder).
 --disable_mixed_steps alternates prefill and decode steps instead.
 
@@ -59,7 +59,7 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_budget = 0
         if self.mixed_steps_enabled():
             self.mixed_rows = self.step_rows
-            self.mixed_budget = self.batch_max_tokens
+            self.mixed_budget = min(self.batch_max_tokens, args.mixed_max_prefill_tokens)
             if self.mixed_rows is not None:
                 self.mixed_budget = min(self.mixed_budget, args.graph_max_prefill_tokens)
             else:
@@ -222,14 +222,26 @@ class ChunkedPrefillBackend(ModeBackend):
 
     def chunk_plan(self, reqs: List[InferReq], budget: Optional[int] = None) -> Tuple[List[InferReq], List[int]]:
         """The requests to prefill this step, in order, and their chunk lengths (within ``budget``
-        prompt tokens, default --batch_max_tokens)."""
+        prompt tokens, default --batch_max_tokens; plan_chunks)."""
         budget = self.batch_max_tokens if budget is None else budget
-        picked, chunk_lens = [], []
-        for req in reqs:
-            if budget <= 0:
-                break
-            n = min(req.prompt_len - req.kv_len, budget)
-            picked.append(req)
-            chunk_lens.append(n)
-            budget -= n
-        return picked, chunk_lens
+        plan = plan_chunks([req.prompt_len - req.kv_len for req in reqs], budget)
+        return [reqs[i] for i, _ in plan], [n for _, n in plan]
+
+
+def plan_chunks(remaining: List[int], budget: int) -> List[Tuple[int, int]]:
+    """(index, tokens) of the prompts one step prefills, in arrival order, within ``budget`` tokens.
+
+    Prompts whose rest fits whole in what is left of the budget go first (arrival order); then the oldest
+    prompt left takes a partial chunk of the remainder. So a long prompt's chunks never hold a short prompt's
+    first token back by a step, and a long prompt still gets every token a step's short prompts leave over
+    (they arrive only at admissions, every --router_max_wait_tokens steps at most).
+    """
+    take = [0] * len(remaining)
+    left = budget
+    for i, n in enumerate(remaining):
+        if n <= left:
+            take[i], left = n, left - n
+    for i, n in enumerate(remaining):
+        if left > 0 and take[i] == 0:
+            take[i], left = min(n, left), left - min(n, left)
+    return [(i, n) for i, n in enumerate(take) if n > 0]
