@@ -17,7 +17,8 @@ batch keeps its padded shape (docs/decode_step.md, "What overlaps").
 
 A mixed step after a decode step in flight is staged while that step runs, launched right after its
 commit when the commit left the step unchanged (no request finished, nobody waits to join), and left
-in flight: the router's work runs while the GPU runs it, and the next call commits it.
+in flight: the router's work runs while the GPU runs it, and the next call commits it. A mixed step
+with nothing in flight before it is launched and left in flight the same way.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
@@ -73,7 +74,8 @@ class ChunkedPrefillBackend(ModeBackend):
         self._inflight: Optional[Union[InFlightStep, InFlightMixed]] = None
         self.steps_ahead = 0  # decode steps launched before the previous one was committed
         self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
-        self.mixed_ahead = 0  # mixed steps staged under a decode step in flight and launched after its commit
+        self.mixed_ahead = 0  # mixed steps launched right after a commit (staged under it, or the next chunk)
+        self.mixed_left = 0  # mixed steps launched with nothing in flight, left in flight for the next call
         self.mixed_dropped = 0  # mixed steps staged so and dropped (the commit changed the step)
         self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit
 
@@ -102,6 +104,12 @@ class ChunkedPrefillBackend(ModeBackend):
         if prefilling and decoding and self.mixed_rows is not None:
             self.last_step_prefilled = True
             reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+            if self.mtp_step == 0 and self._may_run_ahead(decoding):  # left in flight: the router's work runs under it
+                step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens)
+                self.launch_mixed(step)
+                self._inflight = InFlightMixed(step)
+                self.mixed_left += 1
+                return StepResult([], prefilled=True, steps=0)  # counted at its commit
             return StepResult(self.mixed(self.mixed_rows, decoding, reqs, lens), prefilled=True,
                               decode_reqs=len(decoding))
         if prefilling and (not decoding or not self.last_step_prefilled):
