@@ -57,7 +57,7 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    help="Most prompt tokens in a step that also decodes the running requests (a mixed step): "
                         "every stream waits for that step, so this bounds the inter-token latency while prompts "
                         "are prefilled; a step with nothing to decode takes up to --batch_max_tokens "
-                        "(default: %(default)s).")
+                        "(default: --batch_max_tokens).")
     p.add_argument("--router_max_wait_tokens", type=int, default=d.router_max_wait_tokens,
                    help="While requests are decoding, admit waiting requests only once this many decode steps "
                         "have run since the last admission (LightLLM's flag), so arrivals join in groups and "

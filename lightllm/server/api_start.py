@@ -45,8 +45,9 @@ def validate_start_args(args: StartArgs) -> StartArgs:
         _need(args.max_total_token_num >= 1, "--max_total_token_num", f"must be >= 1, got {args.max_total_token_num}")
     if args.batch_max_tokens is not None:
         _need(args.batch_max_tokens >= 1, "--batch_max_tokens", f"must be >= 1, got {args.batch_max_tokens}")
-    _need(args.mixed_max_prefill_tokens >= 1, "--mixed_max_prefill_tokens",
-          f"must be >= 1, got {args.mixed_max_prefill_tokens}")
+    if args.mixed_max_prefill_tokens is not None:
+        _need(args.mixed_max_prefill_tokens >= 1, "--mixed_max_prefill_tokens",
+              f"must be >= 1, got {args.mixed_max_prefill_tokens}")
     _need(args.router_max_wait_tokens >= 0, "--router_max_wait_tokens",
           f"must be >= 0, got {args.router_max_wait_tokens}")
     for flag in ("graph_max_batch_size", "graph_split_batch_size", "graph_grow_step_size"):

@@ -7,9 +7,7 @@ MTP_MODES = ("vanilla_with_att", "eagle_with_att", "vanilla_no_att", "eagle_no_a
 # Prompt tokens one step prefills by default: short steps, so a long prompt never holds the others
 # for long (vLLM's max_num_batched_tokens and SGLang's chunked_prefill_size for online serving).
 DEFAULT_BATCH_MAX_TOKENS = 2048
-# Prompt tokens a step takes beside running requests' decode rows by default: such a step delays every
-# stream's next token, so it stays near a decode step's length (docs/decode_step.md, "Mixed steps").
-DEFAULT_MIXED_MAX_PREFILL_TOKENS = DEFAULT_BATCH_MAX_TOKENS  # 512 measured: 0.77-0.87x tok/s, ITL p99 / p50 3.9x (2048: 4.9-5.8x)
+
 
 
 @dataclass
@@ -22,7 +20,9 @@ class StartArgs:
     running_max_req_size: int = 64
     max_req_total_len: int = 4096  # prompt + new tokens of one request
     batch_max_tokens: Optional[int] = DEFAULT_BATCH_MAX_TOKENS  # prompt tokens per step (chunked prefill); None: max_req_total_len
-    mixed_max_prefill_tokens: int = DEFAULT_MIXED_MAX_PREFILL_TOKENS  # of those, in a step that also decodes
+    # of those, in a step that also decodes; None: batch_max_tokens (512 measured on the H200: ITL p99 / p50 3.9x
+    # against 4.9-5.8x, but 0.77-0.87x tok/s; docs/decode_step.md, "Mixed steps")
+    mixed_max_prefill_tokens: Optional[int] = None
     # while requests decode, admit waiting ones after this many decode steps (docs/decode_step.md, "Grouped admission")
     router_max_wait_tokens: int = 4
     data_type: Optional[str] = None  # None: bfloat16 on CUDA, float32 on CPU

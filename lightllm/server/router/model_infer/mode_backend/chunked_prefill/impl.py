@@ -60,7 +60,7 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_budget = 0
         if self.mixed_steps_enabled():
             self.mixed_rows = self.step_rows
-            self.mixed_budget = min(self.batch_max_tokens, args.mixed_max_prefill_tokens)
+            self.mixed_budget = min(self.batch_max_tokens, args.mixed_max_prefill_tokens or self.batch_max_tokens)
             if self.mixed_rows is not None:
                 self.mixed_budget = min(self.mixed_budget, args.graph_max_prefill_tokens)
             else:
@@ -249,7 +249,8 @@ def plan_chunks(remaining: List[int], budget: int) -> List[Tuple[int, int]]:
     for i, n in enumerate(remaining):
         if n <= left:
             take[i], left = n, left - n
-    for i, n in enumerate(remaining):
-        if left > 0 and take[i] == 0:
-            take[i], left = min(n, left), left - min(n, left)
+    # a prompt skipped above needs more than is left now: the oldest takes all of it
+    oldest = next((i for i, t in enumerate(take) if t == 0), None)
+    if oldest is not None and left > 0:
+        take[oldest] = left
     return [(i, n) for i, n in enumerate(take) if n > 0]
