@@ -74,7 +74,8 @@ class ChunkedPrefillBackend(ModeBackend):
         self._inflight: Optional[Union[InFlightStep, InFlightMixed]] = None
         self.steps_ahead = 0  # decode steps launched before the previous one was committed
         self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
-        self.mixed_ahead = 0  # mixed steps launched right after a commit (staged under it, or the next chunk)
+        self.mixed_staged = 0  # mixed steps staged under a decode step in flight, launched after its commit
+        self.mixed_ahead = 0  # mixed steps launched right after a mixed step's commit (the next chunk)
         self.mixed_left = 0  # mixed steps launched with nothing in flight, left in flight for the next call
         self.mixed_dropped = 0  # mixed steps staged so and dropped (the commit changed the step)
         self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit
@@ -103,13 +104,11 @@ class ChunkedPrefillBackend(ModeBackend):
             return self._advance(decoding, bool(prefilling), may_admit)
         if prefilling and decoding and self.mixed_rows is not None:
             self.last_step_prefilled = True
-            reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
             if self.mtp_step == 0 and self._may_run_ahead(decoding):  # left in flight: the router's work runs under it
-                step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens)
-                self.launch_mixed(step)
-                self._inflight = InFlightMixed(step)
+                self._leave_mixed(decoding, prefilling)
                 self.mixed_left += 1
                 return StepResult([], prefilled=True, steps=0)  # counted at its commit
+            reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
             return StepResult(self.mixed(self.mixed_rows, decoding, reqs, lens), prefilled=True,
                               decode_reqs=len(decoding))
         if prefilling and (not decoding or not self.last_step_prefilled):
@@ -168,7 +167,7 @@ class ChunkedPrefillBackend(ModeBackend):
             return StepResult(updates, decode_reqs=decoded, steps=0)
         self.launch_mixed(step)
         self._inflight = InFlightMixed(step)
-        self.mixed_ahead += 1
+        self.mixed_staged += 1
         return StepResult(updates, decode_reqs=decoded, steps=0)
 
     def _launch_after_mixed(self, running: List[InferReq]) -> int:
@@ -183,10 +182,7 @@ class ChunkedPrefillBackend(ModeBackend):
         if not decoding or not self._may_run_ahead(decoding):
             return 0
         if prefilling:
-            reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
-            step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens)
-            self.launch_mixed(step)
-            self._inflight = InFlightMixed(step)
+            self._leave_mixed(decoding, prefilling)
             self.mixed_ahead += 1
             return 0
         rows = self.prepare_decode_rows(decoding)
@@ -194,6 +190,13 @@ class ChunkedPrefillBackend(ModeBackend):
         self.last_step_prefilled = False
         self.decode_after_mixed += 1
         return len(decoding)
+
+    def _leave_mixed(self, decoding: List[InferReq], prefilling: List[InferReq]) -> None:
+        """Lay out and launch the mixed step the plain schedule runs now, and leave it in flight."""
+        reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+        step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens)
+        self.launch_mixed(step)
+        self._inflight = InFlightMixed(step)
 
     def _undo(self, step: InFlightStep) -> None:
         """Take back a launched step: the batch it ran is not the one the plain schedule runs."""
