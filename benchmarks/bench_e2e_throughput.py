@@ -101,7 +101,7 @@ from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
 from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, fit_text_to_tokens, gsm8k_path,  # noqa: E402
                                     load_gsm8k, load_prompt_file, take_cyclic)
 from lightllm.tools.report import Column, ratio, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
-from lightllm.utils.server_launcher import MetricsPage, scrape  # noqa: E402
+from lightllm.utils.server_launcher import MetricsPage, process_cpu_seconds, scrape  # noqa: E402
 import prefix_cache_workloads as pcw  # noqa: E402 (--prefix_cache's workloads and rows)
 
 DEFAULT_OUT = "bench_e2e_throughput.json"
@@ -763,7 +763,11 @@ SERVING_DEFINITIONS = {
     "mean_decode_batch": "/metrics delta over the timed run: requests decoded / steps that decoded (decode and mixed steps)",
     "decode_step_ms": "/metrics delta: engine seconds in decode steps / decode steps",
     "prefill_steps": "/metrics delta: batch steps that were not decode steps (mixed steps included)",
+    "itl_router_ms": "/metrics delta of lightllm_inter_token_latency_seconds (the router's clock between two updates "
+                     "of a request, every request), the quantile estimated linearly within its bucket",
+    "http_cpu_share": "the HTTP process's user + system CPU seconds over the timed run / its wall time",
 }
+ROUTER_ITL = "lightllm_inter_token_latency_seconds"
 
 
 @dataclass(frozen=True)
@@ -888,8 +892,23 @@ def engine_clock_fields(grown: Optional[MetricsPage]) -> Dict[str, Optional[floa
             "mean_batch": ratio(batch_reqs, batch_steps), "engine_busy_s": engine_s}
 
 
+def _fmt_ms(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def router_itl_fields(grown: Optional[MetricsPage], http_cpu_s: Optional[float], wall_s: float) -> Dict[str, Optional[float]]:
+    """The same run seen by the server: the router's inter-token latency (its histogram's growth, every
+    request, estimated within buckets) and the HTTP process's CPU time per wall second (near 1: it is the
+    bottleneck, and the client's chunk gaps are its queueing, not the engine's steps)."""
+    p50, p99 = (None, None) if grown is None else (grown.quantile(ROUTER_ITL, q) for q in (0.5, 0.99))
+    return {"itl_router_ms_p50": None if p50 is None else 1e3 * p50,
+            "itl_router_ms_p99": None if p99 is None else 1e3 * p99,
+            "itl_router_p99_over_p50": ratio(p99, p50) if p50 and p99 is not None else None,
+            "http_cpu_share": None if http_cpu_s is None or wall_s <= 0 else http_cpu_s / wall_s}
+
+
 def serving_row(mode: str, requests: Sequence[ServingRequest], traces: Sequence[StreamTrace],
-                grown: Optional[MetricsPage] = None) -> Dict[str, object]:
+                grown: Optional[MetricsPage] = None, http_cpu_s: Optional[float] = None) -> Dict[str, object]:
     """One arm's JSON row (SERVING_DEFINITIONS) from its requests' traces and its /metrics growth."""
     if len(requests) != len(traces) or not traces:
         raise ValueError(f"{mode}: {len(requests)} requests, {len(traces)} traces")
@@ -927,6 +946,7 @@ def serving_row(mode: str, requests: Sequence[ServingRequest], traces: Sequence[
     row["itl_short_during_long_prefill_p99_over_p50"] = ratio(row["itl_short_during_long_prefill_ms_p99"],
                                                               row["itl_short_during_long_prefill_ms_p50"])
     row.update(engine_clock_fields(grown))
+    row.update(router_itl_fields(grown, http_cpu_s, wall))
     return row
 
 
@@ -1008,16 +1028,18 @@ def run_serving(args) -> Dict[str, object]:
                 t0 = time.perf_counter()
                 warm_up(server.url, warm_texts, warm_tokens, args.concurrency, requests=n_warm)
                 print(f"[{mode}] warm-up: {n_warm} requests in {time.perf_counter() - t0:.1f}s", flush=True)
-            before = scrape(server.url)
+            before, cpu0 = scrape(server.url), process_cpu_seconds(server.proc.pid)
             traces = send_streamed(server.url, bodies, args.concurrency, args.client_procs, mode)
-            grown = scrape(server.url) - before
-        row = serving_row(mode, workload, traces, grown)
+            grown, cpu1 = scrape(server.url) - before, process_cpu_seconds(server.proc.pid)
+        row = serving_row(mode, workload, traces, grown, None if cpu0 is None or cpu1 is None else cpu1 - cpu0)
         row["server_args"] = flags
         rows.append(row)
         add_serving_ratios(rows)
         print(f"[{mode}] {row['requests']} requests in {row['wall_s']:.2f}s, {row['output_tok_s']:.1f} out tok/s, "
               f"short ITL p50 / p99 {row['itl_short_ms_p50']:.2f} / {row['itl_short_ms_p99']:.2f} ms, "
-              f"chunk gaps {row['chunk_gap_short_ms_p50']:.2f} / {row['chunk_gap_short_ms_p99']:.2f} ms", flush=True)
+              f"chunk gaps {row['chunk_gap_short_ms_p50']:.2f} / {row['chunk_gap_short_ms_p99']:.2f} ms, "
+              f"router ITL p50 / p99 {_fmt_ms(row['itl_router_ms_p50'])} / {_fmt_ms(row['itl_router_ms_p99'])}, "
+              f"HTTP CPU {_fmt_ms(row['http_cpu_share'])} s/s", flush=True)
         result = {"commit": _git_commit(), "args": vars(args), "meta": meta, "definitions": SERVING_DEFINITIONS,
                   "arms": rows}
         write_json(args.out, result)  # after every arm: a run cut short keeps its finished arms

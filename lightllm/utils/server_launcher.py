@@ -69,6 +69,24 @@ class MetricsPage:
         return {int(b): int(cumulative[b] - (cumulative[prev] if prev is not None else 0))
                 for prev, b in zip([None] + bounds, bounds)}
 
+    def quantile(self, name: str, q: float) -> Optional[float]:
+        """The ``q``-quantile of the histogram ``name`` as Prometheus' histogram_quantile estimates it:
+        linear within the bucket that holds it (the largest finite bound when it falls in +Inf); None when the
+        histogram has no observations."""
+        cumulative = sorted((float(dict(labels)["le"]), v) for (n, labels), v in self.samples.items()
+                            if n == name + "_bucket")
+        if not cumulative or cumulative[-1][1] <= 0:
+            return None
+        rank = q * cumulative[-1][1]
+        lower, below = 0.0, 0.0
+        for upper, count in cumulative:
+            if count >= rank and count > below:
+                if math.isinf(upper):
+                    return lower
+                return lower + (upper - lower) * (rank - below) / (count - below)
+            lower, below = upper, count
+        return lower
+
     def __sub__(self, earlier: "MetricsPage") -> "MetricsPage":
         """How much every sample grew since ``earlier`` (counters and histograms of one server)."""
         return MetricsPage({k: v - earlier.samples.get(k, 0.0) for k, v in self.samples.items()})
@@ -79,6 +97,17 @@ def scrape(url: str) -> MetricsPage:
     import httpx
 
     return MetricsPage.parse(httpx.get(url + "/metrics").text)
+
+
+def process_cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU seconds process ``pid`` has used so far (Linux /proc; None elsewhere or once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the fields after the command name, from the state on
+    except OSError:
+        return None
+    utime, stime = int(fields[11]), int(fields[12])  # stat(5) fields 14 and 15
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:

@@ -265,8 +265,8 @@ serving_ab)
             python3 -c "
 import json, sys
 for a in json.load(open(sys.argv[1]))['arms']:
-    print('  ', a['mode'], *(f'{k} {a[k]:.2f}' for k in ('output_tok_s', 'itl_short_ms_p50', 'itl_short_ms_p99',
-          'itl_short_p99_over_p50', 'mixed_step_ms', 'decode_step_ms', 'mixed_steps', 'mean_decode_batch')))" "$json"
+    print('  ', a['mode'], *(f'{k} {a[k] if a[k] is not None else float("nan"):.2f}' for k in ('output_tok_s', 'itl_short_ms_p50', 'itl_short_ms_p99',
+          'itl_short_p99_over_p50', 'chunk_gap_short_ms_p50', 'itl_router_ms_p50', 'itl_router_ms_p99', 'http_cpu_share', 'mixed_step_ms', 'decode_step_ms', 'mixed_steps', 'mean_decode_batch')))" "$json"
         done
     done | tee "$out/serving_ab.txt"
     ;;

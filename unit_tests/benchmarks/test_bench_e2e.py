@@ -330,7 +330,10 @@ def test_serving_row_by_hand():
     requests, traces = _synthetic_run()
     # engine: 30 batch steps in 3 s over 600 requests, 25 of them decode steps in 2 s over 550
     grown = MetricsPage({(name, ()): v for name, v in zip(ENGINE_CLOCK + DECODE_CLOCK, (3.0, 30, 600, 2.0, 25, 550))})
-    row = bench.serving_row("plain", requests, traces, grown)
+    # the router's ITL: 40 updates within 2 ms, 50 in (2, 4], 10 in (4, 10]
+    for le, n in (("0.002", 40), ("0.004", 90), ("0.01", 100), ("+Inf", 100)):
+        grown.samples[(bench.ROUTER_ITL + "_bucket", (("le", le),))] = n
+    row = bench.serving_row("plain", requests, traces, grown, http_cpu_s=1.3)
     approx = pytest.approx
     assert (row["requests"], row["short_requests"], row["long_requests"]) == (5, 3, 2)
     assert row["output_tokens"] == 21 and row["wall_s"] == approx(2.6) and row["output_tok_s"] == approx(21 / 2.6)
@@ -356,8 +359,12 @@ def test_serving_row_by_hand():
     assert row["finish_reasons"] == {"length": 5}
     assert (row["mean_decode_batch"], row["decode_step_ms"], row["decode_steps"]) == approx((22, 80, 25))
     assert (row["prefill_steps"], row["prefill_step_ms"], row["mean_batch"]) == approx((5, 200, 20))
+    # rank 50 is the 10th of 50 in (2, 4] ms: 2.4; rank 99 the 9th of 10 in (4, 10]: 4 + 0.9 * 6
+    assert (row["itl_router_ms_p50"], row["itl_router_ms_p99"]) == approx((2.4, 9.4))
+    assert row["itl_router_p99_over_p50"] == approx(9.4 / 2.4) and row["http_cpu_share"] == approx(1.3 / 2.6)
     bare = bench.serving_row("mtp", requests, traces)
     assert bare["mean_decode_batch"] is None and bare["itl_short_ms_p50"] == row["itl_short_ms_p50"]
+    assert bare["itl_router_ms_p99"] is None and bare["http_cpu_share"] is None
     faster = dict(bare, output_tok_s=2 * row["output_tok_s"], mean_decode_batch=11.0)
     rows = bench.add_serving_ratios([row, faster])
     assert rows[0]["output_tok_s_vs_first"] == 1.0 and rows[1]["output_tok_s_vs_first"] == approx(2.0)
