@@ -41,13 +41,13 @@ def _run(mode: str, prompts, running: int, **extra):
     eng = OfflineEngine(StartArgs(**MODES[mode], **ENGINE, running_max_req_size=running, **extra),
                         device="cuda", dtype="bfloat16")
     mixed_calls = []
-    mixed = eng.backend.mixed
+    launch = eng.backend.launch_mixed  # every mixed step's launch (run at once, or left in flight with overlap)
 
-    def spy(rows_owner, decoding, reqs, chunk_lens):
-        mixed_calls.append(rows_owner.graphs is not None)
-        return mixed(rows_owner, decoding, reqs, chunk_lens)
+    def spy(step):
+        mixed_calls.append(step.rows_owner.graphs is not None)
+        return launch(step)
 
-    eng.backend.mixed = spy
+    eng.backend.launch_mixed = spy
     params = [{"max_new_tokens": 20 + 7 * i, "ignore_eos": True} for i in range(len(prompts))]
     res = eng.generate(prompts, params)
     out = ([r.token_ids for r in res], [r.logprobs for r in res], mixed_calls)
