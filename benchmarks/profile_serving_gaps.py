@@ -1,0 +1,262 @@
+"""Where a serving run's long inter-token gaps come from. bench_e2e_throughput's serving mix (GSM8K chats and
+a share of 2k-4k-token prompts) is driven closed-loop through the router in this process, with the server's
+own flags and no HTTP. Every ``router.step()`` call is recorded: its wall time, what the backend did, the
+requests it admitted and finished, the steps it took back, and Python's garbage collections inside it. Each
+request's gap between two token updates is then split over the calls it spans. The script prints the gaps'
+p50 / p99 and, for the gaps at or above the p99, what their calls were (by kind, in ms per gap), and writes
+JSON. What it leaves out: the HTTP process and the queue to it (the serving benchmark's router ITL has them).
+
+    python benchmarks/profile_serving_gaps.py --gsm8k .data/test.jsonl \
+        --server_args "--model_dir M --load_format dummy" --out gaps.json
+"""
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (REPO_ROOT, os.path.join(REPO_ROOT, "benchmarks")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import bench_e2e_throughput as serving  # noqa: E402
+
+from lightllm.server.api_cli import make_argument_parser  # noqa: E402
+from lightllm.server.core.objs.sampling_params import SamplingParams  # noqa: E402
+from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402
+from lightllm.server.offline_engine import OfflineEngine  # noqa: E402
+from lightllm.server.router.manager import AddReq  # noqa: E402
+from lightllm.tools.client import auto_max_req_total_len, model_dir_or_embedded, server_flags  # noqa: E402
+from lightllm.tools.prompts import load_gsm8k  # noqa: E402
+from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
+
+TAIL_PERCENTILE = 99  # the gaps whose anatomy is printed: at or above this percentile
+WARMUP_NEW_TOKENS = 8
+# the backend's counters a call's kind is read from (ChunkedPrefillBackend; absent ones count 0)
+COUNTERS = ("discarded_steps", "mixed_dropped", "mixed_staged", "mixed_ahead", "mixed_left", "decode_after_mixed")
+CALL_KINDS = ("decode", "commit only", "mixed", "mixed launch", "prefill", "idle")
+
+
+@dataclass
+class Call:
+    """One router.step() call."""
+
+    start: float
+    end: float
+    kind: str  # CALL_KINDS
+    admitted: int = 0  # requests it moved into the running batch
+    finished: int = 0  # requests whose last update it returned
+    undone: int = 0  # steps launched ahead and taken back (a finish changed the batch)
+    gc_ms: float = 0.0  # Python's garbage collections inside it
+    gc_full: int = 0  # of those, full (generation 2) collections
+
+    @property
+    def ms(self) -> float:
+        return 1e3 * (self.end - self.start)
+
+
+def call_kind(prefilled: bool, decode_reqs: int, steps: int, updates: int) -> str:
+    """What a call ran, from its StepResult: a mixed step committed (``mixed``) or only launched and left in
+    flight (``mixed launch``), a prefill-only step, a decode step (run, or its successor launched), a call that
+    only committed a step in flight (``commit only``), or nothing (``idle``)."""
+    if prefilled:
+        if decode_reqs:
+            return "mixed"
+        return "mixed launch" if steps == 0 and not updates else "prefill"
+    if steps == 0 or not decode_reqs:
+        return "commit only" if updates else "idle"
+    return "decode"
+
+
+def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
+                percentile: float = TAIL_PERCENTILE) -> Dict[str, object]:
+    """Each request's gaps between consecutive calls that returned it tokens (``token_calls``: request ->
+    indexes into ``calls``), from one call's end to the other's; the gaps at or above ``percentile`` split
+    over the calls after the first up to the second (time by kind, and the loop's time between calls)."""
+    gaps: List[Tuple[float, int, int]] = []  # (ms, first call, last call)
+    for idx in token_calls.values():
+        gaps += [(1e3 * (calls[j].end - calls[i].end), i, j) for i, j in zip(idx, idx[1:])]
+    if not gaps:
+        return {"gaps": 0}
+    ms = np.array([g[0] for g in gaps])
+    spans = np.array([j - i for _, i, j in gaps])
+    cut = float(np.percentile(ms, percentile))
+    tail = [g for g in gaps if g[0] >= cut]
+    by_kind = {k: 0.0 for k in CALL_KINDS}
+    between = admitted = finished = undone = gc_ms = gc_full = 0.0
+    for _, i, j in tail:
+        for c in range(i + 1, j + 1):
+            call = calls[c]
+            by_kind[call.kind] += call.ms
+            between += 1e3 * (call.start - calls[c - 1].end)
+            admitted += call.admitted
+            finished += call.finished
+            undone += call.undone
+            gc_ms += call.gc_ms
+            gc_full += call.gc_full
+    n = len(tail)
+    return {
+        "gaps": len(gaps), "gap_ms_p50": float(np.percentile(ms, 50)), f"gap_ms_p{percentile}": cut,
+        "calls_per_gap_p50": float(np.percentile(spans, 50)), f"calls_per_gap_p{percentile}": float(np.percentile(spans, percentile)),
+        "tail_gaps": n, "tail_gap_ms_mean": float(np.mean([g[0] for g in tail])),
+        "tail_calls_per_gap": float(np.mean([j - i for _, i, j in tail])),
+        "tail_ms_by_kind": {k: v / n for k, v in by_kind.items() if v},
+        "tail_ms_between_calls": between / n, "tail_gc_ms": gc_ms / n, "tail_gc_full": gc_full / n,
+        "tail_admitted": admitted / n, "tail_finished": finished / n, "tail_undone": undone / n,
+    }
+
+
+def call_table(calls: Sequence[Call]) -> List[Dict[str, object]]:
+    """Count and wall ms (p50, p99, max) of the calls of each kind."""
+    rows = []
+    for kind in CALL_KINDS:
+        ms = [c.ms for c in calls if c.kind == kind]
+        if ms:
+            rows.append({"kind": kind, "calls": len(ms), "ms_p50": float(np.percentile(ms, 50)),
+                         "ms_p99": float(np.percentile(ms, 99)), "ms_max": max(ms)})
+    return rows
+
+
+CALL_TABLE = [Column("kind", "call", "s"), Column("calls", "calls", "d"), Column("ms_p50", "ms p50", ".2f"),
+              Column("ms_p99", "ms p99", ".2f"), Column("ms_max", "max", ".2f")]
+
+
+@dataclass
+class GcClock:
+    """Python's garbage collections, timed through gc.callbacks, summed until taken."""
+
+    ms: float = 0.0
+    full: int = 0
+    all_ms: List[float] = field(default_factory=list)
+    _t0: float = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        d = 1e3 * (time.perf_counter() - self._t0)
+        self.ms += d
+        self.all_ms.append(d)
+        self.full += info.get("generation") == 2
+
+    def take(self) -> Tuple[float, int]:
+        out, self.ms, self.full = (self.ms, self.full), 0.0, 0
+        return out
+
+
+def start_args(flags: Sequence[str], concurrency: int, max_req_total_len: int) -> StartArgs:
+    """The server's flags as StartArgs, with the serving benchmark's concurrency and length (flags win)."""
+    base = server_flags(running_max_req_size=concurrency, max_req_total_len=max_req_total_len)
+    ns = make_argument_parser().parse_args(base + list(flags))
+    names = {f.name for f in dataclasses.fields(StartArgs)}
+    return StartArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingParams],
+          concurrency: int) -> Tuple[List[Call], Dict[int, List[int]], GcClock]:
+    """Closed loop: ``concurrency`` requests in the router at a time, the next one added when one finishes."""
+    router, b = eng.router, eng.backend
+    eos = eng.eos_token_ids()
+    budget = eng.args.mtp_asd_regret_budget
+    pending = deque(range(len(prompts)))
+    open_reqs: set = set()
+    calls: List[Call] = []
+    token_calls: Dict[int, List[int]] = {}
+    clock = GcClock()
+    gc.callbacks.append(clock)
+    try:
+        while pending or router.has_work:
+            while pending and len(open_reqs) < concurrency:
+                i = pending.popleft()
+                router.add_req(AddReq(i, prompts[i], params[i], eos, params[i].asd_budget(budget)))
+                open_reqs.add(i)
+            waiting = len(router.queue.waiting)
+            before = [getattr(b, k, 0) for k in COUNTERS]
+            clock.take()
+            t0 = time.perf_counter()
+            updates = router.step()
+            t1 = time.perf_counter()
+            gc_ms, gc_full = clock.take()
+            delta = dict(zip(COUNTERS, (getattr(b, k, 0) - v for k, v in zip(COUNTERS, before))))
+            r = router.last_result
+            kind = call_kind(r.prefilled, r.decode_reqs, r.steps, len(updates)) if r is not None else "idle"
+            router.last_result = None
+            finished = 0
+            for u in updates:
+                if u.token_ids:
+                    token_calls.setdefault(u.req_id, []).append(len(calls))
+                if u.finish_reason is not None:
+                    finished += 1
+                    open_reqs.discard(u.req_id)
+            calls.append(Call(t0, t1, kind, admitted=waiting - len(router.queue.waiting), finished=finished,
+                              undone=delta["discarded_steps"] + delta["mixed_dropped"], gc_ms=gc_ms, gc_full=gc_full))
+    finally:
+        gc.callbacks.remove(clock)
+    return calls, token_calls, clock
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gsm8k", required=True, help="GSM8K test JSONL (the short prompts; the long ones are built from it)")
+    p.add_argument("--num_prompts", type=int, default=512)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--long_fraction", type=float, default=0.2)
+    p.add_argument("--long_lens", type=int, nargs=2, default=[2000, 4000])
+    p.add_argument("--long_new_tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server_args", default="", help="the server's flags (as bench_e2e_throughput's --server_args)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    flags = shlex.split(args.server_args)
+    probe = start_args(flags, args.concurrency, 4096)
+    model_dir = model_dir_or_embedded(probe.model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    questions = [q.question for q in load_gsm8k(args.gsm8k)]
+    workload = serving.build_serving_workload(tok, questions, args.num_prompts, args.long_fraction, args.long_lens,
+                                              args.max_new_tokens, args.long_new_tokens, args.seed)
+    prompts = [tok.encode(r.text, add_special_tokens=True) for r in workload]  # as the server encodes them
+    max_len = auto_max_req_total_len([len(x) + r.max_new_tokens for x, r in zip(prompts, workload)], 0)
+    on_gpu = torch.cuda.is_available()
+    eng = OfflineEngine(start_args(flags + ["--model_dir", model_dir], args.concurrency, max_len),
+                        device="cuda" if on_gpu else "cpu", dtype="bfloat16" if on_gpu else "float32")
+    warm = prompts[:args.concurrency]  # the mix's first requests: the long prompts' kernels too
+    drive(eng, warm, [SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS)] * len(warm), args.concurrency)
+    params = [SamplingParams(max_new_tokens=r.max_new_tokens) for r in workload]
+    t0 = time.perf_counter()
+    calls, token_calls, clock = drive(eng, prompts, params, args.concurrency)
+    wall = time.perf_counter() - t0
+    anatomy = gap_anatomy(calls, token_calls)
+    table = call_table(calls)
+    print(render_table(table, CALL_TABLE))
+    print(f"{len(prompts)} requests in {wall:.2f}s; gaps p50 {anatomy.get('gap_ms_p50', 0):.2f} ms, "
+          f"p{TAIL_PERCENTILE} {anatomy.get(f'gap_ms_p{TAIL_PERCENTILE}', 0):.2f} ms; GC {sum(clock.all_ms):.1f} ms in "
+          f"{len(clock.all_ms)} collections (max {max(clock.all_ms, default=0):.2f} ms)")
+    print("gaps at or above the p99, per gap:", json.dumps({k: v for k, v in anatomy.items() if k.startswith("tail")},
+                                                          indent=1))
+    result = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                       text=True).stdout.strip(),
+              "args": vars(args), "device": "cuda" if on_gpu else "cpu", "wall_s": wall, "calls": table,
+              "gaps": anatomy, "gc": {"collections": len(clock.all_ms), "ms_total": sum(clock.all_ms),
+                                      "ms_max": max(clock.all_ms, default=0.0)}}
+    if args.out:
+        write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

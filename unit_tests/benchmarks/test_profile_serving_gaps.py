@@ -1,0 +1,85 @@
+"""benchmarks/profile_serving_gaps.py: the gap anatomy by hand, and a CPU run of the script on a tiny
+model of the embedded model's vocabulary (its tokenizer, random weights)."""
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import profile_serving_gaps as gaps  # noqa: E402
+from profile_serving_gaps import Call  # noqa: E402
+
+
+def test_call_kind_reads_the_step_result():
+    assert gaps.call_kind(prefilled=True, decode_reqs=5, steps=1, updates=6) == "mixed"
+    assert gaps.call_kind(prefilled=True, decode_reqs=0, steps=0, updates=0) == "mixed launch"
+    assert gaps.call_kind(prefilled=True, decode_reqs=0, steps=1, updates=2) == "prefill"
+    assert gaps.call_kind(prefilled=False, decode_reqs=4, steps=1, updates=4) == "decode"
+    assert gaps.call_kind(prefilled=False, decode_reqs=4, steps=0, updates=4) == "commit only"
+    assert gaps.call_kind(prefilled=False, decode_reqs=0, steps=1, updates=0) == "idle"
+
+
+def test_gap_anatomy_by_hand():
+    # calls end at 10, 12, 14, 30, 32 ms; each starts 0.5 ms after the one before ended (the first at 9)
+    ends = [10, 12, 14, 30, 32]
+    kinds = ["decode", "decode", "mixed launch", "mixed", "decode"]
+    calls = [Call(start=(e - (e - p - 0.5)) / 1e3 if i else 0.009, end=e / 1e3, kind=k)
+             for i, (p, e, k) in enumerate(zip([0] + ends, ends, kinds))]
+    calls[3].gc_ms, calls[3].gc_full, calls[3].admitted, calls[2].undone = 4.0, 1, 2, 1
+    # request 0 gets tokens at calls 0, 1, 3, 4: gaps 2, 18, 2 ms; request 1 at 1 and 4: 20 ms
+    token_calls = {0: [0, 1, 3, 4], 1: [1, 4]}
+    a = gaps.gap_anatomy(calls, token_calls, percentile=75)
+    assert a["gaps"] == 4 and a["gap_ms_p50"] == pytest.approx(10.0)  # 2, 2, 18, 20
+    assert a["gap_ms_p75"] == pytest.approx(18.5)
+    # the tail is request 1's 20 ms gap: calls 2, 3, 4
+    assert a["tail_gaps"] == 1 and a["tail_gap_ms_mean"] == pytest.approx(20.0) and a["tail_calls_per_gap"] == 3
+    # call c spans (ends[c-1] + 0.5, ends[c]): mixed launch 1.5 ms, mixed 15.5, decode 1.5; 0.5 between each
+    assert a["tail_ms_by_kind"] == pytest.approx({"mixed launch": 1.5, "mixed": 15.5, "decode": 1.5})
+    assert a["tail_ms_between_calls"] == pytest.approx(1.5)
+    assert (a["tail_gc_ms"], a["tail_gc_full"], a["tail_admitted"], a["tail_undone"]) == (4.0, 1, 2, 1)
+    assert gaps.gap_anatomy(calls, {0: [2]}) == {"gaps": 0}
+
+
+def test_gc_clock_times_collections():
+    import gc
+
+    clock = gaps.GcClock()
+    gc.callbacks.append(clock)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(clock)
+    ms, full = clock.take()
+    assert full == 1 and ms > 0 and clock.take() == (0.0, 0)
+
+
+def test_cpu_run_writes_the_anatomy(tmp_path):
+    from lightllm.utils.embedded_model import get_default_model_dir
+
+    src = get_default_model_dir()
+    model = tmp_path / "tiny"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), model / name)
+    config = json.load(open(os.path.join(src, "config.json")))
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+    (model / "config.json").write_text(json.dumps(config))
+    gsm8k = tmp_path / "test.jsonl"
+    gsm8k.write_text("".join(json.dumps({"question": f"What is {i} plus {i + 1}?", "answer": "#### 1"}) + "\n"
+                             for i in range(20)))
+    out = tmp_path / "gaps.json"
+    assert gaps.main(["--gsm8k", str(gsm8k), "--num_prompts", "12", "--concurrency", "4", "--max_new_tokens", "6",
+                      "--long_lens", "120", "200", "--long_new_tokens", "4", "--out", str(out),
+                      "--server_args", f"--model_dir {model} --load_format dummy --batch_max_tokens 64"]) == 0
+    result = json.loads(out.read_text())
+    # 12 requests, round(0.2 * 12) = 2 long: 10 of 6 tokens and 2 of 4, one gap between two of a request's
+    # consecutive token updates (plain decoding: a token each)
+    assert result["gaps"]["gaps"] == 10 * 5 + 2 * 3
+    kinds = {row["kind"] for row in result["calls"]}
+    assert {"decode", "mixed"} <= kinds and result["device"] == "cpu"
