@@ -514,10 +514,33 @@ def test_consecutive_mixed_steps_run_ahead_with_the_plain_schedules_updates(mode
     assert overlap.groups == plain.groups
     b = overlap.backend
     assert b.mixed_ahead >= 3 and b.decode_after_mixed >= 1 and plain.backend.mixed_ahead == 0
+    # each of those mixed steps was staged while the one before it ran (nothing changed at its commit)
+    assert b.mixed_prestaged == b.mixed_ahead and b.prestaged_dropped == 0
     assert b.mixed_left >= 1 and plain.backend.mixed_left == 0  # the first prompts' mixed steps at least
     # the step clock counts the steps launched after a commit as the plain schedule's calls do
     for key in ("steps", "decode_steps", "decode_batch_reqs", "mixed_steps", "mixed_decode_reqs"):
         assert getattr(overlap_t, key) == getattr(plain_t, key), key
+    _assert_pools_whole(plain, overlap)
+
+
+def test_a_finish_in_the_mixed_step_in_flight_drops_the_step_staged_under_it(models):
+    """As above, but request 1 stops (its stop sequence) in one of the fifth prompt's mixed steps: the
+    mixed step staged while that one ran is dropped (its slots back) and the plain schedule's step runs."""
+    m = models["llama"]
+    prompts = random_prompts(m["vocab"], 5, range(5, 7), seed=80)
+    prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
+    max_new = [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW]
+    kw = dict(MIX_ARGS, running_max_req_size=4)
+    ref = _run(_engine(m["target"], False, **kw), _greedy_specs(prompts, max_new)).tokens()
+    # request 0's 6th token lets prompt 4 in: requests 1-3 commit their tokens 7, 8, ... in its mixed steps
+    at = _first_new_ngram_end(ref[1], 8, 10, STOP_NGRAM)  # a token of the second to fourth of them
+    specs = _greedy_specs(prompts, max_new)
+    specs[1].params["stop_token_ids"] = [ref[1][at - STOP_NGRAM + 1:at + 1]]
+    plain, overlap = _both(m["target"], specs, **kw)
+    _assert_same_outputs(plain, overlap)
+    assert plain.last()[1].finish_reason == "stop" and len(plain.tokens()[1]) == at + 1
+    b = overlap.backend
+    assert b.prestaged_dropped == 1 and b.mixed_prestaged >= 1
     _assert_pools_whole(plain, overlap)
 
 

@@ -7,7 +7,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -423,15 +423,17 @@ class ModeBackend:
         return self.commit_mixed(step)
 
     def stage_mixed(self, rows_owner: StepRows, decoding: List[InferReq], reqs: List[InferReq],
-                    chunk_lens: List[int], kv_ahead: int = 0) -> "MixedStep":
-        """A mixed step's slots and rows, staged (host work and one copy; nothing runs yet). ``kv_ahead``:
-        tokens each decoding request commits before the step runs (1: staged while its plain decode step
-        is still in flight)."""
+                    chunk_lens: List[int], kv_ahead: Optional[Dict[int, int]] = None) -> "MixedStep":
+        """A mixed step's slots and rows, staged (host work and one copy; nothing runs yet). ``kv_ahead``: by
+        req_idx, the KV positions a request gains before the step runs (staged under the step in flight: 1
+        for a request it decodes, its chunk for a prompt)."""
         k1 = self.mtp_step + 1
+        ahead = kv_ahead or {}
+        start = [r.kv_len + ahead.get(r.req_idx, 0) for r in reqs]
         slots = self.mem_manager.alloc(len(decoding) * k1 + sum(chunk_lens))  # [rows] host
-        items = [RowItem(r.req_idx, r.kv_len + kv_ahead, k1) for r in decoding]
-        items += [RowItem(r.req_idx, r.kv_len, n, r.prompt_ids) for r, n in zip(reqs, chunk_lens)]
-        done_items = [len(decoding) + i for i, (r, n) in enumerate(zip(reqs, chunk_lens)) if r.kv_len + n >= r.prompt_len]
+        items = [RowItem(r.req_idx, r.kv_len + ahead.get(r.req_idx, 0), k1) for r in decoding]
+        items += [RowItem(r.req_idx, s, n, r.prompt_ids) for r, s, n in zip(reqs, start, chunk_lens)]
+        done_items = [len(decoding) + i for i, (r, s, n) in enumerate(zip(reqs, start, chunk_lens)) if s + n >= r.prompt_len]
         batch = rows_owner.stage(items, slots)
         return MixedStep(rows_owner, decoding, reqs, chunk_lens, slots, batch, done_items)
 

@@ -18,7 +18,8 @@ batch keeps its padded shape (docs/decode_step.md, "What overlaps").
 A mixed step after a decode step in flight is staged while that step runs, launched right after its
 commit when the commit left the step unchanged (no request finished, nobody waits to join), and left
 in flight: the router's work runs while the GPU runs it, and the next call commits it. A mixed step
-with nothing in flight before it is launched and left in flight the same way.
+with nothing in flight before it is launched and left in flight the same way, and so is the step after a mixed
+step's commit (staged while that step runs when it is the next mixed step).
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
@@ -78,6 +79,8 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_ahead = 0  # mixed steps launched right after a mixed step's commit (the next chunk)
         self.mixed_left = 0  # mixed steps launched with nothing in flight, left in flight for the next call
         self.mixed_dropped = 0  # mixed steps staged so and dropped (the commit changed the step)
+        self.mixed_prestaged = 0  # of mixed_ahead, those staged under the mixed step before them
+        self.prestaged_dropped = 0  # mixed steps staged so and dropped (the plain schedule runs another step)
         self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit
 
     def mixed_steps_enabled(self) -> bool:
@@ -94,8 +97,9 @@ class ChunkedPrefillBackend(ModeBackend):
             self.last_step_prefilled = True
             step = self._inflight.step
             self._inflight = None
+            staged = self._stage_under_mixed(step, running) if not may_admit else None
             updates = self.commit_mixed(step)
-            launched = self._launch_after_mixed(running) if not may_admit else 0
+            launched = self._launch_after_mixed(running, staged) if not may_admit else 0
             return StepResult(updates, prefilled=True, decode_reqs=len(step.decoding), launched_decode_reqs=launched)
         if self._inflight is not None:
             self.last_step_prefilled = False
@@ -159,7 +163,7 @@ class ChunkedPrefillBackend(ModeBackend):
         if not same or may_admit:
             return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
         reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
-        step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens, kv_ahead=1)
+        step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens, kv_ahead={r.req_idx: 1 for r in decoding})
         updates = self.flush_decode()
         if any(r.finish_reason is not None for r in decoding):
             self.drop_mixed(step)
@@ -170,21 +174,54 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_staged += 1
         return StepResult(updates, decode_reqs=decoded, steps=0)
 
-    def _launch_after_mixed(self, running: List[InferReq]) -> int:
+    def _stage_under_mixed(self, cur: MixedStep, running: List[InferReq]) -> Optional[MixedStep]:
+        """While ``cur`` runs: stage the mixed step the plain schedule runs after it, should its commit finish no
+        request. Its decode rows are ``cur``'s (one token further) and the prompts ``cur`` finishes (their first
+        token); its chunks follow ``cur``'s. None: no prompt is left for it, or it may not run ahead."""
+        if self.mtp_step != 0:
+            return None
+        chunk = {r.req_idx: n for r, n in zip(cur.reqs, cur.chunk_lens)}
+        ahead = {r.req_idx: 1 for r in cur.decoding}
+        ahead.update(chunk)
+        done = {cur.reqs[i - len(cur.decoding)].req_idx for i in cur.done_items}
+        decoding = [r for r in running if (not r.in_prefill or r.req_idx in done) and r.finish_reason is None]
+        prefilling = [r for r in running if r.in_prefill and r.req_idx not in done]
+        if not prefilling or not decoding or any(r.finish_reason is not None for r in running):
+            return None
+        # the plain check after the commit: each decoding request one token further
+        if not self._may_run_ahead(decoding, committed_ahead=1):
+            return None
+        plan = plan_chunks([r.prompt_len - r.kv_len - chunk.get(r.req_idx, 0) for r in prefilling], self.mixed_budget)
+        reqs, lens = [prefilling[i] for i, _ in plan], [n for _, n in plan]
+        if self.mem_manager.available_size < len(decoding) * (self.mtp_step + 1) + sum(lens):
+            return None
+        return self.stage_mixed(self.mixed_rows, decoding, reqs, lens, kv_ahead=ahead)
+
+    def _launch_after_mixed(self, running: List[InferReq], staged: Optional[MixedStep] = None) -> int:
         """Right after a mixed step's commit, when it finished no request: launch the step the plain schedule's
         next call runs (the router's work between the two changes nothing) and leave it in flight, so the GPU
-        runs it under the router's work: the next mixed step while prompts still wait for chunks, else the
-        decode step. Returns the requests of a decode step so launched (0: none)."""
-        if self.mtp_step != 0 or any(r.finish_reason is not None for r in running):
-            return 0
+        runs it under the router's work: the next mixed step while prompts still wait for chunks (``staged``
+        under the one committed, when it is that step), else the decode step. Returns the requests of a decode
+        step so launched (0: none)."""
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill]
-        if not decoding or not self._may_run_ahead(decoding):
+        if (self.mtp_step != 0 or any(r.finish_reason is not None for r in running) or not decoding
+                or not self._may_run_ahead(decoding)):
+            self._drop_staged(staged)
             return 0
         if prefilling:
-            self._leave_mixed(decoding, prefilling)
+            reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+            if staged is not None and _same_reqs(staged.decoding, decoding) and _same_reqs(staged.reqs, reqs) \
+                    and staged.chunk_lens == lens:
+                self.launch_mixed(staged)
+                self._inflight = InFlightMixed(staged)
+                self.mixed_prestaged += 1
+            else:
+                self._drop_staged(staged)
+                self._leave_mixed(decoding, prefilling)
             self.mixed_ahead += 1
             return 0
+        self._drop_staged(staged)
         rows = self.prepare_decode_rows(decoding)
         self._inflight = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
         self.last_step_prefilled = False
@@ -198,6 +235,12 @@ class ChunkedPrefillBackend(ModeBackend):
         self.launch_mixed(step)
         self._inflight = InFlightMixed(step)
 
+    def _drop_staged(self, staged: Optional[MixedStep]) -> None:
+        """A mixed step staged under the one committed that the plain schedule does not run next: its slots back."""
+        if staged is not None:
+            self.drop_mixed(staged)
+            self.prestaged_dropped += 1
+
     def _undo(self, step: InFlightStep) -> None:
         """Take back a launched step: the batch it ran is not the one the plain schedule runs."""
         self.decode_step.wait(step.pending)  # its host buffers and inputs are reused later
@@ -206,15 +249,16 @@ class ChunkedPrefillBackend(ModeBackend):
         self._inflight = None
         self.discarded_steps += 1
 
-    def _may_run_ahead(self, reqs: List[InferReq]) -> bool:
+    def _may_run_ahead(self, reqs: List[InferReq], committed_ahead: int = 0) -> bool:
         """Whether the next step of ``reqs`` may be launched before the current one is committed:
         its inputs must not depend on the host's commit (per-position seeds, penalty counts, a
         grammar's mask, a verify observer), and no request may reach max_new_tokens in the current step (that
-        finish is known in advance: no step is launched for nothing)."""
+        finish is known in advance: no step is launched for nothing). ``committed_ahead``: tokens each request
+        commits before then (1 for a request still in prefill: its first token)."""
         k1 = self.mtp_step + 1
         return self.overlap_schedule and self.verify_observer is None and all(
             r.params.seed is None and not r.has_penalty and r.grammar is None
-            and len(r.output_ids) + k1 < r.params.max_new_tokens
+            and len(r.output_ids) + (1 if r.in_prefill else committed_ahead) + k1 < r.params.max_new_tokens
             for r in reqs)
 
     def flush_decode(self) -> List[ReqStepUpdate]:
@@ -237,6 +281,10 @@ class ChunkedPrefillBackend(ModeBackend):
         budget = self.batch_max_tokens if budget is None else budget
         plan = plan_chunks([req.prompt_len - req.kv_len for req in reqs], budget)
         return [reqs[i] for i, _ in plan], [n for _, n in plan]
+
+
+def _same_reqs(a: List[InferReq], b: List[InferReq]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def plan_chunks(remaining: List[int], budget: int) -> List[Tuple[int, int]]:
