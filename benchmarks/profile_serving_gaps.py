@@ -18,7 +18,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
@@ -42,6 +42,7 @@ from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
 
 TAIL_PERCENTILE = 99  # the gaps whose anatomy is printed: at or above this percentile
 WARMUP_NEW_TOKENS = 8
+TOP_SEQUENCES = 5  # the tail gaps' most common call sequences reported
 # the backend's counters a call's kind is read from (ChunkedPrefillBackend; absent ones count 0)
 COUNTERS = ("discarded_steps", "mixed_dropped", "mixed_staged", "mixed_ahead", "mixed_left", "decode_after_mixed")
 CALL_KINDS = ("decode", "commit only", "mixed", "mixed launch", "prefill", "idle")
@@ -82,7 +83,8 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
                 percentile: float = TAIL_PERCENTILE) -> Dict[str, object]:
     """Each request's gaps between consecutive calls that returned it tokens (``token_calls``: request ->
     indexes into ``calls``), from one call's end to the other's; the gaps at or above ``percentile`` split
-    over the calls after the first up to the second (time by kind, and the loop's time between calls)."""
+    over the calls after the first up to the second (time by kind, the loop's time between calls, and the
+    most common sequences of call kinds)."""
     gaps: List[Tuple[float, int, int]] = []  # (ms, first call, last call)
     for idx in token_calls.values():
         gaps += [(1e3 * (calls[j].end - calls[i].end), i, j) for i, j in zip(idx, idx[1:])]
@@ -105,6 +107,7 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
             gc_ms += call.gc_ms
             gc_full += call.gc_full
     n = len(tail)
+    sequences = Counter(" > ".join(calls[c].kind for c in range(i + 1, j + 1)) for _, i, j in tail)
     return {
         "gaps": len(gaps), "gap_ms_p50": float(np.percentile(ms, 50)), f"gap_ms_p{percentile}": cut,
         "calls_per_gap_p50": float(np.percentile(spans, 50)), f"calls_per_gap_p{percentile}": float(np.percentile(spans, percentile)),
@@ -113,6 +116,8 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
         "tail_ms_by_kind": {k: v / n for k, v in by_kind.items() if v},
         "tail_ms_between_calls": between / n, "tail_gc_ms": gc_ms / n, "tail_gc_full": gc_full / n,
         "tail_admitted": admitted / n, "tail_finished": finished / n, "tail_undone": undone / n,
+        # the calls a tail gap spans, by kind in order: the most common sequences and their counts
+        "tail_call_sequences": dict(sequences.most_common(TOP_SEQUENCES)),
     }
 
 

@@ -41,6 +41,7 @@ def test_gap_anatomy_by_hand():
     assert a["tail_ms_by_kind"] == pytest.approx({"mixed launch": 1.5, "mixed": 15.5, "decode": 1.5})
     assert a["tail_ms_between_calls"] == pytest.approx(1.5)
     assert (a["tail_gc_ms"], a["tail_gc_full"], a["tail_admitted"], a["tail_undone"]) == (4.0, 1, 2, 1)
+    assert a["tail_call_sequences"] == {"mixed launch > mixed > decode": 1}
     assert gaps.gap_anatomy(calls, {0: [2]}) == {"gaps": 0}
 
 
