@@ -45,7 +45,7 @@ WARMUP_NEW_TOKENS = 8
 TOP_SEQUENCES = 5  # the tail gaps' most common call sequences reported
 # the backend's counters a call's kind is read from (ChunkedPrefillBackend; absent ones count 0)
 COUNTERS = ("discarded_steps", "mixed_dropped", "mixed_staged", "mixed_ahead", "mixed_left", "decode_after_mixed")
-CALL_KINDS = ("decode", "commit only", "mixed", "mixed launch", "prefill", "idle")
+CALL_KINDS = ("decode", "commit only", "commit, mixed launch", "mixed", "mixed launch", "prefill", "idle")
 
 
 @dataclass
@@ -66,14 +66,20 @@ class Call:
         return 1e3 * (self.end - self.start)
 
 
-def call_kind(prefilled: bool, decode_reqs: int, steps: int, updates: int) -> str:
+def call_kind(prefilled: bool, decode_reqs: int, steps: int, updates: int, launched_decode_reqs: int = 0,
+              staged_mixed: bool = False) -> str:
     """What a call ran, from its StepResult: a mixed step committed (``mixed``) or only launched and left in
-    flight (``mixed launch``), a prefill-only step, a decode step (run, or its successor launched), a call that
-    only committed a step in flight (``commit only``), or nothing (``idle``)."""
+    flight (``mixed launch``), a prefill-only step, a decode step (run, or its successor launched), a decode
+    step committed and the mixed step staged under it launched (``commit, mixed launch``), a call that only
+    committed a step in flight (``commit only``), or nothing (``idle``)."""
     if prefilled:
         if decode_reqs:
             return "mixed"
         return "mixed launch" if steps == 0 and not updates else "prefill"
+    if staged_mixed:
+        return "commit, mixed launch"
+    if steps == 0 and launched_decode_reqs:
+        return "decode"
     if steps == 0 or not decode_reqs:
         return "commit only" if updates else "idle"
     return "decode"
@@ -194,7 +200,8 @@ def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingPar
             gc_ms, gc_full = clock.take()
             delta = dict(zip(COUNTERS, (getattr(b, k, 0) - v for k, v in zip(COUNTERS, before))))
             r = router.last_result
-            kind = call_kind(r.prefilled, r.decode_reqs, r.steps, len(updates)) if r is not None else "idle"
+            kind = "idle" if r is None else call_kind(r.prefilled, r.decode_reqs, r.steps, len(updates),
+                                                      r.launched_decode_reqs, delta["mixed_staged"] > 0)
             router.last_result = None
             finished = 0
             for u in updates:

@@ -21,6 +21,10 @@ def test_call_kind_reads_the_step_result():
     assert gaps.call_kind(prefilled=False, decode_reqs=4, steps=1, updates=4) == "decode"
     assert gaps.call_kind(prefilled=False, decode_reqs=4, steps=0, updates=4) == "commit only"
     assert gaps.call_kind(prefilled=False, decode_reqs=0, steps=1, updates=0) == "idle"
+    # a decode step committed and the next launched without the requests it finished
+    assert gaps.call_kind(prefilled=False, decode_reqs=4, steps=0, updates=4, launched_decode_reqs=3) == "decode"
+    assert gaps.call_kind(prefilled=False, decode_reqs=4, steps=0, updates=4, staged_mixed=True) == \
+        "commit, mixed launch"
 
 
 def test_gap_anatomy_by_hand():

@@ -303,9 +303,11 @@ class DecodeStep:
         size = self.ladder.bucket_size(num_reqs) if self.ladder is not None else None
         return (num_reqs if size is None else size) * (self.mtp_step + 1)
 
-    def prepare(self, reqs: List[InferReq], num_rows: Optional[int] = None) -> DecodeRows:
+    def prepare(self, reqs: List[InferReq], num_rows: Optional[int] = None, kv_ahead: int = 0) -> DecodeRows:
         """Allocate K+1 KV slots per request and stage the rows; pad with HOLD rows to
-        ``num_rows`` rows (DP: the same rows on every rank) or, on CUDA, to the ladder's size."""
+        ``num_rows`` rows (DP: the same rows on every rank) or, on CUDA, to the ladder's size.
+        ``kv_ahead``: KV positions each request gains before the step runs (plain decoding staged under a
+        step in flight: 1)."""
         k1 = self.mtp_step + 1
         n = len(reqs)
         real = n * k1
@@ -317,7 +319,7 @@ class DecodeStep:
             raise ValueError(f"{n} requests need {real} rows, more than num_rows={num_rows}")
         if num_rows > self.max_rows:
             raise ValueError(f"{num_rows} decode rows exceed the step's {self.max_rows} static rows")
-        kv_len = np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=n)
+        kv_len = np.fromiter((r.kv_len + kv_ahead for r in reqs), dtype=np.int64, count=n)
         # the row of position kv_len + j caches kv_len + j + 1 tokens after the forward
         seq = (kv_len[:, None] + np.arange(1, k1 + 1, dtype=np.int64)[None, :]).reshape(-1)
         seq_cpu, slots = self._stage(reqs, num_rows, seq)

@@ -582,6 +582,23 @@ def test_a_prompt_joining_mid_run_is_staged_under_the_decode_step_in_flight(mode
     _assert_pools_whole(plain, overlap)
 
 
+@pytest.mark.parametrize("extra", [1, 2])
+def test_a_length_finish_in_the_step_in_flight_leaves_the_mixed_step_staged(models, extra):
+    """Request 1 reaches max_new_tokens around the decode step in flight when prompts join: a finish known in
+    advance, so the mixed step staged under that step leaves it out (as the plain schedule's next step does)
+    and is launched, not dropped."""
+    m = models["llama"]
+    prompts = random_prompts(m["vocab"], 3, range(5, 9), seed=82)
+    specs = _greedy_specs(prompts, [MIX_MAX_NEW, JOIN_AFTER_TOKENS + extra, MIX_MAX_NEW])
+    late = _greedy_specs(random_prompts(m["vocab"], 2, range(2, 3), seed=83), [6, 6])  # both in one chunk
+    plain = _join_mid_run(m["target"], False, specs, late, JOIN_AFTER_TOKENS)
+    overlap = _join_mid_run(m["target"], True, specs, late, JOIN_AFTER_TOKENS)
+    _assert_same_outputs(plain, overlap)
+    assert plain.last()[1].finish_reason == "length"
+    assert overlap.backend.mixed_staged == 1 and overlap.backend.mixed_dropped == 0
+    _assert_pools_whole(plain, overlap)
+
+
 def test_a_finish_in_the_step_in_flight_drops_the_staged_mixed_step(models):
     """The decode step in flight when prompts join finishes a request (its stop sequence): the mixed step
     staged under it is dropped (its slots back) and the plain schedule's step runs instead."""
@@ -610,7 +627,8 @@ class ClockWatch:
     def __init__(self, router):
         self.prev = self._read(router)
         # (commit_only, decode updates, d steps, d decode_steps, d seconds, d decode_seconds); commit_only: the
-        # call committed a decode step launched earlier and launched none; mixed_left: it launched a mixed step
+        # call committed a decode step launched earlier and launched none (a step launched without the requests
+        # that finish before it is counted as launched_decode_reqs); mixed_left: it launched a mixed step
         # and left it in flight (counted when the next call commits it)
         self.calls = []
         self.mixed_left = []  # (d steps, d decode_steps, d seconds)
@@ -628,7 +646,8 @@ class ClockWatch:
         result = router.last_result
         if result.steps == 0 and result.prefilled:
             self.mixed_left.append(delta[:3])
-        self.calls.append((result.steps == 0 and not result.prefilled, decoded) + delta)
+        commit_only = result.steps == 0 and not result.prefilled and not result.launched_decode_reqs
+        self.calls.append((commit_only, decoded) + delta)
 
 
 def _decode_steps_and_reqs(run: Run) -> Tuple[int, int]:
@@ -663,6 +682,8 @@ def test_step_clock_counts_each_committed_decode_step_once(models, ends):
     assert plain_t.decode_steps + plain_t.mixed_steps == steps
     assert plain_t.decode_batch_reqs + plain_t.mixed_decode_reqs == req_steps
     assert overlap.backend.steps_ahead > 0
+    # requests reaching max_new_tokens: the next step was launched ahead without them
+    assert overlap.backend.successors_without_last > 0
     assert (overlap_t.decode_steps, overlap_t.decode_batch_reqs) == (plain_t.decode_steps, plain_t.decode_batch_reqs)
     assert (overlap_t.mixed_steps, overlap_t.mixed_decode_reqs) == (plain_t.mixed_steps, plain_t.mixed_decode_reqs)
     assert sum(c.steps for c in overlap_t.decode_by_batch.values()) == plain_t.decode_steps

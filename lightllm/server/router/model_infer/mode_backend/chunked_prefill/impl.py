@@ -82,6 +82,7 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_prestaged = 0  # of mixed_ahead, those staged under the mixed step before them
         self.prestaged_dropped = 0  # mixed steps staged so and dropped (the plain schedule runs another step)
         self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit
+        self.successors_without_last = 0  # decode steps launched ahead without the requests finishing before them
 
     def mixed_steps_enabled(self) -> bool:
         return not self.args.disable_mixed_steps
@@ -136,11 +137,19 @@ class ChunkedPrefillBackend(ModeBackend):
         k1 = self.mtp_step + 1
         # the requests the committed step decodes (a kept step's finished rows are padding)
         decoded = sum(r.finish_reason is None for r in cur.rows.reqs)
-        if not (same and self._may_run_ahead(decoding)
-                and self.mem_manager.available_size >= len(decoding) * k1):
+        last = self._last_in_flight(decoding)
+        going_on = [r for r in decoding if all(r is not x for x in last)]
+        if not (same and going_on and self._may_run_ahead(going_on)
+                and (not last or not may_admit)
+                and self.mem_manager.available_size >= len(going_on) * k1):
             return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
-        self.decode_step.snapshot(cur.rows)  # after cur's writes, before the next step's
-        rows = self.decode_step.prepare_successor(cur.rows, cur.pending)
+        if last:  # the plain schedule's next step leaves them out: stage it afresh, each request one token on
+            rows = self.decode_step.prepare(going_on, kv_ahead=1)
+            self.decode_step.snapshot(rows)  # after cur's writes, before the next step's
+            self.successors_without_last += 1
+        else:
+            self.decode_step.snapshot(cur.rows)  # after cur's writes, before the next step's
+            rows = self.decode_step.prepare_successor(cur.rows, cur.pending)
         nxt = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
         self.steps_ahead += 1
         updates = self.commit_decode(cur.rows, self.decode_step.wait(cur.pending))
@@ -150,22 +159,28 @@ class ChunkedPrefillBackend(ModeBackend):
                          self.decode_step.padded_rows(len(rows.reqs) - finished) != rows.num_rows):
             self._undo(nxt)  # the plain schedule's next step differs: a new prefill or another shape
             return StepResult(updates, decode_reqs=decoded, steps=0)  # the re-run is counted when it runs
+        if last:  # counted as the plain schedule's next call counts it, once the finished requests have left
+            return StepResult(updates, decode_reqs=decoded, steps=0, launched_decode_reqs=len(rows.reqs) - finished)
         return StepResult(updates, decode_reqs=decoded)
 
     def _mix_after(self, decoding: List[InferReq], prefilling: List[InferReq], may_admit: bool) -> StepResult:
         """With a decode step in flight and prompts to prefill: stage the mixed step the plain schedule runs
-        next while the GPU decodes (each decoding request one token further), commit the step in flight,
-        then launch the mixed step and leave it in flight, unless the commit changed it (a request finished,
-        or one is waiting to join: the plain schedule lays out another step, so the staging is dropped)."""
+        next while the GPU decodes (each decoding request one token further; one that reaches max_new_tokens in
+        the step in flight left out), commit the step in flight, then launch the mixed step and leave it in
+        flight, unless the commit changed it (another request finished, or one is waiting to join: the plain
+        schedule lays out another step, so the staging is dropped)."""
         cur = self._inflight
         decoded = sum(r.finish_reason is None for r in cur.rows.reqs)
-        same = len(decoding) == len(cur.rows.reqs) and all(a is b for a, b in zip(decoding, cur.rows.reqs))
-        if not same or may_admit:
+        if not _same_reqs(decoding, cur.rows.reqs) or may_admit:
+            return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
+        last = self._last_in_flight(decoding)
+        going_on = [r for r in decoding if all(r is not x for x in last)]
+        if not going_on:  # the plain schedule's next step prefills alone
             return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
         reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
-        step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens, kv_ahead={r.req_idx: 1 for r in decoding})
+        step = self.stage_mixed(self.mixed_rows, going_on, reqs, lens, kv_ahead={r.req_idx: 1 for r in going_on})
         updates = self.flush_decode()
-        if any(r.finish_reason is not None for r in decoding):
+        if any(r.finish_reason is not None for r in going_on) or any(r.finish_reason is None for r in last):
             self.drop_mixed(step)
             self.mixed_dropped += 1
             return StepResult(updates, decode_reqs=decoded, steps=0)
@@ -173,6 +188,13 @@ class ChunkedPrefillBackend(ModeBackend):
         self._inflight = InFlightMixed(step)
         self.mixed_staged += 1
         return StepResult(updates, decode_reqs=decoded, steps=0)
+
+    def _last_in_flight(self, decoding: List[InferReq]) -> List[InferReq]:
+        """The requests whose last token comes in the decode step in flight (max_new_tokens, plain decoding: one
+        token a step): a finish known now, so the plain schedule's next step, known too, leaves them out."""
+        if self.mtp_step != 0:
+            return []
+        return [r for r in decoding if len(r.output_ids) + 1 >= r.params.max_new_tokens]
 
     def _stage_under_mixed(self, cur: MixedStep, running: List[InferReq]) -> Optional[MixedStep]:
         """While ``cur`` runs: stage the mixed step the plain schedule runs after it, should its commit finish no
