@@ -155,8 +155,9 @@ class ChunkedPrefillBackend(ModeBackend):
         updates = self.commit_decode(cur.rows, self.decode_step.wait(cur.pending))
         self._inflight = nxt
         finished = sum(r.finish_reason is not None for r in rows.reqs)
-        if finished and (may_admit or finished == len(rows.reqs) or
-                         self.decode_step.padded_rows(len(rows.reqs) - finished) != rows.num_rows):
+        if any(r.finish_reason is None for r in last) or finished and (
+                may_admit or finished == len(rows.reqs) or
+                self.decode_step.padded_rows(len(rows.reqs) - finished) != rows.num_rows):
             self._undo(nxt)  # the plain schedule's next step differs: a new prefill or another shape
             return StepResult(updates, decode_reqs=decoded, steps=0)  # the re-run is counted when it runs
         if last:  # counted as the plain schedule's next call counts it, once the finished requests have left
