@@ -15,7 +15,6 @@ import gc
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from collections import Counter, deque
@@ -116,7 +115,8 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
     sequences = Counter(" > ".join(calls[c].kind for c in range(i + 1, j + 1)) for _, i, j in tail)
     return {
         "gaps": len(gaps), "gap_ms_p50": float(np.percentile(ms, 50)), f"gap_ms_p{percentile}": cut,
-        "calls_per_gap_p50": float(np.percentile(spans, 50)), f"calls_per_gap_p{percentile}": float(np.percentile(spans, percentile)),
+        "calls_per_gap_p50": float(np.percentile(spans, 50)),
+        f"calls_per_gap_p{percentile}": float(np.percentile(spans, percentile)),
         "tail_gaps": n, "tail_gap_ms_mean": float(np.mean([g[0] for g in tail])),
         "tail_calls_per_gap": float(np.mean([j - i for _, i, j in tail])),
         "tail_ms_by_kind": {k: v / n for k, v in by_kind.items() if v},
@@ -219,7 +219,8 @@ def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingPar
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gsm8k", required=True, help="GSM8K test JSONL (the short prompts; the long ones are built from it)")
+    p.add_argument("--gsm8k", required=True,
+                   help="GSM8K test JSONL (the short prompts; the long ones are built from it)")
     p.add_argument("--num_prompts", type=int, default=512)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max_new_tokens", type=int, default=256)
@@ -260,9 +261,8 @@ def main(argv=None) -> int:
           f"{len(clock.all_ms)} collections (max {max(clock.all_ms, default=0):.2f} ms)")
     print("gaps at or above the p99, per gap:", json.dumps({k: v for k, v in anatomy.items() if k.startswith("tail")},
                                                           indent=1))
-    result = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                       text=True).stdout.strip(),
-              "args": vars(args), "device": "cuda" if on_gpu else "cpu", "wall_s": wall, "calls": table,
+    result = {"commit": serving._git_commit(), "args": vars(args), "device": "cuda" if on_gpu else "cpu",
+              "wall_s": wall, "calls": table,
               "gaps": anatomy, "gc": {"collections": len(clock.all_ms), "ms_total": sum(clock.all_ms),
                                       "ms_max": max(clock.all_ms, default=0.0)}}
     if args.out:

@@ -132,13 +132,11 @@ class ChunkedPrefillBackend(ModeBackend):
         """With a step in flight: launch the next step of the same requests and commit the one in
         flight, or (anything else to do first) only commit it."""
         cur = self._inflight
-        same = not prefilling and len(decoding) == len(cur.rows.reqs) and all(
-            a is b for a, b in zip(decoding, cur.rows.reqs))
+        same = not prefilling and _same_reqs(decoding, cur.rows.reqs)
         k1 = self.mtp_step + 1
         # the requests the committed step decodes (a kept step's finished rows are padding)
         decoded = sum(r.finish_reason is None for r in cur.rows.reqs)
-        last = self._last_in_flight(decoding)
-        going_on = [r for r in decoding if all(r is not x for x in last)]
+        last, going_on = self._split_last(decoding)
         if not (same and going_on and self._may_run_ahead(going_on)
                 and (not last or not may_admit)
                 and self.mem_manager.available_size >= len(going_on) * k1):
@@ -174,8 +172,7 @@ class ChunkedPrefillBackend(ModeBackend):
         decoded = sum(r.finish_reason is None for r in cur.rows.reqs)
         if not _same_reqs(decoding, cur.rows.reqs) or may_admit:
             return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
-        last = self._last_in_flight(decoding)
-        going_on = [r for r in decoding if all(r is not x for x in last)]
+        last, going_on = self._split_last(decoding)
         if not going_on:  # the plain schedule's next step prefills alone
             return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
         reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
@@ -190,12 +187,16 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_staged += 1
         return StepResult(updates, decode_reqs=decoded, steps=0)
 
-    def _last_in_flight(self, decoding: List[InferReq]) -> List[InferReq]:
-        """The requests whose last token comes in the decode step in flight (max_new_tokens, plain decoding: one
-        token a step): a finish known now, so the plain schedule's next step, known too, leaves them out."""
+    def _split_last(self, decoding: List[InferReq]) -> Tuple[List[InferReq], List[InferReq]]:
+        """(the requests whose last token comes in the decode step in flight, the others), in order. Their finish
+        (max_new_tokens, plain decoding: one token a step) is known now, so the plain schedule's next step, known
+        too, leaves them out."""
         if self.mtp_step != 0:
-            return []
-        return [r for r in decoding if len(r.output_ids) + 1 >= r.params.max_new_tokens]
+            return [], list(decoding)
+        last, going_on = [], []
+        for r in decoding:
+            (last if len(r.output_ids) + 1 >= r.params.max_new_tokens else going_on).append(r)
+        return last, going_on
 
     def _stage_under_mixed(self, cur: MixedStep, running: List[InferReq]) -> Optional[MixedStep]:
         """While ``cur`` runs: stage the mixed step the plain schedule runs after it, should its commit finish no
