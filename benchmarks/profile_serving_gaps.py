@@ -4,7 +4,10 @@ own flags and no HTTP. Every ``router.step()`` call is recorded: its wall time, 
 requests it admitted and finished, the steps it took back, and Python's garbage collections inside it. Each
 request's gap between two token updates is then split over the calls it spans. The script prints the gaps'
 p50 / p99 and, for the gaps at or above the p99, what their calls were (by kind, in ms per gap), and writes
-JSON. What it leaves out: the HTTP process and the queue to it (the serving benchmark's router ITL has them).
+JSON. On CUDA each step is also timed on the GPU (CUDA events around its forward and decode flow), so the
+tail's time splits into GPU steps and the GPU idle between them (host work on the critical path), by the kind
+of the call that launched the next step. What it leaves out: the HTTP process and the queue to it (the serving
+benchmark's router ITL has them).
 
     python benchmarks/profile_serving_gaps.py --gsm8k .data/test.jsonl \
         --server_args "--model_dir M --load_format dummy" --out gaps.json
@@ -19,7 +22,7 @@ import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -84,21 +87,35 @@ def call_kind(prefilled: bool, decode_reqs: int, steps: int, updates: int, launc
     return "decode"
 
 
+def request_gaps(calls: Sequence[Call], token_calls: Dict[int, List[int]]) -> List[Tuple[float, int, int]]:
+    """(ms, first call, last call) of each request's gap between consecutive calls that returned it tokens."""
+    gaps: List[Tuple[float, int, int]] = []
+    for idx in token_calls.values():
+        gaps += [(1e3 * (calls[j].end - calls[i].end), i, j) for i, j in zip(idx, idx[1:])]
+    return gaps
+
+
+def tail_gaps(gaps: Sequence[Tuple[float, int, int]], percentile: float = TAIL_PERCENTILE) -> List[Tuple[float, int, int]]:
+    """The gaps at or above ``percentile``."""
+    if not gaps:
+        return []
+    cut = float(np.percentile([g[0] for g in gaps], percentile))
+    return [g for g in gaps if g[0] >= cut]
+
+
 def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
                 percentile: float = TAIL_PERCENTILE) -> Dict[str, object]:
     """Each request's gaps between consecutive calls that returned it tokens (``token_calls``: request ->
     indexes into ``calls``), from one call's end to the other's; the gaps at or above ``percentile`` split
     over the calls after the first up to the second (time by kind, the loop's time between calls, and the
     most common sequences of call kinds)."""
-    gaps: List[Tuple[float, int, int]] = []  # (ms, first call, last call)
-    for idx in token_calls.values():
-        gaps += [(1e3 * (calls[j].end - calls[i].end), i, j) for i, j in zip(idx, idx[1:])]
+    gaps = request_gaps(calls, token_calls)
     if not gaps:
         return {"gaps": 0}
     ms = np.array([g[0] for g in gaps])
     spans = np.array([j - i for _, i, j in gaps])
     cut = float(np.percentile(ms, percentile))
-    tail = [g for g in gaps if g[0] >= cut]
+    tail = tail_gaps(gaps, percentile)
     by_kind = {k: 0.0 for k in CALL_KINDS}
     between = admitted = finished = undone = gc_ms = gc_full = 0.0
     for _, i, j in tail:
@@ -165,6 +182,106 @@ class GcClock:
         return out
 
 
+@dataclass
+class StepSpan:
+    """One step on the GPU, on the host's clock (s): from its forward's first kernel to the end of its decode flow,
+    and the call (index into the run's calls) that launched it."""
+
+    call: int
+    kind: str  # STEP_KINDS
+    start: float
+    end: float
+
+
+STEP_KINDS = ("decode", "rows")  # a decode-only step; a step over the rows layout (mixed, or prefill as rows)
+
+
+def gpu_timeline(spans: Sequence[StepSpan], calls: Sequence[Call],
+                 windows: Sequence[Tuple[float, float]] = ()) -> Dict[str, object]:
+    """The GPU's time by step kind and its idle time between steps (the next step not yet launched: host work
+    on the critical path), the idle filed under the kind of the call that launched the next step. ``windows``:
+    (start, end) host times (the tail gaps), each split into GPU step time and idle."""
+    spans = sorted(spans, key=lambda s: s.start)
+    idle = [(a.end, b.start, calls[b.call].kind) for a, b in zip(spans, spans[1:]) if b.start > a.end]
+    step_ms = {k: [1e3 * (s.end - s.start) for s in spans if s.kind == k] for k in STEP_KINDS}
+    by_kind: Dict[str, float] = {}
+    for a, b, kind in idle:
+        by_kind[kind] = by_kind.get(kind, 0.0) + 1e3 * (b - a)
+    out: Dict[str, object] = {
+        "steps": len(spans),
+        "busy_ms": sum(1e3 * (s.end - s.start) for s in spans),
+        "idle_ms": sum(by_kind.values()),
+        "idle_ms_by_launching_call": by_kind,
+        "step_ms": {k: {"steps": len(v), "p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))}
+                    for k, v in step_ms.items() if v},
+    }
+    if windows:
+        def overlap(a: float, b: float, lo: float, hi: float) -> float:
+            return max(0.0, min(b, hi) - max(a, lo))
+
+        n = len(windows)
+        out["tail_idle_ms"] = sum(1e3 * overlap(a, b, lo, hi) for lo, hi in windows for a, b, _ in idle) / n
+        out["tail_step_ms"] = {k: sum(1e3 * overlap(s.start, s.end, lo, hi) for lo, hi in windows
+                                      for s in spans if s.kind == k) / n for k in STEP_KINDS}
+    return out
+
+
+class GpuClock:
+    """CUDA events around every step the backend launches: one before its forward (``DecodeStep.forward``, or
+    ``StepRows.forward_rows`` for the rows layout), one after its decode flow is queued
+    (``DecodeStep.launch_finish``; a prefill step, which waits inside, at the end of its call). The events are
+    placed on the host's clock by one event recorded at a synchronized start."""
+
+    def __init__(self, backend, event: Optional[Callable[[], object]] = None,
+                 synchronize: Optional[Callable[[], None]] = None):
+        """``event``, ``synchronize``: CUDA's by default (``torch.cuda.Event(enable_timing=True)``)."""
+        import torch
+
+        self._new_event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._sync = synchronize or torch.cuda.synchronize
+        self.call = 0  # the call under way (set by the driver)
+        self._open: Optional[Tuple[int, str, object]] = None
+        self._events: List[Tuple[int, str, object, object]] = []
+        ds = backend.decode_step
+        self._wrap(ds, "forward", before="decode")
+        self._wrap(ds, "launch_finish", after=True)
+        for rows in {id(r): r for r in (backend.step_rows, getattr(backend, "mixed_rows", None)) if r}.values():
+            self._wrap(rows, "forward_rows", before="rows")
+        self._sync()
+        self._origin = self._event()
+        self._sync()
+        self._origin_s = time.perf_counter()
+
+    def _event(self):
+        ev = self._new_event()
+        ev.record()
+        return ev
+
+    def _wrap(self, obj, name: str, before: Optional[str] = None, after: bool = False) -> None:
+        fn = getattr(obj, name)
+
+        def wrapped(*a, **kw):
+            if before and self._open is None:
+                self._open = (self.call, before, self._event())
+            out = fn(*a, **kw)
+            if after:
+                self.close()
+            return out
+
+        setattr(obj, name, wrapped)
+
+    def close(self) -> None:
+        """The step opened last ends here (its decode flow queued, or its call over)."""
+        if self._open is not None:
+            self._events.append((*self._open, self._event()))
+            self._open = None
+
+    def spans(self) -> List[StepSpan]:
+        self._sync()
+        at = lambda ev: self._origin_s + 1e-3 * self._origin.elapsed_time(ev)  # noqa: E731
+        return [StepSpan(call, kind, at(a), at(b)) for call, kind, a, b in self._events]
+
+
 def start_args(flags: Sequence[str], concurrency: int, max_req_total_len: int) -> StartArgs:
     """The server's flags as StartArgs, with the serving benchmark's concurrency and length (flags win)."""
     base = server_flags(running_max_req_size=concurrency, max_req_total_len=max_req_total_len)
@@ -173,9 +290,10 @@ def start_args(flags: Sequence[str], concurrency: int, max_req_total_len: int) -
     return StartArgs(**{k: v for k, v in vars(ns).items() if k in names})
 
 
-def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingParams],
-          concurrency: int) -> Tuple[List[Call], Dict[int, List[int]], GcClock]:
-    """Closed loop: ``concurrency`` requests in the router at a time, the next one added when one finishes."""
+def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingParams], concurrency: int,
+          gpu: Optional[GpuClock] = None) -> Tuple[List[Call], Dict[int, List[int]], GcClock]:
+    """Closed loop: ``concurrency`` requests in the router at a time, the next one added when one finishes.
+    ``gpu``: the steps' GPU clock, told each call's index."""
     router, b = eng.router, eng.backend
     eos = eng.eos_token_ids()
     budget = eng.args.mtp_asd_regret_budget
@@ -194,8 +312,12 @@ def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingPar
             waiting = len(router.queue.waiting)
             before = [getattr(b, k, 0) for k in COUNTERS]
             clock.take()
+            if gpu is not None:
+                gpu.call = len(calls)
             t0 = time.perf_counter()
             updates = router.step()
+            if gpu is not None:
+                gpu.close()  # a step that did not queue its decode flow apart (prefill) ends with its call
             t1 = time.perf_counter()
             gc_ms, gc_full = clock.take()
             delta = dict(zip(COUNTERS, (getattr(b, k, 0) - v for k, v in zip(COUNTERS, before))))
@@ -250,10 +372,15 @@ def main(argv=None) -> int:
     warm = prompts[:args.concurrency]  # the mix's first requests: the long prompts' kernels too
     drive(eng, warm, [SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS)] * len(warm), args.concurrency)
     params = [SamplingParams(max_new_tokens=r.max_new_tokens) for r in workload]
+    gpu = GpuClock(eng.backend) if on_gpu else None
     t0 = time.perf_counter()
-    calls, token_calls, clock = drive(eng, prompts, params, args.concurrency)
+    calls, token_calls, clock = drive(eng, prompts, params, args.concurrency, gpu)
     wall = time.perf_counter() - t0
     anatomy = gap_anatomy(calls, token_calls)
+    timeline = None
+    if gpu is not None:
+        windows = [(calls[i].end, calls[j].end) for _, i, j in tail_gaps(request_gaps(calls, token_calls))]
+        timeline = gpu_timeline(gpu.spans(), calls, windows)
     table = call_table(calls)
     print(render_table(table, CALL_TABLE))
     print(f"{len(prompts)} requests in {wall:.2f}s; gaps p50 {anatomy.get('gap_ms_p50', 0):.2f} ms, "
@@ -261,8 +388,10 @@ def main(argv=None) -> int:
           f"{len(clock.all_ms)} collections (max {max(clock.all_ms, default=0):.2f} ms)")
     print("gaps at or above the p99, per gap:", json.dumps({k: v for k, v in anatomy.items() if k.startswith("tail")},
                                                           indent=1))
+    if timeline is not None:
+        print("GPU steps and idle (ms):", json.dumps(timeline, indent=1))
     result = {"commit": serving._git_commit(), "args": vars(args), "device": "cuda" if on_gpu else "cpu",
-              "wall_s": wall, "calls": table,
+              "wall_s": wall, "calls": table, "gpu": timeline,
               "gaps": anatomy, "gc": {"collections": len(clock.all_ms), "ms_total": sum(clock.all_ms),
                                       "ms_max": max(clock.all_ms, default=0.0)}}
     if args.out:

@@ -252,7 +252,7 @@ gaps)
         timeout 240 python benchmarks/profile_serving_gaps.py --gsm8k .data/test.jsonl ${GAPS_FLAGS:-} \
             --server_args "--model_dir $m --load_format dummy $arm" --out "$out/gaps_$i.json" \
             > "$out/gaps_$i.log" 2>&1
-        echo "arm $i ($arm) | rc $?"; grep -v " INFO " "$out/gaps_$i.log" | tail -30
+        echo "arm $i ($arm) | rc $?"; grep -v " INFO " "$out/gaps_$i.log" | tail -60
     done | tee "$out/gaps.txt"
     ;;
 serving_ab)

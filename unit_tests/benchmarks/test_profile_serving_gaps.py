@@ -4,6 +4,8 @@ import json
 import os
 import shutil
 import sys
+import time
+import types
 
 import pytest
 
@@ -47,6 +49,62 @@ def test_gap_anatomy_by_hand():
     assert (a["tail_gc_ms"], a["tail_gc_full"], a["tail_admitted"], a["tail_undone"]) == (4.0, 1, 2, 1)
     assert a["tail_call_sequences"] == {"mixed launch > mixed > decode": 1}
     assert gaps.gap_anatomy(calls, {0: [2]}) == {"gaps": 0}
+
+
+def test_gpu_timeline_by_hand():
+    kinds = ["decode", "decode", "mixed launch", "mixed"]
+    calls = [Call(start=0.0, end=0.0, kind=k) for k in kinds]
+    spans = [gaps.StepSpan(0, "decode", 0.000, 0.002), gaps.StepSpan(1, "decode", 0.002, 0.004),
+             gaps.StepSpan(2, "rows", 0.007, 0.012), gaps.StepSpan(3, "decode", 0.0125, 0.0145)]
+    t = gaps.gpu_timeline(spans[::-1], calls, windows=[(0.003, 0.013)])  # any order: sorted by start
+    assert t["steps"] == 4 and t["busy_ms"] == pytest.approx(11.0)
+    # idle 4 -> 7 ms before the step call 2 launched, 12 -> 12.5 before call 3's
+    assert t["idle_ms"] == pytest.approx(3.5)
+    assert t["idle_ms_by_launching_call"] == pytest.approx({"mixed launch": 3.0, "mixed": 0.5})
+    assert t["step_ms"]["decode"]["steps"] == 3 and t["step_ms"]["decode"]["p50"] == pytest.approx(2.0)
+    assert t["step_ms"]["rows"]["p99"] == pytest.approx(5.0)
+    # the window 3 -> 13 ms: decode 3-4 and 12.5-13, rows 7-12, idle 4-7 and 12-12.5
+    assert t["tail_idle_ms"] == pytest.approx(3.5)
+    assert t["tail_step_ms"] == pytest.approx({"decode": 1.5, "rows": 5.0})
+
+
+class _HostEvent:
+    """A CUDA event's stand-in: the host's clock when recorded."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return 1e3 * (other.t - self.t)
+
+
+def test_gpu_clock_opens_a_step_at_its_forward_and_closes_it_after_the_decode_flow():
+    class Stub:
+        def forward(self, *a):
+            return "out"
+
+        def launch_finish(self, *a):
+            return "pending"
+
+        def forward_rows(self, *a):
+            return "rows out"
+
+    rows = Stub()
+    backend = types.SimpleNamespace(decode_step=Stub(), step_rows=rows, mixed_rows=rows)
+    clock = gaps.GpuClock(backend, event=_HostEvent, synchronize=lambda: None)
+    ds = backend.decode_step
+    clock.call = 0
+    assert ds.forward() == "out" and ds.launch_finish() == "pending"  # a decode step
+    clock.close()
+    clock.call = 1
+    rows.forward_rows(), rows.forward_rows()  # a prefill as rows: one step, ended by its call
+    clock.close()
+    clock.call = 2
+    rows.forward_rows(), ds.launch_finish()  # a mixed step (the rows wrapped once: mixed_rows is step_rows)
+    clock.close()
+    spans = clock.spans()
+    assert [(s.call, s.kind) for s in spans] == [(0, "decode"), (1, "rows"), (2, "rows")]
+    assert all(a.start <= a.end <= b.start for a, b in zip(spans, spans[1:]))
 
 
 def test_gc_clock_times_collections():
