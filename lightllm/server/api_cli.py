@@ -98,8 +98,13 @@ def make_argument_parser() -> argparse.ArgumentParser:
                    help="CUDA graph ladder step above --graph_split_batch_size.")
     p.add_argument("--disable_cudagraph", action="store_true", default=d.disable_cudagraph,
                    help="Decode eagerly (same padding to the ladder, so outputs are identical to graph decoding).")
+    p.add_argument("--enable_tp_cudagraph", action="store_true", default=d.enable_tp_cudagraph,
+                   help="CUDA graphs also with --tp > 1 and --dp 1: every rank captures the same graphs, the NCCL "
+                        "all-reduces inside them (docs/parallel.md). Off by default until it has run on several "
+                        "GPUs; without it (and always with --dp > 1 or micro-batch overlap) such ranks decode eagerly.")
     p.add_argument("--graph_max_prefill_tokens", type=int, default=d.graph_max_prefill_tokens,
-                   help="CUDA, one rank: a prefill step of at most this many new tokens runs as decode rows "
+                   help="CUDA, where graphs run (one rank, or --enable_tp_cudagraph): a prefill step of at most this "
+                        "many new tokens runs as decode rows "
                         "from a CUDA graph (captured for powers of two up to it); longer ones run the prefill "
                         "forward. 0: never. With --disable_cudagraph the same rows run eagerly.")
     p.add_argument("--disable_mixed_steps", action="store_true", default=d.disable_mixed_steps,

@@ -378,8 +378,9 @@ def _launch_subprocesses(args: StartArgs) -> None:
     manager = HttpServerManager(args, in_q, out_q, ready, worker=workers)
     app = create_app(manager)
     logging.getLogger(__name__).info(
-        "serving %s on http://%s:%d (device %s, %s, KV pool %d tokens)",
+        "serving %s on http://%s:%d (device %s, %s, KV pool %d tokens, %d CUDA graphs)",
         args.resolved_model_dir, args.host, args.port, ready.device, ready.data_type, ready.max_total_token_num,
+        ready.cuda_graphs,
     )
     try:
         serve_http(app, manager, args, sock)

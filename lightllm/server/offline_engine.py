@@ -41,12 +41,13 @@ class OfflineEngine:
         d, t = resolve_device_and_dtype(self.args)
         self.router: Optional[RouterManager] = None
         self.workers = None  # several ranks: this node's worker processes
+        self.ready = None  # several ranks: what rank 0 reported at start-up (WorkerReady)
         if self.args.tp == 1:
             self.router = RouterManager(build_backend(self.args, device or d, dtype or t))
         else:
             if self.args.node_rank != 0:
                 raise ValueError("OfflineEngine drives the ranks from node 0; start other nodes with the server CLI")
-            self.workers, self._in_q, self._out_q, _ = start_worker(self.args, device or d, dtype or t)
+            self.workers, self._in_q, self._out_q, self.ready = start_worker(self.args, device or d, dtype or t)
         self._next_id = 0
 
     @property

@@ -36,6 +36,7 @@
 #   gpu_session.sh suite OUT [PATHS]    the whole test suite on this GPU (unit_tests/run_gpu_ci.sh)
 #   gpu_session.sh multi_gpu OUT [WHAT] the two-GPU tests (WHAT=tests), tp 1 vs --tp 2 --dp 2
 #                                       throughput (WHAT=bench), or both (default)
+#   gpu_session.sh tp OUT               --tp 1 / 2 / 4 throughput of the 8B-shaped dummy (bench_tp.py), graphs and eager
 #   gpu_session.sh arms OUT NAME        in-process strict / usage / B = 8 arms at K = 3 and K = 2
 #                                       with the checkout's draft (OUT/arms_NAME_kK.json)
 #   gpu_session.sh budgets OUT K [CONC] [NQ] [BUDGETS]   one server, budgets (default 0 / usage / 8) in 3
@@ -468,6 +469,15 @@ multi_gpu)
         --configs "tp1=;tp2_dp2=--tp 2 --dp 2;tp1_mtp3=--mtp_mode eagle_with_att --mtp_step 3;tp2_dp2_mtp3=--tp 2 --dp 2 --mtp_mode eagle_with_att --mtp_step 3" \
         --out "$out/e2e_tp.json" > "$out/e2e.log" 2>&1
     tail -8 "$out/e2e.log"
+    ;;
+tp)
+    # issue 31: the 8B-shaped dummy at --tp 1 and each larger --tp this machine has GPUs for (graphs with
+    # --enable_tp_cudagraph, and eager), plain and MTP K = 3 with a random draft, batch 1 / 64 / 256 (TP_FLAGS: more)
+    out=${1:?OUT}; mkdir -p "$out"
+    unpack_data
+    timeout "${TP_TIMEOUT:-560}" python benchmarks/bench_tp.py --gsm8k .data/test.jsonl ${TP_FLAGS:-} \
+        --out "$out/tp.json" > "$out/tp.log" 2>&1
+    echo "rc $?"; grep -v " INFO " "$out/tp.log" | tail -40
     ;;
 arms)
     out=${1:?OUT}; name=${2:?NAME}; mkdir -p "$out"

@@ -72,6 +72,9 @@ class CudaGraphSet:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._graphs
 
+    def __len__(self) -> int:
+        return len(self._graphs)
+
     def capture(self, key: Hashable, fn: Callable[[], object]) -> object:
         t0 = time.perf_counter()
         stream = torch.cuda.Stream(self.device)

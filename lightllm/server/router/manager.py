@@ -436,7 +436,7 @@ def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0
         return
     freeze_start_up_objects()
     if parallel.is_driver:
-        out_q.put(WorkerReady(backend.vocab_size, backend.mem_manager.size, device, dtype))
+        out_q.put(WorkerReady(backend.vocab_size, backend.mem_manager.size, device, dtype, backend.captured_graphs()))
         # From here on, exiting never waits for the queue's feeder thread to flush into a pipe
         # whose reader may be dead (updates for a server that is gone are worthless).
         out_q.cancel_join_thread()

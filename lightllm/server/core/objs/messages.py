@@ -40,6 +40,7 @@ class WorkerReady:
     max_total_token_num: int
     device: str
     data_type: str
+    cuda_graphs: int = 0  # graphs rank 0 captured (decode ladder and step rows; 0: eager)
 
 
 @dataclass

@@ -192,6 +192,11 @@ class ModeBackend:
         """Whether a step may hold decode rows and prefill chunks together (the chunked-prefill backend)."""
         return False
 
+    def captured_graphs(self) -> int:
+        """CUDA graphs captured at start-up: the decode ladder's and the step rows' (0: eager)."""
+        owners = (self.decode_step, self.step_rows)
+        return sum(len(o.graphs) for o in owners if o is not None and o.graphs is not None)
+
     @property
     def verify_observer(self):
         """Optional callable(VerifyStepRecord) after each verify step (calibration, analysis)."""
@@ -552,19 +557,24 @@ def draft_cache_needs(args: StartArgs) -> DraftKvNeeds:
 
 
 def graph_capable(args: StartArgs, parallel: ParallelContext) -> bool:
-    """One rank, no micro-batches: where graphs can be captured (with --disable_cudagraph: where
-    the eager path pads as they would)."""
-    return parallel.world_size == 1 and not args.enable_decode_microbatch_overlap
+    """Where graphs can be captured (with --disable_cudagraph: where the eager path pads as they would): one rank,
+    or with --enable_tp_cudagraph the --tp ranks of one DP group, which run the same steps in lock-step, so each
+    captures the same graphs in the same order with its collectives inside; never with micro-batch overlap (two
+    micro-batches' collectives interleave on two streams)."""
+    if args.enable_decode_microbatch_overlap:
+        return False
+    return parallel.world_size == 1 or (args.enable_tp_cudagraph and parallel.dp_size == 1)
 
 
 def decode_graph_plan(args: StartArgs, device: torch.device, parallel: ParallelContext):
     """(padding ladder, capture graphs?) for this backend. CUDA pads decode batches to the
-    ladder with or without graphs; graphs need one rank (no collectives are captured)."""
+    ladder with or without graphs."""
     if device.type != "cuda":
         return None, False
     max_bs = min(args.graph_max_batch_size, args.running_max_req_size)
     ladder = GraphLadder.from_flags(max_bs, min(args.graph_split_batch_size, max_bs), args.graph_grow_step_size)
-    single = graph_capable(args, parallel)
-    if not args.disable_cudagraph and not single:
-        logger.info("CUDA graphs need --tp 1 without micro-batch overlap: decoding eagerly")
-    return ladder, single and not args.disable_cudagraph
+    capable = graph_capable(args, parallel)
+    if not args.disable_cudagraph and not capable:
+        logger.info("CUDA graphs need --tp 1 (or --enable_tp_cudagraph with --dp 1) without micro-batch overlap: "
+                    "decoding eagerly")
+    return ladder, capable and not args.disable_cudagraph
