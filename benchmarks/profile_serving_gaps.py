@@ -46,7 +46,8 @@ TAIL_PERCENTILE = 99  # the gaps whose anatomy is printed: at or above this perc
 WARMUP_NEW_TOKENS = 8
 TOP_SEQUENCES = 5  # the tail gaps' most common call sequences reported
 # the backend's counters a call's kind is read from (ChunkedPrefillBackend; absent ones count 0)
-COUNTERS = ("discarded_steps", "mixed_dropped", "mixed_staged", "mixed_ahead", "mixed_left", "decode_after_mixed")
+COUNTERS = ("discarded_steps", "mixed_dropped", "mixed_undone", "mixed_staged", "mixed_ahead", "mixed_left",
+            "decode_after_mixed")
 CALL_KINDS = ("decode", "commit only", "commit, mixed launch", "mixed", "mixed launch", "prefill", "idle")
 
 
@@ -332,8 +333,9 @@ def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingPar
                 if u.finish_reason is not None:
                     finished += 1
                     open_reqs.discard(u.req_id)
+            undone = delta["discarded_steps"] + delta["mixed_dropped"] + delta["mixed_undone"]
             calls.append(Call(t0, t1, kind, admitted=waiting - len(router.queue.waiting), finished=finished,
-                              undone=delta["discarded_steps"] + delta["mixed_dropped"], gc_ms=gc_ms, gc_full=gc_full))
+                              undone=undone, gc_ms=gc_ms, gc_full=gc_full))
     finally:
         gc.callbacks.remove(clock)
     return calls, token_calls, clock

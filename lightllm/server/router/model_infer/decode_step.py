@@ -384,7 +384,12 @@ class DecodeStep:
     def snapshot(self, rows: DecodeRows) -> None:
         """Save what a step of ``rows`` changes per request (pending tokens and drafts, the ASD
         ledger, draft confidences), so that ``restore`` can undo it. Device-only."""
-        n, req = len(rows.reqs), self._req_rows(rows)
+        self.snapshot_reqs(self._req_rows(rows))
+
+    def snapshot_reqs(self, req: torch.Tensor) -> None:
+        """``snapshot`` of the requests whose table rows are ``req`` [n] (int64, device), in the order of the rows of
+        the step ``restore`` will undo (a mixed step's, before it is launched)."""
+        n = req.numel()
         self._snap_next[:n] = self.req_to_next_token_ids[req]
         if self.params_manager.req_to_asd_cum_regret is not None:
             self._snap_regret[:n] = self.params_manager.req_to_asd_cum_regret[req]

@@ -22,6 +22,7 @@ from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.manager import AddReq, BatchClock, StepTiming
 from lightllm.server.router.model_infer.infer_batch import FinishReason
+from lightllm.server.router.model_infer.step_rows import StepRows, max_sampled_rows, step_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import changed_hold_rows, hold_rows, make_engine
 
@@ -515,7 +516,7 @@ def test_consecutive_mixed_steps_run_ahead_with_the_plain_schedules_updates(mode
     b = overlap.backend
     assert b.mixed_ahead >= 3 and b.decode_after_mixed >= 1 and plain.backend.mixed_ahead == 0
     # each of those mixed steps was staged while the one before it ran (nothing changed at its commit)
-    assert b.mixed_prestaged == b.mixed_ahead and b.prestaged_dropped == 0
+    assert b.mixed_early == b.mixed_ahead and b.mixed_undone == 0 and b.mixed_kept_past_finish == 0
     assert b.mixed_left >= 1 and plain.backend.mixed_left == 0  # the first prompts' mixed steps at least
     # the step clock counts the steps launched after a commit as the plain schedule's calls do
     for key in ("steps", "decode_steps", "decode_batch_reqs", "mixed_steps", "mixed_decode_reqs"):
@@ -540,7 +541,39 @@ def test_a_finish_in_the_mixed_step_in_flight_drops_the_step_staged_under_it(mod
     _assert_same_outputs(plain, overlap)
     assert plain.last()[1].finish_reason == "stop" and len(plain.tokens()[1]) == at + 1
     b = overlap.backend
-    assert b.prestaged_dropped == 1 and b.mixed_prestaged >= 1
+    assert b.mixed_undone == 1 and b.mixed_early >= 2  # CPU's unpadded rows keep no finished request
+    _assert_pools_whole(plain, overlap)
+
+
+def _rows_layout(eng, running: int):
+    """CUDA's padded rows layout for the engine's mixed steps (its eager body), as test_mixed_steps does."""
+    b = eng.backend
+    ladder = step_ladder(CHUNK_TOKENS, running * (b.mtp_step + 1) + CHUNK_TOKENS)
+    b.mixed_rows = StepRows(b.model, b.req_to_next_token_ids, ladder, False, b.rows_draft,
+                            max_logit_rows=max_sampled_rows(running, b.mtp_step), context=b.rows_context)
+    return eng
+
+
+@pytest.mark.parametrize("stopper", [1, 2])
+def test_a_finish_in_the_mixed_step_in_flight_keeps_the_padded_step_launched_under_it(models, stopper):
+    """As above in the padded rows layout: the stopping request's rows stay in the mixed step launched under
+    the one it stopped in (the padded shape is the plain step's), as padding whose commit keeps nothing, and
+    every update is the plain schedule's."""
+    m = models["llama"]
+    prompts = random_prompts(m["vocab"], 5, range(5, 7), seed=80)
+    prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
+    max_new = [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW]
+    kw = dict(MIX_ARGS, running_max_req_size=4)
+    ref = _run(_rows_layout(_engine(m["target"], False, **kw), 4), _greedy_specs(prompts, max_new)).tokens()
+    at = _first_new_ngram_end(ref[stopper], 8, 10, STOP_NGRAM)  # in one of prompt 4's mixed steps
+    specs = _greedy_specs(prompts, max_new)
+    specs[stopper].params["stop_token_ids"] = [ref[stopper][at - STOP_NGRAM + 1:at + 1]]
+    plain = _run(_rows_layout(_engine(m["target"], False, **kw), 4), specs)
+    overlap = _run(_rows_layout(_engine(m["target"], True, **kw), 4), specs)
+    _assert_same_outputs(plain, overlap)
+    assert plain.last()[stopper].finish_reason == "stop" and len(plain.tokens()[stopper]) == at + 1
+    b = overlap.backend
+    assert b.mixed_kept_past_finish == 1 and b.mixed_undone == 0 and b.mixed_early >= 2
     _assert_pools_whole(plain, overlap)
 
 

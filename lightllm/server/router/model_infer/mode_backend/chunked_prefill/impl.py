@@ -18,8 +18,10 @@ batch keeps its padded shape (docs/decode_step.md, "What overlaps").
 A mixed step after a decode step in flight is staged while that step runs, launched right after its
 commit when the commit left the step unchanged (no request finished, nobody waits to join), and left
 in flight: the router's work runs while the GPU runs it, and the next call commits it. A mixed step
-with nothing in flight before it is launched and left in flight the same way, and so is the step after a mixed
-step's commit (staged while that step runs when it is the next mixed step).
+with nothing in flight before it is launched and left in flight the same way. The mixed step after a mixed
+step is staged and launched while that one runs, before its commit, so the GPU goes on while the host commits;
+the commit keeps it when it is still the plain schedule's next step (a request that finished at the commit
+only leaves padding rows, when the padded shape stays the same), else takes it back (``_undo_mixed``).
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
@@ -79,8 +81,9 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_ahead = 0  # mixed steps launched right after a mixed step's commit (the next chunk)
         self.mixed_left = 0  # mixed steps launched with nothing in flight, left in flight for the next call
         self.mixed_dropped = 0  # mixed steps staged so and dropped (the commit changed the step)
-        self.mixed_prestaged = 0  # of mixed_ahead, those staged under the mixed step before them
-        self.prestaged_dropped = 0  # mixed steps staged so and dropped (the plain schedule runs another step)
+        self.mixed_early = 0  # mixed steps launched under the mixed step before them, before its commit
+        self.mixed_undone = 0  # of those, taken back at that commit (the plain schedule runs another step)
+        self.mixed_kept_past_finish = 0  # of those, kept with the rows of requests that finished at it as padding
         self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit
         self.successors_without_last = 0  # decode steps launched ahead without the requests finishing before them
 
@@ -98,10 +101,23 @@ class ChunkedPrefillBackend(ModeBackend):
             self.last_step_prefilled = True
             step = self._inflight.step
             self._inflight = None
-            staged = self._stage_under_mixed(step, running) if not may_admit else None
+            decoded = sum(r.finish_reason is None for r in step.decoding)  # a kept step's finished rows: padding
+            nxt = self._stage_under_mixed(step, running) if not may_admit else None
+            if nxt is not None:  # the GPU runs it while the host commits ``step``
+                k1 = self.mtp_step + 1
+                self.decode_step.snapshot_reqs(self.mixed_rows.b_req_idx[:len(nxt.decoding) * k1:k1].long())
+                self.launch_mixed(nxt)
+                self.mixed_early += 1
             updates = self.commit_mixed(step)
-            launched = self._launch_after_mixed(running, staged) if not may_admit else 0
-            return StepResult(updates, prefilled=True, decode_reqs=len(step.decoding), launched_decode_reqs=launched)
+            launched = 0
+            if nxt is not None and self._keeps(nxt, running):
+                self._inflight = InFlightMixed(nxt)
+                self.mixed_ahead += 1
+            else:
+                if nxt is not None:
+                    self._undo_mixed(nxt)
+                launched = self._launch_after_mixed(running) if not may_admit else 0
+            return StepResult(updates, prefilled=True, decode_reqs=decoded, launched_decode_reqs=launched)
         if self._inflight is not None:
             self.last_step_prefilled = False
             if prefilling and self.mixed_rows is not None and self.mtp_step == 0:  # plain: one token a step
@@ -221,31 +237,49 @@ class ChunkedPrefillBackend(ModeBackend):
             return None
         return self.stage_mixed(self.mixed_rows, decoding, reqs, lens, kv_ahead=ahead)
 
-    def _launch_after_mixed(self, running: List[InferReq], staged: Optional[MixedStep] = None) -> int:
+    def _keeps(self, nxt: MixedStep, running: List[InferReq]) -> bool:
+        """Whether ``nxt``, launched before the commit of the mixed step before it, is the step the plain schedule
+        runs after that commit: the same chunks and the same decode rows, but for requests that finished at the
+        commit, whose rows are then padding (their commit keeps nothing) when the padded shape is the one the
+        plain step has (as a kept decode step's; the unpadded layout keeps no such rows)."""
+        decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
+        prefilling = [r for r in running if r.in_prefill]
+        if not decoding or not prefilling or not self._may_run_ahead(decoding):
+            return False
+        reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+        going = [r for r in nxt.decoding if r.finish_reason is None]
+        if not (_same_reqs(nxt.reqs, reqs) and nxt.chunk_lens == lens and _same_reqs(going, decoding)):
+            return False
+        if len(going) == len(nxt.decoding):
+            return True
+        size = nxt.batch.size
+        if size is None or self.mixed_rows.bucket_size(len(going) * (self.mtp_step + 1) + sum(lens)) != size:
+            return False
+        self.mixed_kept_past_finish += 1
+        return True
+
+    def _undo_mixed(self, step: MixedStep) -> None:
+        """Take back a mixed step launched before the commit of the one before it: wait for it, restore what its
+        decode flow changed per request (``snapshot_reqs`` before its launch), and free its slots."""
+        self.decode_step.wait(step.pending)  # its host buffers and inputs are reused later
+        self.decode_step.restore(step.rows)
+        self.drop_mixed(step)
+        self.mixed_undone += 1
+
+    def _launch_after_mixed(self, running: List[InferReq]) -> int:
         """Right after a mixed step's commit, when it finished no request: launch the step the plain schedule's
         next call runs (the router's work between the two changes nothing) and leave it in flight, so the GPU
-        runs it under the router's work: the next mixed step while prompts still wait for chunks (``staged``
-        under the one committed, when it is that step), else the decode step. Returns the requests of a decode
-        step so launched (0: none)."""
+        runs it under the router's work: the next mixed step while prompts still wait for chunks, else the
+        decode step. Returns the requests of a decode step so launched (0: none)."""
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill]
         if (self.mtp_step != 0 or any(r.finish_reason is not None for r in running) or not decoding
                 or not self._may_run_ahead(decoding)):
-            self._drop_staged(staged)
             return 0
         if prefilling:
-            reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
-            if staged is not None and _same_reqs(staged.decoding, decoding) and _same_reqs(staged.reqs, reqs) \
-                    and staged.chunk_lens == lens:
-                self.launch_mixed(staged)
-                self._inflight = InFlightMixed(staged)
-                self.mixed_prestaged += 1
-            else:
-                self._drop_staged(staged)
-                self._leave_mixed(decoding, prefilling)
+            self._leave_mixed(decoding, prefilling)
             self.mixed_ahead += 1
             return 0
-        self._drop_staged(staged)
         rows = self.prepare_decode_rows(decoding)
         self._inflight = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
         self.last_step_prefilled = False
@@ -258,12 +292,6 @@ class ChunkedPrefillBackend(ModeBackend):
         step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens)
         self.launch_mixed(step)
         self._inflight = InFlightMixed(step)
-
-    def _drop_staged(self, staged: Optional[MixedStep]) -> None:
-        """A mixed step staged under the one committed that the plain schedule does not run next: its slots back."""
-        if staged is not None:
-            self.drop_mixed(staged)
-            self.prestaged_dropped += 1
 
     def _undo(self, step: InFlightStep) -> None:
         """Take back a launched step: the batch it ran is not the one the plain schedule runs."""
