@@ -13,6 +13,7 @@ On CPU there is no padding ladder and every such finish undoes the step ahead; s
 ``decode_step.ladder`` pads like CUDA and exercises the keep path (the finished request's rows
 run in the step and are dropped at commit).
 """
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -554,26 +555,68 @@ def _rows_layout(eng, running: int):
     return eng
 
 
-@pytest.mark.parametrize("stopper", [1, 2])
-def test_a_finish_in_the_mixed_step_in_flight_keeps_the_padded_step_launched_under_it(models, stopper):
-    """As above in the padded rows layout: the stopping request's rows stay in the mixed step launched under
-    the one it stopped in (the padded shape is the plain step's), as padding whose commit keeps nothing, and
-    every update is the plain schedule's."""
+def test_a_finish_in_the_mixed_step_in_flight_keeps_the_padded_step_launched_under_it(models):
+    """As above in the padded rows layout, each of requests 1-3 stopping in turn: the stopping request's rows stay
+    in the mixed step launched under the one it stopped in (the padded shape is the plain step's), as padding
+    whose commit keeps nothing, unless its KV was that step's longest (an eager forward's attention bound): then
+    the step is taken back. Every update is the plain schedule's; both ways occur."""
     m = models["llama"]
     prompts = random_prompts(m["vocab"], 5, range(5, 7), seed=80)
     prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
     max_new = [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW]
     kw = dict(MIX_ARGS, running_max_req_size=4)
     ref = _run(_rows_layout(_engine(m["target"], False, **kw), 4), _greedy_specs(prompts, max_new)).tokens()
-    at = _first_new_ngram_end(ref[stopper], 8, 10, STOP_NGRAM)  # in one of prompt 4's mixed steps
+    outcomes = []
+    for stopper in (1, 2, 3):
+        at = _first_new_ngram_end(ref[stopper], 8, 10, STOP_NGRAM)  # in one of prompt 4's mixed steps
+        specs = _greedy_specs(prompts, max_new)
+        specs[stopper].params["stop_token_ids"] = [ref[stopper][at - STOP_NGRAM + 1:at + 1]]
+        plain = _run(_rows_layout(_engine(m["target"], False, **kw), 4), specs)
+        overlap = _run(_rows_layout(_engine(m["target"], True, **kw), 4), specs)
+        _assert_same_outputs(plain, overlap)
+        assert plain.last()[stopper].finish_reason == "stop" and len(plain.tokens()[stopper]) == at + 1
+        b = overlap.backend
+        assert b.mixed_kept_past_finish + b.mixed_undone == 1 and b.mixed_early >= 2
+        outcomes.append(b.mixed_kept_past_finish)
+        _assert_pools_whole(plain, overlap)
+    assert 0 < sum(outcomes) < len(outcomes)  # kept, and taken back
+
+
+STRESS_REQUESTS = 10
+STRESS_PROMPT_LENS = range(3, 30)  # up to 8 chunks of CHUNK_TOKENS: consecutive mixed steps
+
+
+@pytest.mark.parametrize("wait", [0, 4])
+@pytest.mark.parametrize("seed", [90, 91, 92])
+@pytest.mark.parametrize("layout", ["items", "rows"])
+def test_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(models, layout, seed, wait):
+    """Ten requests through four slots in small chunks, each ended by a stop sequence, an EOS token or its
+    length at a point of its own: mixed steps launched under the ones before them are kept (padding rows)
+    or taken back, and every update, step by step, is the plain schedule's."""
+    m = models["llama"]
+    g = random.Random(seed)
+    prompts = random_prompts(m["vocab"], STRESS_REQUESTS, STRESS_PROMPT_LENS, seed)
+    max_new = [g.randrange(4, MIX_MAX_NEW) for _ in prompts]
+    kw = dict(MIX_ARGS, running_max_req_size=4, router_max_wait_tokens=wait)
+
+    def engine(overlap: bool):
+        eng = _engine(m["target"], overlap, **kw)
+        return _rows_layout(eng, 4) if layout == "rows" else eng
+
+    ref = _run(engine(False), _greedy_specs(prompts, max_new)).tokens()
     specs = _greedy_specs(prompts, max_new)
-    specs[stopper].params["stop_token_ids"] = [ref[stopper][at - STOP_NGRAM + 1:at + 1]]
-    plain = _run(_rows_layout(_engine(m["target"], False, **kw), 4), specs)
-    overlap = _run(_rows_layout(_engine(m["target"], True, **kw), 4), specs)
-    _assert_same_outputs(plain, overlap)
-    assert plain.last()[stopper].finish_reason == "stop" and len(plain.tokens()[stopper]) == at + 1
-    b = overlap.backend
-    assert b.mixed_kept_past_finish == 1 and b.mixed_undone == 0 and b.mixed_early >= 2
+    for i, spec in enumerate(specs):
+        end, n = g.choice(["stop", "eos", "length"]), max_new[i]
+        if end != "length" and n >= 4:
+            at = _first_new_ngram_end(ref[i], 1, n - 1, STOP_NGRAM if end == "stop" else 1)
+            if end == "stop":
+                spec.params["stop_token_ids"] = [ref[i][at - STOP_NGRAM + 1:at + 1]]
+            else:
+                spec.params["ignore_eos"] = False
+                spec.eos = [ref[i][at]]
+    plain, overlap = _run(engine(False), specs), _run(engine(True), specs)
+    assert overlap.groups == plain.groups
+    assert overlap.backend.mixed_early > 0
     _assert_pools_whole(plain, overlap)
 
 

@@ -255,6 +255,11 @@ class ChunkedPrefillBackend(ModeBackend):
         size = nxt.batch.size
         if size is None or self.mixed_rows.bucket_size(len(going) * (self.mtp_step + 1) + sum(lens)) != size:
             return False
+        # nor the step's longest KV (an eager forward's attention bound)
+        gone = {r.req_idx for r in nxt.decoding if r.finish_reason is not None}
+        ends = [it.start + it.n for it in nxt.batch.items]
+        if max(ends) != max(e for e, it in zip(ends, nxt.batch.items) if it.req_idx not in gone):
+            return False
         self.mixed_kept_past_finish += 1
         return True
 
