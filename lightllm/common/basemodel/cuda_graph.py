@@ -54,6 +54,15 @@ class GraphLadder:
         return None
 
 
+def capture_error_mode() -> str:
+    """``torch.cuda.graph``'s capture mode: ``global`` with one rank; with several (NCCL collectives captured,
+    --enable_tp_cudagraph) ``thread_local``, so that the process group's watchdog thread, which queries the
+    events of collectives run before the capture, does not invalidate it."""
+    import torch.distributed as dist
+
+    return "thread_local" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "global"
+
+
 class CudaGraphSet:
     """Graphs keyed by anything hashable, captured into one shared memory pool.
 
@@ -84,7 +93,7 @@ class CudaGraphSet:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode=capture_error_mode()):
             out = fn()
         torch.cuda.synchronize(self.device)
         self._graphs[key] = (graph, out)

@@ -43,3 +43,17 @@ def test_the_flag_parses_and_defaults_off():
     p = make_argument_parser()
     assert p.parse_args([]).enable_tp_cudagraph is False
     assert p.parse_args(["--tp", "2", "--enable_tp_cudagraph"]).enable_tp_cudagraph is True
+
+
+def _mode_on_rank(rank: int) -> str:
+    from lightllm.common.basemodel.cuda_graph import capture_error_mode
+
+    return capture_error_mode()
+
+
+def test_capture_mode_is_thread_local_with_several_ranks():
+    from lightllm.common.basemodel.cuda_graph import capture_error_mode
+    from unit_tests.dist_util import run_ranks
+
+    assert capture_error_mode() == "global"  # no process group: one rank
+    assert run_ranks(_mode_on_rank, 2) == ["thread_local", "thread_local"]
