@@ -1,6 +1,6 @@
 """Tensor parallelism's throughput (issue 31): Llama-3-8B's shape with random weights (``--load_format dummy``)
-served at ``--tp 1`` and at each larger ``--tp`` the machine has GPUs for, with CUDA graphs
-(``--enable_tp_cudagraph``) and eagerly, plain decoding and MTP K = 3 with a random eagle draft (the step's cost;
+served at ``--tp 1`` and at each larger ``--tp`` the machine has GPUs for (and ``--tp 2 --dp 2``), with CUDA
+graphs (``--enable_tp_cudagraph``) and eagerly, plain decoding and MTP K = 3 with a random eagle draft (the step's cost;
 its acceptance means nothing), at batch 1 / 64 / 256 (closed loop, ``ignore_eos``). One server per (mode, arm),
 its batches run in turn; each row's ``x_tp1`` is its tok/s over ``--tp 1``'s at the same mode and batch, measured
 in the same run. On CPU (gloo ranks, ``--shape tiny``) it checks the path, not speed.
@@ -42,17 +42,15 @@ TABLE = [Column("mode", "mode", "s"), Column("arm", "arm", "s"), Column("batch",
 
 
 def arms(tp_sizes: Sequence[int], gpus: int, eager: bool) -> Dict[str, List[str]]:
-    """Server flags by arm name: tp1, then tpN (graphs) and tpN_eager for each N > 1 the GPUs allow, and
-    tp2_dp2 on four (DP groups decode eagerly)."""
+    """Server flags by arm name: tp1, then tpN (graphs) and tpN_eager for each N > 1 the GPUs allow (on CPU: gloo
+    ranks), and with two ranks tp2_dp2 (two DP groups of one rank each) the same way."""
     out = {"tp1": ["--tp", "1"]}
-    for n in sorted(set(tp_sizes) - {1}):
-        if gpus and n > gpus:
-            continue
-        out[f"tp{n}"] = ["--tp", str(n), "--enable_tp_cudagraph"]
+    sizes = [n for n in sorted(set(tp_sizes) - {1}) if not gpus or n <= gpus]
+    for name, flags in [(f"tp{n}", ["--tp", str(n)]) for n in sizes] + \
+            ([("tp2_dp2", ["--tp", "2", "--dp", "2"])] if 2 in sizes else []):
+        out[name] = flags + ["--enable_tp_cudagraph"]
         if eager:
-            out[f"tp{n}_eager"] = ["--tp", str(n)]
-    if gpus >= 4:
-        out["tp2_dp2"] = ["--tp", "2", "--dp", "2"]
+            out[f"{name}_eager"] = flags
     return out
 
 

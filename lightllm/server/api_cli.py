@@ -99,9 +99,10 @@ def make_argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable_cudagraph", action="store_true", default=d.disable_cudagraph,
                    help="Decode eagerly (same padding to the ladder, so outputs are identical to graph decoding).")
     p.add_argument("--enable_tp_cudagraph", action="store_true", default=d.enable_tp_cudagraph,
-                   help="CUDA graphs also with --tp > 1 and --dp 1: every rank captures the same graphs, the NCCL "
-                        "all-reduces inside them (docs/parallel.md). Off by default until it has run on several "
-                        "GPUs; without it (and always with --dp > 1 or micro-batch overlap) such ranks decode eagerly.")
+                   help="CUDA graphs also with --tp > 1: every rank captures the same graphs, the NCCL collectives "
+                        "inside them (with --dp > 1 the decode ladder only; docs/parallel.md). Off by default until it "
+                        "has run on several GPUs; without it (and always with micro-batch overlap) such ranks decode "
+                        "eagerly.")
     p.add_argument("--graph_max_prefill_tokens", type=int, default=d.graph_max_prefill_tokens,
                    help="CUDA, where graphs run (one rank, or --enable_tp_cudagraph): a prefill step of at most this "
                         "many new tokens runs as decode rows "

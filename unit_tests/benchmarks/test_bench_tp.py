@@ -12,11 +12,13 @@ import bench_tp  # noqa: E402
 
 
 def test_arms_follow_the_gpus():
+    graphs = "--enable_tp_cudagraph"
     assert bench_tp.arms([1, 2, 4], gpus=2, eager=True) == {
-        "tp1": ["--tp", "1"], "tp2": ["--tp", "2", "--enable_tp_cudagraph"], "tp2_eager": ["--tp", "2"]}
-    four = bench_tp.arms([1, 2, 4], gpus=4, eager=False)
-    assert list(four) == ["tp1", "tp2", "tp4", "tp2_dp2"] and four["tp2_dp2"] == ["--tp", "2", "--dp", "2"]
-    assert list(bench_tp.arms([1, 2], gpus=0, eager=False)) == ["tp1", "tp2"]  # CPU: gloo ranks
+        "tp1": ["--tp", "1"], "tp2": ["--tp", "2", graphs], "tp2_eager": ["--tp", "2"],
+        "tp2_dp2": ["--tp", "2", "--dp", "2", graphs], "tp2_dp2_eager": ["--tp", "2", "--dp", "2"]}
+    assert list(bench_tp.arms([1, 2, 4], gpus=4, eager=False)) == ["tp1", "tp2", "tp4", "tp2_dp2"]
+    assert list(bench_tp.arms([1, 4], gpus=4, eager=False)) == ["tp1", "tp4"]
+    assert list(bench_tp.arms([1, 2], gpus=0, eager=False)) == ["tp1", "tp2", "tp2_dp2"]  # CPU: gloo ranks
 
 
 def test_ratios_to_tp1_of_the_same_mode_and_batch():
@@ -38,7 +40,7 @@ def test_cpu_run_on_two_gloo_ranks(tmp_path):
     assert bench_tp.main(["--gsm8k", str(gsm8k), "--shape", "tiny", "--tp_sizes", "1", "2", "--batches", "1", "2",
                           "--modes", "plain", "--max_new_tokens", "2", "--no_eager", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [(r["arm"], r["batch"]) for r in rows] == [("tp1", 1), ("tp1", 2), ("tp2", 1), ("tp2", 2)]
+    assert [(r["arm"], r["batch"]) for r in rows] == [(a, b) for a in ("tp1", "tp2", "tp2_dp2") for b in (1, 2)]
     # every request generated its tokens (ignore_eos), at least MIN_TIMED_REQUESTS a batch
     assert all(r["output_tokens"] == 2 * r["num_requests"] and r["num_requests"] >= bench_tp.MIN_TIMED_REQUESTS
                for r in rows)

@@ -2,7 +2,8 @@
 with and without --enable_decode_microbatch_overlap, through the server's own worker processes
 (OfflineEngine -> start_worker, one process per GPU).
 
-- --tp 2 --enable_tp_cudagraph: graphs (NCCL collectives captured) equal the eager ranks bit for bit.
+- --enable_tp_cudagraph (--tp 2, --tp 2 --dp 2): graphs (NCCL collectives captured) equal the eager ranks bit
+  for bit.
 
 - Greedy outputs (fp32) equal the one-GPU engine's, with strict MTP and with ASD at B = 0.
   Tensor parallelism sums partial products in another order, so a differing token is accepted
@@ -115,19 +116,21 @@ def test_tiny_model_mtp_and_asd_b0_match_one_gpu(tiny, par):
         assert [len(r.token_ids) for r in got] == [p["max_new_tokens"] for p in tiny["params"]]
 
 
+@pytest.mark.parametrize("par", ["tp2", "tp2_dp2"])
 @pytest.mark.parametrize("mode", ["plain", "mtp"])
-def test_tp2_graphs_equal_eager(tiny, mode):
-    """--tp 2 --enable_tp_cudagraph: the ranks capture their graphs with the NCCL all-reduces inside, and replaying
-    them gives the eager ranks' tokens bit for bit (the same kernels on the same padded shapes); with MTP, B = 0
-    equals strict on the same graphs."""
+def test_tp2_graphs_equal_eager(tiny, mode, par):
+    """--enable_tp_cudagraph on two ranks (--tp 2, and --tp 2 --dp 2: decode graphs, each group padded to the
+    fullest one's size): the ranks capture their graphs with the NCCL collectives inside, and replaying them gives
+    the eager ranks' tokens bit for bit (the same kernels on the same padded shapes); with MTP, B = 0 equals strict
+    on the same graphs."""
     mtp = dict(mtp_mode="eagle_with_att", mtp_step=K, mtp_draft_model_dir=[tiny["draft"]]) if mode == "mtp" else {}
     runs, graphs = {}, {}
     arms = [("eager", dict(disable_cudagraph=True)), ("graphs", {})]
     if mode == "mtp":
         arms.append(("b0", dict(mtp_asd_regret_budget=0.0)))
     for name, extra in arms:
-        args = StartArgs(model_dir=tiny["target"], nccl_port=free_port(), tp=RANKS, enable_tp_cudagraph=True,
-                         **TINY_COMMON, **mtp, **extra)
+        args = StartArgs(model_dir=tiny["target"], nccl_port=free_port(), enable_tp_cudagraph=True,
+                         **TINY_COMMON, **PARALLEL[par], **mtp, **extra)
         with OfflineEngine(args, device="cuda", dtype="float32") as eng:
             graphs[name] = eng.ready.cuda_graphs
             runs[name] = eng.generate(tiny["prompts"], tiny["params"])

@@ -47,7 +47,7 @@ class StartArgs:
     graph_split_batch_size: int = 32  # powers of two below it, then steps of graph_grow_step_size
     graph_grow_step_size: int = 16
     disable_cudagraph: bool = False  # eager decode (same padding, the bit-exact reference)
-    enable_tp_cudagraph: bool = False  # graphs with --tp > 1 and --dp 1 (NCCL collectives captured); not yet run on GPUs
+    enable_tp_cudagraph: bool = False  # graphs with --tp > 1 (NCCL collectives captured; DP: decode only); not yet run on GPUs
     disable_mixed_steps: bool = False  # alternate prefill and decode steps instead of mixing them
     disable_dynamic_prompt_cache: bool = False  # prefill every prompt from token 0 (no radix prompt cache)
     graph_max_prefill_tokens: int = DEFAULT_BATCH_MAX_TOKENS  # CUDA: chunks up to this many tokens run as graph rows

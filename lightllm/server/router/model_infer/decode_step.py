@@ -303,15 +303,17 @@ class DecodeStep:
         size = self.ladder.bucket_size(num_reqs) if self.ladder is not None else None
         return (num_reqs if size is None else size) * (self.mtp_step + 1)
 
-    def prepare(self, reqs: List[InferReq], num_rows: Optional[int] = None, kv_ahead: int = 0) -> DecodeRows:
+    def prepare(self, reqs: List[InferReq], num_rows: Optional[int] = None, kv_ahead: int = 0,
+                graph_size: Optional[int] = None) -> DecodeRows:
         """Allocate K+1 KV slots per request and stage the rows; pad with HOLD rows to
-        ``num_rows`` rows (DP: the same rows on every rank) or, on CUDA, to the ladder's size.
-        ``kv_ahead``: KV positions each request gains before the step runs (plain decoding staged under a
-        step in flight: 1)."""
+        ``num_rows`` rows (DP: the same rows on every rank; ``graph_size``: the ladder size they are) or, on
+        CUDA, to the ladder's size. ``kv_ahead``: KV positions each request gains before the step runs (plain
+        decoding staged under a step in flight: 1)."""
         k1 = self.mtp_step + 1
         n = len(reqs)
         real = n * k1
-        graph_size = None
+        if graph_size is not None and num_rows != graph_size * k1:
+            raise ValueError(f"num_rows {num_rows} is not graph_size {graph_size} requests' rows")
         if num_rows is None:
             graph_size = self.ladder.bucket_size(n) if self.ladder is not None else None
             num_rows = graph_size * k1 if graph_size is not None else real

@@ -1,5 +1,5 @@
-"""Where CUDA graphs are captured: one rank, or the --tp ranks of one DP group with --enable_tp_cudagraph; never
-with micro-batch overlap; --disable_cudagraph keeps the ladder's padding without graphs."""
+"""Where CUDA graphs are captured: one rank, or several with --enable_tp_cudagraph; never with micro-batch overlap;
+--disable_cudagraph keeps the ladder's padding without graphs."""
 import pytest
 import torch
 
@@ -20,7 +20,8 @@ def _ctx(tp: int, dp: int = 1) -> ParallelContext:
     (2, 1, False, False, False),  # the default: --tp > 1 decodes eagerly
     (2, 1, True, False, True),
     (4, 1, True, False, True),
-    (2, 2, True, False, False),  # DP groups decode eagerly
+    (2, 2, True, False, True),  # DP groups: the decode ladder, each group padded to the fullest one's size
+    (2, 2, False, False, False),
     (1, 1, False, True, False),  # micro-batch overlap: two streams of collectives
     (2, 1, True, True, False),
 ])

@@ -177,7 +177,9 @@ class ModeBackend:
         self.rows_context = block_draft.write_context if block_draft is not None else None
         if block_draft is not None and ladder is not None:
             block_draft.use_block_ladder(ladder, use_graphs)
-        if ladder is not None and graph_capable(args, self.parallel) and args.graph_max_prefill_tokens:
+        # step rows: one DP group (DP groups prefill their own chunk plans, padded to equal tokens, eagerly)
+        if (ladder is not None and graph_capable(args, self.parallel) and self.parallel.dp_size == 1
+                and args.graph_max_prefill_tokens):
             max_rows = args.graph_max_prefill_tokens
             if self.mixed_steps_enabled():
                 max_rows += args.running_max_req_size * (self.mtp_step + 1)
@@ -502,10 +504,11 @@ class ModeBackend:
         return updates
 
     # ---- decode: one owner (DecodeStep), three call sites (here and the DP backend) ----
-    def prepare_decode_rows(self, reqs: List[InferReq], num_rows: Optional[int] = None) -> DecodeRows:
-        """K+1 KV slots and rows per request, padded with HOLD rows to ``num_rows`` (DP) or
-        to the CUDA graph ladder's size."""
-        return self.decode_step.prepare(reqs, num_rows)
+    def prepare_decode_rows(self, reqs: List[InferReq], num_rows: Optional[int] = None,
+                            graph_size: Optional[int] = None) -> DecodeRows:
+        """K+1 KV slots and rows per request, padded with HOLD rows to ``num_rows`` (DP: ``graph_size``
+        requests' rows when that is a ladder size) or to the CUDA graph ladder's size."""
+        return self.decode_step.prepare(reqs, num_rows, graph_size=graph_size)
 
     def decode_model_input(self, rows: DecodeRows) -> ModelInput:
         """The eager forward's input for ``rows``; also kept in ``rows.model_input`` for the draft."""
@@ -558,12 +561,13 @@ def draft_cache_needs(args: StartArgs) -> DraftKvNeeds:
 
 def graph_capable(args: StartArgs, parallel: ParallelContext) -> bool:
     """Where graphs can be captured (with --disable_cudagraph: where the eager path pads as they would): one rank,
-    or with --enable_tp_cudagraph the --tp ranks of one DP group, which run the same steps in lock-step, so each
-    captures the same graphs in the same order with its collectives inside; never with micro-batch overlap (two
-    micro-batches' collectives interleave on two streams)."""
+    or with --enable_tp_cudagraph several, which run the same steps in lock-step, so each captures the same graphs
+    in the same order with its collectives inside (DP groups: the decode ladder only, every group padded to the
+    size of the fullest); never with micro-batch overlap (two micro-batches' collectives interleave on two
+    streams)."""
     if args.enable_decode_microbatch_overlap:
         return False
-    return parallel.world_size == 1 or (args.enable_tp_cudagraph and parallel.dp_size == 1)
+    return parallel.world_size == 1 or args.enable_tp_cudagraph
 
 
 def decode_graph_plan(args: StartArgs, device: torch.device, parallel: ParallelContext):

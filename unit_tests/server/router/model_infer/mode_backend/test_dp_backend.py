@@ -10,6 +10,7 @@ from typing import Dict, List
 import pytest
 import torch
 
+from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.router.manager import AddReq, RouterManager
@@ -29,7 +30,10 @@ PARALLEL = {
     "tp2_overlap": dict(tp=2, enable_decode_microbatch_overlap=True),
     "tp2_dp2": dict(tp=2, dp=2),
     "tp2_dp2_overlap": dict(tp=2, dp=2, enable_decode_microbatch_overlap=True),
+    # --enable_tp_cudagraph's DP layout, eagerly: each group's decode rows padded to LADDER's size of the fullest
+    "tp2_dp2_ladder": dict(tp=2, dp=2, enable_tp_cudagraph=True),
 }
+LADDER = GraphLadder.from_flags(4, 4, 4)  # 1, 2, 4 requests
 # Greedy requests of different lengths, so that one DP group runs out of requests while the
 # other still decodes (it then runs padding only); one stops at prefill, one uses a penalty.
 GREEDY = [
@@ -92,11 +96,13 @@ def _rank_main(rank: int, case_args: List[dict], prompts: Dict[str, list]) -> Li
         args = validate_start_args(StartArgs(**kwargs))
         parallel = build_parallel_context(args.dp, "cpu", 2 if args.enable_decode_microbatch_overlap else 1)
         backend = build_backend(args, "cpu", "float32", parallel)
+        if args.enable_tp_cudagraph:  # CPU has no ladder: pad as CUDA's graphs would
+            backend.decode_step.ladder, backend.ladder_rows = LADDER, True
         layouts = []  # (real rows, all rows) of every decode forward
         prepare = backend.prepare_decode_rows
 
-        def recording_prepare(reqs, num_rows=None):
-            rows = prepare(reqs, num_rows)
+        def recording_prepare(reqs, num_rows=None, **kw):
+            rows = prepare(reqs, num_rows, **kw)
             layouts.append((rows.num_real_rows, int(rows.b_req_idx.shape[0])))
             return rows
 
@@ -179,6 +185,9 @@ def test_dp_groups_pad_to_equal_rows_and_an_idle_group_runs_padding_only(runs):
         assert r0["backend"] == r1["backend"] == expected
         # every decode forward had the same number of rows on both ranks
         assert [total for _, total in r0["layouts"]] == [total for _, total in r1["layouts"]]
+        if par == "tp2_dp2_ladder":  # every decode forward padded to a ladder size
+            assert {total for _, total in r0["layouts"]} <= {n * (K + 1 if mode != "plain" else 1) for n in LADDER.sizes}
+            assert any(total > real for real, total in r0["layouts"] if real)
         if dp2:
             assert (r0["dp_rank"], r1["dp_rank"]) == (0, 1)
             real = [l[0] for l in r0["layouts"] + r1["layouts"]]

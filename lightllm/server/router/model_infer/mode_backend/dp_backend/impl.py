@@ -25,7 +25,7 @@ import torch
 
 from lightllm.common.basemodel.batch_objs import ModelInput, ModelOutput
 from lightllm.server.router.model_infer.infer_batch import InferReq
-from lightllm.server.router.model_infer.mode_backend.base_backend import ReqStepUpdate
+from lightllm.server.router.model_infer.mode_backend.base_backend import ReqStepUpdate, graph_capable
 from lightllm.server.router.model_infer.mode_backend.chunked_prefill.impl import ChunkedPrefillBackend
 
 
@@ -36,6 +36,9 @@ class DPBackend(ChunkedPrefillBackend):
         self.dp_size = self.parallel.dp_size
         self.overlap = args.enable_decode_microbatch_overlap
         self.overlap_schedule = False  # its decode lays rows out per DP group / micro-batch, step by step
+        # --enable_tp_cudagraph: every group pads its decode rows to the ladder's size of the fullest group's
+        # requests (the same size on every rank), so each rank replays its own graph of that size
+        self.ladder_rows = graph_capable(args, self.parallel) and self.decode_step.ladder is not None
 
     def mixed_steps_enabled(self) -> bool:
         return False  # every rank runs the same kind of step: prefill and decode alternate
@@ -76,8 +79,10 @@ class DPBackend(ChunkedPrefillBackend):
         return self._exchange(updates, reqs)
 
     def decode_mtp(self, reqs: List[InferReq], most: int) -> List[ReqStepUpdate]:
-        """One forward over this group's rows, padded to ``most`` requests' rows."""
-        rows = self.prepare_decode_rows(reqs, num_rows=most * (self.mtp_step + 1))
+        """One forward over this group's rows, padded to ``most`` requests' rows (to the ladder's size of ``most``
+        with graphs; past the ladder's largest size, eagerly)."""
+        size = self.decode_step.ladder.bucket_size(most) if self.ladder_rows else None
+        rows = self.prepare_decode_rows(reqs, num_rows=(size or most) * (self.mtp_step + 1), graph_size=size)
         return self.verify_draft_commit(rows, self.decode_forward(rows))
 
     def decode_overlap_mtp(self, reqs: List[InferReq], most: int) -> List[ReqStepUpdate]:
