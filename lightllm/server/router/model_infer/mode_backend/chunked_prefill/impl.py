@@ -98,26 +98,7 @@ class ChunkedPrefillBackend(ModeBackend):
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
         if isinstance(self._inflight, InFlightMixed):
-            self.last_step_prefilled = True
-            step = self._inflight.step
-            self._inflight = None
-            decoded = sum(r.finish_reason is None for r in step.decoding)  # a kept step's finished rows: padding
-            nxt = self._stage_under_mixed(step, running) if not may_admit else None
-            if nxt is not None:  # the GPU runs it while the host commits ``step``
-                k1 = self.mtp_step + 1
-                self.decode_step.snapshot_reqs(self.mixed_rows.b_req_idx[:len(nxt.decoding) * k1:k1].long())
-                self.launch_mixed(nxt)
-                self.mixed_early += 1
-            updates = self.commit_mixed(step)
-            launched = 0
-            if nxt is not None and self._keeps(nxt, running):
-                self._inflight = InFlightMixed(nxt)
-                self.mixed_ahead += 1
-            else:
-                if nxt is not None:
-                    self._undo_mixed(nxt)
-                launched = self._launch_after_mixed(running) if not may_admit else 0
-            return StepResult(updates, prefilled=True, decode_reqs=decoded, launched_decode_reqs=launched)
+            return self._after_mixed(running, may_admit)
         if self._inflight is not None:
             self.last_step_prefilled = False
             if prefilling and self.mixed_rows is not None and self.mtp_step == 0:  # plain: one token a step
@@ -143,6 +124,31 @@ class ChunkedPrefillBackend(ModeBackend):
         rows = self.prepare_decode_rows(decoding)
         self._inflight = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
         return StepResult([], decode_reqs=len(decoding))
+
+    def _after_mixed(self, running: List[InferReq], may_admit: bool) -> StepResult:
+        """Commit the mixed step in flight. The mixed step after it, staged under it, is launched first (the GPU
+        runs it while the host commits) and kept if it is still the plain schedule's next step, else taken back;
+        without one, the plain schedule's next step is launched after the commit (``_launch_after_mixed``)."""
+        self.last_step_prefilled = True
+        step = self._inflight.step
+        self._inflight = None
+        decoded = sum(r.finish_reason is None for r in step.decoding)  # a kept step's finished rows: padding
+        nxt = self._stage_under_mixed(step, running) if not may_admit else None
+        if nxt is not None:
+            k1 = self.mtp_step + 1
+            self.decode_step.snapshot_reqs(self.mixed_rows.b_req_idx[:len(nxt.decoding) * k1:k1].long())
+            self.launch_mixed(nxt)
+            self.mixed_early += 1
+        updates = self.commit_mixed(step)
+        launched = 0
+        if nxt is not None and self._keeps(nxt, running):
+            self._inflight = InFlightMixed(nxt)
+            self.mixed_ahead += 1
+        else:
+            if nxt is not None:
+                self._undo_mixed(nxt)
+            launched = self._launch_after_mixed(running) if not may_admit else 0
+        return StepResult(updates, prefilled=True, decode_reqs=decoded, launched_decode_reqs=launched)
 
     def _advance(self, decoding: List[InferReq], prefilling: bool, may_admit: bool) -> StepResult:
         """With a step in flight: launch the next step of the same requests and commit the one in
@@ -241,7 +247,7 @@ class ChunkedPrefillBackend(ModeBackend):
         """Whether ``nxt``, launched before the commit of the mixed step before it, is the step the plain schedule
         runs after that commit: the same chunks and the same decode rows, but for requests that finished at the
         commit, whose rows are then padding (their commit keeps nothing) when the padded shape is the one the
-        plain step has (as a kept decode step's; the unpadded layout keeps no such rows)."""
+        plain step has and none of them held the step's longest KV (the unpadded layout keeps no such rows)."""
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
         prefilling = [r for r in running if r.in_prefill]
         if not decoding or not prefilling or not self._may_run_ahead(decoding):
