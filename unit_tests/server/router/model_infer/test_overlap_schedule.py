@@ -517,7 +517,10 @@ def test_consecutive_mixed_steps_run_ahead_with_the_plain_schedules_updates(mode
     b = overlap.backend
     assert b.mixed_ahead >= 3 and b.decode_after_mixed >= 1 and plain.backend.mixed_ahead == 0
     # each of those mixed steps was staged while the one before it ran (nothing changed at its commit)
-    assert b.mixed_early == b.mixed_ahead and b.mixed_undone == 0 and b.mixed_kept_past_finish == 0
+    # every mixed step was launched under the step before it: after a mixed step (mixed_ahead) or after a decode
+    # step (mixed_staged), and none was taken back
+    assert b.mixed_early == b.mixed_ahead + b.mixed_staged and b.mixed_undone == b.mixed_dropped == 0
+    assert b.mixed_kept_past_finish == 0
     assert b.mixed_left >= 1 and plain.backend.mixed_left == 0  # the first prompts' mixed steps at least
     # the step clock counts the steps launched after a commit as the plain schedule's calls do
     for key in ("steps", "decode_steps", "decode_batch_reqs", "mixed_steps", "mixed_decode_reqs"):

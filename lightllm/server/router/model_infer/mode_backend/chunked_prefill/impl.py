@@ -77,12 +77,12 @@ class ChunkedPrefillBackend(ModeBackend):
         self._inflight: Optional[Union[InFlightStep, InFlightMixed]] = None
         self.steps_ahead = 0  # decode steps launched before the previous one was committed
         self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
-        self.mixed_staged = 0  # mixed steps staged under a decode step in flight, launched after its commit
+        self.mixed_staged = 0  # mixed steps staged under a decode step in flight and kept after its commit
         self.mixed_ahead = 0  # mixed steps launched right after a mixed step's commit (the next chunk)
         self.mixed_left = 0  # mixed steps launched with nothing in flight, left in flight for the next call
         self.mixed_dropped = 0  # mixed steps staged so and dropped (the commit changed the step)
-        self.mixed_early = 0  # mixed steps launched under the mixed step before them, before its commit
-        self.mixed_undone = 0  # of those, taken back at that commit (the plain schedule runs another step)
+        self.mixed_early = 0  # mixed steps launched under the step before them, before its commit
+        self.mixed_undone = 0  # of those after a mixed step, taken back at its commit (the plain schedule differs)
         self.mixed_kept_past_finish = 0  # of those, kept with the rows of requests that finished at it as padding
         self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit
         self.successors_without_last = 0  # decode steps launched ahead without the requests finishing before them
@@ -147,6 +147,7 @@ class ChunkedPrefillBackend(ModeBackend):
         else:
             if nxt is not None:
                 self._undo_mixed(nxt)
+                self.mixed_undone += 1
             launched = self._launch_after_mixed(running) if not may_admit else 0
         return StepResult(updates, prefilled=True, decode_reqs=decoded, launched_decode_reqs=launched)
 
@@ -189,7 +190,9 @@ class ChunkedPrefillBackend(ModeBackend):
         next while the GPU decodes (each decoding request one token further; one that reaches max_new_tokens in
         the step in flight left out), commit the step in flight, then launch the mixed step and leave it in
         flight, unless the commit changed it (another request finished, or one is waiting to join: the plain
-        schedule lays out another step, so the staging is dropped)."""
+        schedule lays out another step, so the staging is dropped). When no decoding request depends on the host
+        (``_may_run_ahead``) the mixed step is launched before the commit instead, then kept or taken back as in
+        ``_after_mixed``."""
         cur = self._inflight
         decoded = sum(r.finish_reason is None for r in cur.rows.reqs)
         if not _same_reqs(decoding, cur.rows.reqs) or may_admit:
@@ -199,6 +202,18 @@ class ChunkedPrefillBackend(ModeBackend):
             return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
         reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
         step = self.stage_mixed(self.mixed_rows, going_on, reqs, lens, kv_ahead={r.req_idx: 1 for r in going_on})
+        if self._may_run_ahead(going_on, committed_ahead=1):  # launched now: the GPU runs it while the host commits
+            self.decode_step.snapshot_reqs(self.mixed_rows.b_req_idx[:len(going_on)].long())  # plain: a row each
+            self.launch_mixed(step)
+            self.mixed_early += 1
+            updates = self.flush_decode()
+            if self._keeps(step, decoding + prefilling):
+                self._inflight = InFlightMixed(step)
+                self.mixed_staged += 1
+            else:
+                self._undo_mixed(step)
+                self.mixed_dropped += 1
+            return StepResult(updates, decode_reqs=decoded, steps=0)
         updates = self.flush_decode()
         if any(r.finish_reason is not None for r in going_on) or any(r.finish_reason is None for r in last):
             self.drop_mixed(step)
@@ -275,7 +290,6 @@ class ChunkedPrefillBackend(ModeBackend):
         self.decode_step.wait(step.pending)  # its host buffers and inputs are reused later
         self.decode_step.restore(step.rows)
         self.drop_mixed(step)
-        self.mixed_undone += 1
 
     def _launch_after_mixed(self, running: List[InferReq]) -> int:
         """Right after a mixed step's commit, when it finished no request: launch the step the plain schedule's
