@@ -15,9 +15,9 @@ whose next step does not depend on the host (no seeds, no penalties, no grammar)
 finishes, the step already launched for it is undone and run again without it unless the
 batch keeps its padded shape (docs/decode_step.md, "What overlaps").
 
-A mixed step after a decode step in flight is staged while that step runs, launched right after its
-commit when the commit left the step unchanged (no request finished, nobody waits to join), and left
-in flight: the router's work runs while the GPU runs it, and the next call commits it. A mixed step
+A mixed step after a decode step in flight is staged while that step runs, launched before its commit (or,
+when a decoding request depends on the host, right after it), kept when the commit left it the plain schedule's
+step, and left in flight: the router's work runs while the GPU runs it, and the next call commits it. A mixed step
 with nothing in flight before it is launched and left in flight the same way. The mixed step after a mixed
 step is staged and launched while that one runs, before its commit, so the GPU goes on while the host commits;
 the commit keeps it when it is still the plain schedule's next step (a request that finished at the commit
