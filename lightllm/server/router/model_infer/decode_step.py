@@ -20,7 +20,7 @@ not, so eager and graph decoding run the same kernels on the same shapes.
 """
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -303,12 +303,12 @@ class DecodeStep:
         size = self.ladder.bucket_size(num_reqs) if self.ladder is not None else None
         return (num_reqs if size is None else size) * (self.mtp_step + 1)
 
-    def prepare(self, reqs: List[InferReq], num_rows: Optional[int] = None, kv_ahead: int = 0,
+    def prepare(self, reqs: List[InferReq], num_rows: Optional[int] = None, kv_ahead: Union[int, Dict[int, int]] = 0,
                 graph_size: Optional[int] = None) -> DecodeRows:
         """Allocate K+1 KV slots per request and stage the rows; pad with HOLD rows to
         ``num_rows`` rows (DP: the same rows on every rank; ``graph_size``: the ladder size they are) or, on
         CUDA, to the ladder's size. ``kv_ahead``: KV positions each request gains before the step runs (plain
-        decoding staged under a step in flight: 1)."""
+        decoding staged under a step in flight: 1; by req_idx under a mixed step: its chunk for a prompt)."""
         k1 = self.mtp_step + 1
         n = len(reqs)
         real = n * k1
@@ -321,7 +321,8 @@ class DecodeStep:
             raise ValueError(f"{n} requests need {real} rows, more than num_rows={num_rows}")
         if num_rows > self.max_rows:
             raise ValueError(f"{num_rows} decode rows exceed the step's {self.max_rows} static rows")
-        kv_len = np.fromiter((r.kv_len + kv_ahead for r in reqs), dtype=np.int64, count=n)
+        gains = [kv_ahead.get(r.req_idx, 0) for r in reqs] if isinstance(kv_ahead, dict) else [kv_ahead] * n
+        kv_len = np.fromiter((r.kv_len + g for r, g in zip(reqs, gains)), dtype=np.int64, count=n)
         # the row of position kv_len + j caches kv_len + j + 1 tokens after the forward
         seq = (kv_len[:, None] + np.arange(1, k1 + 1, dtype=np.int64)[None, :]).reshape(-1)
         seq_cpu, slots = self._stage(reqs, num_rows, seq)

@@ -21,7 +21,8 @@ step, and left in flight: the router's work runs while the GPU runs it, and the 
 with nothing in flight before it is launched and left in flight the same way. The mixed step after a mixed
 step is staged and launched while that one runs, before its commit, so the GPU goes on while the host commits;
 the commit keeps it when it is still the plain schedule's next step (a request that finished at the commit
-only leaves padding rows, when the padded shape stays the same), else takes it back (``_undo_mixed``).
+only leaves padding rows, when the padded shape stays the same), else takes it back (``_undo_mixed``). So is
+the decode step after a mixed step that finishes the last prompts (``_stage_decode_under_mixed``).
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
@@ -84,7 +85,8 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_early = 0  # mixed steps launched under the step before them, before its commit
         self.mixed_undone = 0  # of those after a mixed step, taken back at its commit (the plain schedule differs)
         self.mixed_kept_past_finish = 0  # of those, kept with the rows of requests that finished at it as padding
-        self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit
+        self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit (or under it, kept)
+        self.decode_early = 0  # of those, launched under the mixed step before its commit
         self.successors_without_last = 0  # decode steps launched ahead without the requests finishing before them
 
     def mixed_steps_enabled(self) -> bool:
@@ -139,6 +141,14 @@ class ChunkedPrefillBackend(ModeBackend):
             self.decode_step.snapshot_reqs(self.mixed_rows.b_req_idx[:len(nxt.decoding) * k1:k1].long())
             self.launch_mixed(nxt)
             self.mixed_early += 1
+        elif not may_admit:
+            rows = self._stage_decode_under_mixed(step, running)
+            if rows is not None:  # the step's prompts were the last: the decode step after it, launched now
+                self.decode_step.snapshot(rows)  # after the mixed step's writes, before its own
+                dec = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
+                updates = self.commit_mixed(step)
+                return StepResult(updates, prefilled=True, decode_reqs=decoded,
+                                  launched_decode_reqs=self._keep_decode_after_mixed(dec, running))
         updates = self.commit_mixed(step)
         launched = 0
         if nxt is not None and self._keeps(nxt, running):
@@ -262,7 +272,9 @@ class ChunkedPrefillBackend(ModeBackend):
         """Whether ``nxt``, launched before the commit of the mixed step before it, is the step the plain schedule
         runs after that commit: the same chunks and the same decode rows, but for requests that finished at the
         commit, whose rows are then padding (their commit keeps nothing) when the padded shape is the one the
-        plain step has and none of them held the step's longest KV (the unpadded layout keeps no such rows)."""
+        plain step has, as a kept decode step's (the unpadded layout keeps no such rows). The other rows then sit
+        at other places than in the plain step: outputs equal up to rounding where a kernel's result depends on
+        a row's place (CPU attention), exactly with batch-invariant kernels."""
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
         prefilling = [r for r in running if r.in_prefill]
         if not decoding or not prefilling or not self._may_run_ahead(decoding):
@@ -276,13 +288,45 @@ class ChunkedPrefillBackend(ModeBackend):
         size = nxt.batch.size
         if size is None or self.mixed_rows.bucket_size(len(going) * (self.mtp_step + 1) + sum(lens)) != size:
             return False
-        # nor the step's longest KV (an eager forward's attention bound)
-        gone = {r.req_idx for r in nxt.decoding if r.finish_reason is not None}
-        ends = [it.start + it.n for it in nxt.batch.items]
-        if max(ends) != max(e for e, it in zip(ends, nxt.batch.items) if it.req_idx not in gone):
-            return False
         self.mixed_kept_past_finish += 1
         return True
+
+    def _stage_decode_under_mixed(self, cur: MixedStep, running: List[InferReq]) -> Optional[DecodeRows]:
+        """While ``cur`` runs, when it finishes every prompt left: the decode step the plain schedule runs after
+        it, staged (each decoding request one token further, each prompt ``cur`` finishes at its end, with its
+        first token), should its commit finish no request. None: prompts remain, or it may not run ahead."""
+        if self.mtp_step != 0 or any(r.finish_reason is not None for r in running):
+            return None
+        done = {cur.reqs[i - len(cur.decoding)].req_idx for i in cur.done_items}
+        if any(r.in_prefill and r.req_idx not in done for r in running):
+            return None
+        if not running or not self._may_run_ahead(running, committed_ahead=1):
+            return None
+        if self.mem_manager.available_size < len(running) * (self.mtp_step + 1):
+            return None
+        ahead = {r.req_idx: 1 for r in cur.decoding}
+        ahead.update({r.req_idx: n for r, n in zip(cur.reqs, cur.chunk_lens)})
+        return self.decode_step.prepare(list(running), kv_ahead=ahead)  # a copy: the router's list changes
+
+    def _keep_decode_after_mixed(self, dec: InFlightStep, running: List[InferReq]) -> int:
+        """After the commit of the mixed step ``dec`` was launched under: keep ``dec`` in flight when it is the
+        plain schedule's next step (requests that finished at that commit: padding rows, when the padded shape is
+        the plain step's, as ``_advance`` keeps them), else take it back and launch the plain schedule's step as
+        without it. Returns the requests of the decode step left in flight (0: none)."""
+        rows = dec.rows
+        going = [r for r in rows.reqs if r.finish_reason is None]
+        decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
+        keep = bool(going) and _same_reqs(going, decoding) and self._may_run_ahead(decoding)
+        if keep and len(going) < len(rows.reqs):
+            keep = self.decode_step.padded_rows(len(going)) == rows.num_rows
+        if not keep:
+            self._undo(dec)
+            return self._launch_after_mixed(running)
+        self._inflight = dec
+        self.last_step_prefilled = False
+        self.decode_early += 1
+        self.decode_after_mixed += 1
+        return len(going)
 
     def _undo_mixed(self, step: MixedStep) -> None:
         """Take back a mixed step launched before the commit of the one before it: wait for it, restore what its
