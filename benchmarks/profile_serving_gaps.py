@@ -88,15 +88,18 @@ def call_kind(prefilled: bool, decode_reqs: int, steps: int, updates: int, launc
     return "decode"
 
 
-def request_gaps(calls: Sequence[Call], token_calls: Dict[int, List[int]]) -> List[Tuple[float, int, int]]:
+Gap = Tuple[float, int, int]  # (ms, first call, last call)
+
+
+def request_gaps(calls: Sequence[Call], token_calls: Dict[int, List[int]]) -> List[Gap]:
     """(ms, first call, last call) of each request's gap between consecutive calls that returned it tokens."""
-    gaps: List[Tuple[float, int, int]] = []
+    gaps: List[Gap] = []
     for idx in token_calls.values():
         gaps += [(1e3 * (calls[j].end - calls[i].end), i, j) for i, j in zip(idx, idx[1:])]
     return gaps
 
 
-def tail_gaps(gaps: Sequence[Tuple[float, int, int]], percentile: float = TAIL_PERCENTILE) -> List[Tuple[float, int, int]]:
+def tail_gaps(gaps: Sequence[Gap], percentile: float = TAIL_PERCENTILE) -> List[Gap]:
     """The gaps at or above ``percentile``."""
     if not gaps:
         return []

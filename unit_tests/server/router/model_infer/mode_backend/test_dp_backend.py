@@ -186,7 +186,8 @@ def test_dp_groups_pad_to_equal_rows_and_an_idle_group_runs_padding_only(runs):
         # every decode forward had the same number of rows on both ranks
         assert [total for _, total in r0["layouts"]] == [total for _, total in r1["layouts"]]
         if par == "tp2_dp2_ladder":  # every decode forward padded to a ladder size
-            assert {total for _, total in r0["layouts"]} <= {n * (K + 1 if mode != "plain" else 1) for n in LADDER.sizes}
+            k1 = K + 1 if mode != "plain" else 1
+            assert {total for _, total in r0["layouts"]} <= {n * k1 for n in LADDER.sizes}
             assert any(total > real for real, total in r0["layouts"] if real)
         if dp2:
             assert (r0["dp_rank"], r1["dp_rank"]) == (0, 1)
