@@ -585,6 +585,33 @@ def test_a_finish_in_the_mixed_step_in_flight_keeps_the_padded_step_launched_und
         _assert_pools_whole(plain, overlap)
 
 
+def test_a_finish_at_the_last_chunk_keeps_the_padded_decode_step_launched_under_it(models):
+    """Request 1 stops in the mixed step of prompt 4's last chunk, with CUDA's padding for decode steps too: the
+    decode step launched under that mixed step keeps request 1's rows as padding (the padded size is the plain
+    step's), and every update is the plain schedule's (log-probs to CPU rounding)."""
+    m = models["llama"]
+    prompts = random_prompts(m["vocab"], 5, range(5, 7), seed=80)
+    prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
+    max_new = [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW]
+    kw = dict(MIX_ARGS, running_max_req_size=4)
+    ladder = GraphLadder.from_flags(4, 4, 4)
+
+    def engine(overlap: bool):
+        return _rows_layout(_engine(m["target"], overlap, ladder, **kw), 4)
+
+    ref = _run(engine(False), _greedy_specs(prompts, max_new)).tokens()
+    at = _first_new_ngram_end(ref[1], 12, 13, STOP_NGRAM)  # its token in the last chunk's mixed step
+    specs = _greedy_specs(prompts, max_new)
+    specs[1].params["stop_token_ids"] = [ref[1][at - STOP_NGRAM + 1:at + 1]]
+    plain, overlap = _run(engine(False), specs), _run(engine(True), specs)
+    assert _without_logprobs(overlap) == _without_logprobs(plain)
+    _assert_same_outputs(plain, overlap)
+    assert plain.last()[1].finish_reason == "stop" and len(plain.tokens()[1]) == at + 1
+    b = overlap.backend
+    assert b.decode_kept_past_finish == 1 and b.decode_early >= 1
+    _assert_pools_whole(plain, overlap)
+
+
 STRESS_REQUESTS = 10
 STRESS_PROMPT_LENS = range(3, 30)  # up to 8 chunks of CHUNK_TOKENS: consecutive mixed steps
 

@@ -87,6 +87,7 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_kept_past_finish = 0  # of those, kept with the rows of requests that finished at it as padding
         self.decode_after_mixed = 0  # decode steps launched right after a mixed step's commit (or under it, kept)
         self.decode_early = 0  # of those, launched under the mixed step before its commit
+        self.decode_kept_past_finish = 0  # of those, kept with the rows of requests that finished at it as padding
         self.successors_without_last = 0  # decode steps launched ahead without the requests finishing before them
 
     def mixed_steps_enabled(self) -> bool:
@@ -319,6 +320,7 @@ class ChunkedPrefillBackend(ModeBackend):
         keep = bool(going) and _same_reqs(going, decoding) and self._may_run_ahead(decoding)
         if keep and len(going) < len(rows.reqs):
             keep = self.decode_step.padded_rows(len(going)) == rows.num_rows
+            self.decode_kept_past_finish += keep
         if not keep:
             self._undo(dec)
             return self._launch_after_mixed(running)
