@@ -579,6 +579,5 @@ def decode_graph_plan(args: StartArgs, device: torch.device, parallel: ParallelC
     ladder = GraphLadder.from_flags(max_bs, min(args.graph_split_batch_size, max_bs), args.graph_grow_step_size)
     capable = graph_capable(args, parallel)
     if not args.disable_cudagraph and not capable:
-        logger.info("CUDA graphs need --tp 1 (or --enable_tp_cudagraph with --dp 1) without micro-batch overlap: "
-                    "decoding eagerly")
+        logger.info("CUDA graphs need --tp 1 (or --enable_tp_cudagraph) without micro-batch overlap: decoding eagerly")
     return ladder, capable and not args.disable_cudagraph

@@ -25,7 +25,7 @@ only leaves padding rows, when the padded shape stays the same), else takes it b
 the decode step after a mixed step that finishes the last prompts (``_stage_decode_under_mixed``).
 """
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 from lightllm.server.router.model_infer.decode_step import DecodeRows, PendingResult
 from lightllm.server.router.model_infer.infer_batch import InferReq
@@ -138,10 +138,7 @@ class ChunkedPrefillBackend(ModeBackend):
         decoded = sum(r.finish_reason is None for r in step.decoding)  # a kept step's finished rows: padding
         nxt = self._stage_under_mixed(step, running) if not may_admit else None
         if nxt is not None:
-            k1 = self.mtp_step + 1
-            self.decode_step.snapshot_reqs(self.mixed_rows.b_req_idx[:len(nxt.decoding) * k1:k1].long())
-            self.launch_mixed(nxt)
-            self.mixed_early += 1
+            self._launch_early(nxt)
         elif not may_admit:
             rows = self._stage_decode_under_mixed(step, running)
             if rows is not None:  # the step's prompts were the last: the decode step after it, launched now
@@ -214,9 +211,7 @@ class ChunkedPrefillBackend(ModeBackend):
         reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
         step = self.stage_mixed(self.mixed_rows, going_on, reqs, lens, kv_ahead={r.req_idx: 1 for r in going_on})
         if self._may_run_ahead(going_on, committed_ahead=1):  # launched now: the GPU runs it while the host commits
-            self.decode_step.snapshot_reqs(self.mixed_rows.b_req_idx[:len(going_on)].long())  # plain: a row each
-            self.launch_mixed(step)
-            self.mixed_early += 1
+            self._launch_early(step)
             updates = self.flush_decode()
             if self._keeps(step, decoding + prefilling):
                 self._inflight = InFlightMixed(step)
@@ -246,16 +241,29 @@ class ChunkedPrefillBackend(ModeBackend):
             (last if len(r.output_ids) + 1 >= r.params.max_new_tokens else going_on).append(r)
         return last, going_on
 
+    def _launch_early(self, step: MixedStep) -> None:
+        """Launch a staged mixed step before the commit of the step in flight, saving first what its decode flow
+        changes per request (``_undo_mixed`` restores it)."""
+        k1 = self.mtp_step + 1
+        self.decode_step.snapshot_reqs(step.rows_owner.b_req_idx[:len(step.decoding) * k1:k1].long())
+        self.launch_mixed(step)
+        self.mixed_early += 1
+
+    @staticmethod
+    def _gains(cur: MixedStep) -> Tuple[Dict[int, int], Set[int]]:
+        """By req_idx, the KV positions each request of ``cur`` gains at its commit (1 a decode request, its chunk
+        a prompt), and the req_idx of the prompts ``cur`` finishes."""
+        ahead = {r.req_idx: 1 for r in cur.decoding}
+        ahead.update({r.req_idx: n for r, n in zip(cur.reqs, cur.chunk_lens)})
+        return ahead, {cur.reqs[i - len(cur.decoding)].req_idx for i in cur.done_items}
+
     def _stage_under_mixed(self, cur: MixedStep, running: List[InferReq]) -> Optional[MixedStep]:
         """While ``cur`` runs: stage the mixed step the plain schedule runs after it, should its commit finish no
         request. Its decode rows are ``cur``'s (one token further) and the prompts ``cur`` finishes (their first
         token); its chunks follow ``cur``'s. None: no prompt is left for it, or it may not run ahead."""
         if self.mtp_step != 0:
             return None
-        chunk = {r.req_idx: n for r, n in zip(cur.reqs, cur.chunk_lens)}
-        ahead = {r.req_idx: 1 for r in cur.decoding}
-        ahead.update(chunk)
-        done = {cur.reqs[i - len(cur.decoding)].req_idx for i in cur.done_items}
+        ahead, done = self._gains(cur)
         decoding = [r for r in running if (not r.in_prefill or r.req_idx in done) and r.finish_reason is None]
         prefilling = [r for r in running if r.in_prefill and r.req_idx not in done]
         if not prefilling or not decoding or any(r.finish_reason is not None for r in running):
@@ -263,7 +271,7 @@ class ChunkedPrefillBackend(ModeBackend):
         # the plain check after the commit: each decoding request one token further
         if not self._may_run_ahead(decoding, committed_ahead=1):
             return None
-        plan = plan_chunks([r.prompt_len - r.kv_len - chunk.get(r.req_idx, 0) for r in prefilling], self.mixed_budget)
+        plan = plan_chunks([r.prompt_len - r.kv_len - ahead.get(r.req_idx, 0) for r in prefilling], self.mixed_budget)
         reqs, lens = [prefilling[i] for i, _ in plan], [n for _, n in plan]
         if self.mem_manager.available_size < len(decoding) * (self.mtp_step + 1) + sum(lens):
             return None
@@ -298,15 +306,13 @@ class ChunkedPrefillBackend(ModeBackend):
         first token), should its commit finish no request. None: prompts remain, or it may not run ahead."""
         if self.mtp_step != 0 or any(r.finish_reason is not None for r in running):
             return None
-        done = {cur.reqs[i - len(cur.decoding)].req_idx for i in cur.done_items}
+        ahead, done = self._gains(cur)
         if any(r.in_prefill and r.req_idx not in done for r in running):
             return None
         if not running or not self._may_run_ahead(running, committed_ahead=1):
             return None
         if self.mem_manager.available_size < len(running) * (self.mtp_step + 1):
             return None
-        ahead = {r.req_idx: 1 for r in cur.decoding}
-        ahead.update({r.req_idx: n for r, n in zip(cur.reqs, cur.chunk_lens)})
         return self.decode_step.prepare(list(running), kv_ahead=ahead)  # a copy: the router's list changes
 
     def _keep_decode_after_mixed(self, dec: InFlightStep, running: List[InferReq]) -> int:
