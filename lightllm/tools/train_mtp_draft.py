@@ -661,6 +661,9 @@ def make_parser() -> argparse.ArgumentParser:
                                                           f"(default: OUT/{PROMPT_SET_FILENAME})")
     p.add_argument("--heldout", default=magpie.DEFAULT_HELDOUT_PATH,
                    help="held-out prompts: refuse to train on them, report top-1 by kind on them ('' for none)")
+    p.add_argument("--drop_heldout", action="store_true",
+                   help="drop training prompts found in the held-out set (a fresh Magpie sample) instead of "
+                        "refusing the run")
     p.add_argument("--model_dir", default=None, help="target HF model dir (default: the embedded SmolLM2)")
     p.add_argument("--mtp_mode", default=d.mtp_mode, choices=TRAIN_MODES)
     p.add_argument("--init", default=d.init, choices=list(INIT_SCHEMES), help="initialisation of the draft module")
@@ -767,7 +770,12 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
                 dict(Counter(r.source for r in records)), seconds["prompts"], a.prompt_set_out)
     heldout_rows = magpie.load_heldout(a.heldout) if a.heldout else []
     hits = magpie.heldout_overlap([r.prompt for r in records], [h["prompt"] for h in heldout_rows])
-    if hits:
+    if hits and a.drop_heldout:
+        logger.warning("dropped %d training prompt(s) found in the held-out set %s", len(hits), a.heldout)
+        hit_set = set(hits)
+        records = [r for i, r in enumerate(records) if i not in hit_set]
+        magpie.write_prompt_set(a.prompt_set_out, records)
+    elif hits:
         raise HeldoutOverlapError(
             f"refusing to train: {len(hits)} training prompt(s) are in the held-out set {a.heldout}, e.g. "
             f"{records[hits[0]].prompt[:120]!r} (a {records[hits[0]].source} prompt); drop them from the prompt set")

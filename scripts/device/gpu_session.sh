@@ -146,7 +146,7 @@ TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/dat
                     --lr 1e-3 --batch_size 64 --soft_label_weight 1.0 --max_gen_seconds 150 --max_train_seconds 240
                     --device cuda)
 DSPARK_DIR=lightllm/drafts/SmolLM2-135M-Instruct/dspark
-DSPARK_ANSWERS=/root/dspark_answers_v4.pt  # the target's answers to that prompt set, generated once a lease
+DSPARK_ANSWERS=${DSPARK_ANSWERS:-/root/dspark_answers_v4.pt}  # (env: another prompt set's) the target's answers to that prompt set, generated once a lease
 DRAFT_DIR=lightllm/drafts/SmolLM2-135M-Instruct/eagle_with_att
 CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256

@@ -629,6 +629,25 @@ def test_a_heldout_prompt_in_the_training_set_refuses_the_run(tiny_run, tmp_path
     assert mp.read_prompt_set(str(tmp_path / "o" / tool.PROMPT_SET_FILENAME)) == bad  # written for inspection
 
 
+def test_drop_heldout_trains_without_the_overlapping_prompts(tiny_run, tmp_path, monkeypatch):
+    mixed = [mp.PromptRecord("general", "magpie", "w1 w2 w3"),
+             mp.PromptRecord("general", "magpie", "  W223 w224, w225 w226!"),  # held-out writing-1, normalised
+             mp.PromptRecord("general", "magpie", "w4 w5 w6")]
+    mp.write_prompt_set(str(tmp_path / "mixed.jsonl"), mixed)
+    seen = []
+    real = tool.generate_answers
+
+    def spy(model_dir, prompt_ids, *a, **k):
+        seen.append(len(prompt_ids))
+        return real(model_dir, prompt_ids, *a, **k)
+
+    monkeypatch.setattr(tool, "generate_answers", spy)
+    tool.main(_argv(tiny_run, tmp_path / "o", "--prompt_source", "file", "--prompt_set",
+                    str(tmp_path / "mixed.jsonl"), "--drop_heldout"))
+    assert mp.read_prompt_set(str(tmp_path / "o" / tool.PROMPT_SET_FILENAME)) == [mixed[0], mixed[2]]
+    assert seen[0] == 2  # the training answers: the two prompts outside the held-out set
+
+
 def test_portable_path(monkeypatch, tmp_path):
     monkeypatch.setenv(tool.GSM8K_DIR_ENV, str(tmp_path / "gsm8k"))
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
