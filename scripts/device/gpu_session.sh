@@ -141,7 +141,8 @@ TRAIN_GENERAL_FLAGS=(--prompt_source mix --magpie_count 15000 --magpie_domains d
 # distribution), answers ~150 s, training 240 s. The packaged dspark draft (seventh session) was trained on the
 # first set, docs/data/drafts/eagle_with_att_general_prompt_set.jsonl.gz, with hard labels.
 DSPARK_BLOCK=4
-TRAIN_DSPARK_FLAGS=(--mtp_mode dspark --prompt_source file --prompt_set docs/data/drafts/eagle_with_att_general_v4_prompt_set.jsonl.gz
+DSPARK_PROMPTS=(--prompt_source file --prompt_set docs/data/drafts/eagle_with_att_general_v4_prompt_set.jsonl.gz)
+TRAIN_DSPARK_FLAGS=(--mtp_mode dspark
                     --block_size $DSPARK_BLOCK --draft_layers 2 --anchors_per_seq 48 --max_new_tokens 200 --gen_batch_size 768 --epochs 10
                     --lr 1e-3 --batch_size 64 --soft_label_weight 1.0 --max_gen_seconds 150 --max_train_seconds 240
                     --device cuda)
@@ -361,7 +362,9 @@ train_dspark)
     extra=("${@:3}")
     # the checkout's dspark draft, before env.sh replaces it with this job's at the next call
     [[ -d /root/dspark_old || -f /root/dspark_new/model.safetensors ]] || { mkdir -p /root/dspark_old && cp "$DSPARK_DIR"/* /root/dspark_old/; }
-    python -m lightllm.tools.train_mtp_draft --out "$out/draft" "${TRAIN_DSPARK_FLAGS[@]}" "${extra[@]}" \
+    # FLAGS with their own --prompt_source replace the replayed prompt set
+    prompts=("${DSPARK_PROMPTS[@]}"); [[ " ${extra[*]} " == *" --prompt_source "* ]] && prompts=()
+    python -m lightllm.tools.train_mtp_draft --out "$out/draft" "${prompts[@]}" "${TRAIN_DSPARK_FLAGS[@]}" "${extra[@]}" \
         --answers_cache "$DSPARK_ANSWERS" --prompt_set_out /root/dspark_prompt_set.jsonl > "$out/train.log" 2>&1 \
         || { tail -20 "$out/train.log"; exit 1; }
     dest=/root/dspark_new; [[ -n "$name" ]] && dest=/root/dspark_$name
