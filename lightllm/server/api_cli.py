@@ -63,6 +63,11 @@ def make_argument_parser() -> argparse.ArgumentParser:
                         "have run since the last admission (LightLLM's flag), so arrivals join in groups and "
                         "share one mixed step; at once when nothing decodes or a prompt is being prefilled "
                         "anyway; 0: admit at every step (default: %(default)s).")
+    p.add_argument("--router_admit_behind_step", action="store_true", default=d.router_admit_behind_step,
+                   help="Launch the step after the one in flight before its commit even while requests wait, and "
+                        "admit them into the step after that one: a finish no longer leaves the GPU idle while "
+                        "the host commits and admits (inter-token latency), at the cost of one step of time to "
+                        "first token for the requests that join.")
     p = top.add_argument_group("MTP / ASD", "Speculative decoding with draft modules, and ASD's approximate "
                                             "acceptance (docs/asd.md).")
     p.add_argument("--mtp_mode", type=str, default=d.mtp_mode, choices=MTP_MODES,

@@ -135,6 +135,7 @@ class RouterManager:
         self._failed: List[ReqStepUpdate] = []  # updates of refused requests, sent with the next step
         self._step_failures = 0  # batch steps that raised in a row
         self.max_wait_steps = backend.args.router_max_wait_tokens  # --router_max_wait_tokens
+        self.admit_behind_step = backend.args.router_admit_behind_step  # --router_admit_behind_step
         self._steps_since_admit = 0  # decode-only forwards since requests were last admitted
 
     def take_timing(self) -> StepTiming:
@@ -264,7 +265,8 @@ class RouterManager:
         batch_reqs = len(self.running)
         prefilling = [r for r in self.running if r.in_prefill]
         try:
-            result = self.backend.run_step(self.running, may_admit=bool(self.queue.waiting) and self.admission_due(1))
+            may_admit = bool(self.queue.waiting) and self.admission_due(1) and not self.admit_behind_step
+            result = self.backend.run_step(self.running, may_admit=may_admit)
         except Exception as e:
             # Ranks run the same step on the same inputs, so an error that comes from them is
             # raised on every rank and all fail the same requests, in lock-step. An error on one

@@ -25,6 +25,9 @@ class StartArgs:
     mixed_max_prefill_tokens: Optional[int] = None
     # while requests decode, admit waiting ones after this many decode steps (docs/decode_step.md, "Grouped admission")
     router_max_wait_tokens: int = 4
+    # waiting requests join the step after the one launched ahead of the commit, so a finish never leaves the GPU
+    # idle through admission (docs/decode_step.md, "Admission behind the step in flight")
+    router_admit_behind_step: bool = False
     data_type: Optional[str] = None  # None: bfloat16 on CUDA, float32 on CPU
     # MTP speculative decoding
     mtp_mode: Optional[str] = None

@@ -50,8 +50,9 @@ def _mode_args(drafts: dict, mode: str) -> dict:
     return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": ASD_BUDGET}[mode])
 
 
-def _run(model_dir: str, prompts, running: int, layout: str = "items", **kw):
-    """``layout`` rows: CUDA's padded rows layout (its eager body) instead of CPU's items."""
+def _run(model_dir: str, prompts, running: int, layout: str = "items", counters=None, **kw):
+    """``layout`` rows: CUDA's padded rows layout (its eager body) instead of CPU's items. ``counters``: a dict
+    filled with the backend's step counters of those names."""
     eng = make_engine(model_dir, running_max_req_size=running, batch_max_tokens=CHUNK, **COMMON, **kw)
     b = eng.backend
     if layout == "rows":
@@ -73,6 +74,8 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", **kw):
     assert eng.backend.mem_manager.available_size == eng.backend.mem_manager.size  # every slot back
     hold = b.req_manager.HOLD_REQUEST_ID  # padding rows read position 0 of the HOLD row: the HOLD slot
     assert b.req_manager.req_to_token_indexs[hold, 0] == b.mem_manager.HOLD_SLOT
+    if counters is not None:
+        counters.update({k: getattr(b, k) for k in counters})
     return res, calls
 
 
@@ -101,6 +104,29 @@ def test_mixed_steps_give_one_request_at_a_times_outputs(tiny, mode, layout, wai
             assert b.token_ids == hf_greedy(m.hf, prompt, n)
     if mode.endswith("asd"):
         assert sum(r.asd_relaxed_token_num for r in mixed) > 0  # the budget was used
+
+
+EARLY_COUNTERS = ("mixed_early", "mixed_staged", "mixed_ahead", "decode_early")
+
+
+@pytest.mark.parametrize("layout", ["items", "rows"])
+@pytest.mark.parametrize("mode", ["plain", "mtp"])
+def test_admission_behind_the_step_in_flight_keeps_outputs_and_launches_more_early(tiny, mode, layout):
+    """--router_admit_behind_step: the step after the one in flight is launched before its commit even while
+    requests wait, which join the step after it. Every request's outputs are still one request at a time's."""
+    m, drafts = tiny
+    prompts = random_prompts(m.vocab_size, len(MAX_NEW), PROMPT_LENS, seed=7)
+    kw = dict(_mode_args(drafts, mode), router_max_wait_tokens=0)
+    alone, _ = _run(m.model_dir, prompts, 1, **kw)
+    before, after = dict.fromkeys(EARLY_COUNTERS, 0), dict.fromkeys(EARLY_COUNTERS, 0)
+    _run(m.model_dir, prompts, 3, layout, counters=before, **kw)
+    behind, _ = _run(m.model_dir, prompts, 3, layout, counters=after, router_admit_behind_step=True, **kw)
+    for a, b in zip(alone, behind):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=LOGPROB_TOL)
+        assert b.accept_lens == a.accept_lens
+    if mode == "plain":  # MTP steps are not launched ahead of a commit (the host picks each next draft)
+        assert sum(after.values()) > sum(before.values()), (before, after)
 
 
 def test_disable_mixed_steps_alternates(tiny):

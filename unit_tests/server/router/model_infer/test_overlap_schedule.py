@@ -616,18 +616,13 @@ STRESS_REQUESTS = 10
 STRESS_PROMPT_LENS = range(3, 30)  # up to 8 chunks of CHUNK_TOKENS: consecutive mixed steps
 
 
-@pytest.mark.parametrize("wait", [0, 4])
-@pytest.mark.parametrize("seed", [90, 91, 92])
-@pytest.mark.parametrize("layout", ["items", "rows"])
-def test_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(models, layout, seed, wait):
-    """Ten requests through four slots in small chunks, each ended by a stop sequence, an EOS token or its
-    length at a point of its own: mixed steps launched under the ones before them are kept (padding rows)
-    or taken back, and every update, step by step, is the plain schedule's."""
-    m = models["llama"]
+def _stress_case(m, layout: str, seed: int, **kw):
+    """(engine(overlap), specs): ten requests through four slots in small chunks, each ended by a stop sequence,
+    an EOS token or its length at a point of its own (``seed``); ``kw``: more engine arguments."""
     g = random.Random(seed)
     prompts = random_prompts(m["vocab"], STRESS_REQUESTS, STRESS_PROMPT_LENS, seed)
     max_new = [g.randrange(4, MIX_MAX_NEW) for _ in prompts]
-    kw = dict(MIX_ARGS, running_max_req_size=4, router_max_wait_tokens=wait)
+    kw = dict(MIX_ARGS, running_max_req_size=4, **kw)
 
     def engine(overlap: bool):  # rows: CUDA's padding for mixed and decode steps alike
         if layout == "rows":
@@ -645,6 +640,17 @@ def test_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(m
             else:
                 spec.params["ignore_eos"] = False
                 spec.eos = [ref[i][at]]
+    return engine, specs
+
+
+@pytest.mark.parametrize("wait", [0, 4])
+@pytest.mark.parametrize("seed", [90, 91, 92])
+@pytest.mark.parametrize("layout", ["items", "rows"])
+def test_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(models, layout, seed, wait):
+    """Ten requests through four slots in small chunks, each ended by a stop sequence, an EOS token or its
+    length at a point of its own: mixed steps launched under the ones before them are kept (padding rows)
+    or taken back, and every update, step by step, is the plain schedule's."""
+    engine, specs = _stress_case(models["llama"], layout, seed, router_max_wait_tokens=wait)
     plain, overlap = _run(engine(False), specs), _run(engine(True), specs)
     if layout == "items":  # CPU's layout: nothing kept past a finish, every update equal
         assert overlap.groups == plain.groups
@@ -653,6 +659,22 @@ def test_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(m
         _assert_same_outputs(plain, overlap)
     assert overlap.backend.mixed_early > 0
     _assert_pools_whole(plain, overlap)
+
+
+@pytest.mark.parametrize("seed", [90, 91, 92])
+@pytest.mark.parametrize("layout", ["items", "rows"])
+def test_admission_behind_the_step_in_flight_under_finishes_and_joins_keeps_every_output(models, layout, seed):
+    """--router_admit_behind_step: waiting requests join the step after the one launched ahead, so the steps
+    differ from the plain schedule's; every request's tokens, log-probs (to CPU rounding) and finish reason
+    do not, and more steps are launched before the commit of the one before."""
+    engine, specs = _stress_case(models["llama"], layout, seed, router_max_wait_tokens=0)
+    behind_engine, _ = _stress_case(models["llama"], layout, seed, router_max_wait_tokens=0,
+                                    router_admit_behind_step=True)
+    plain, overlap, behind = _run(engine(False), specs), _run(engine(True), specs), _run(behind_engine(True), specs)
+    _assert_same_outputs(plain, behind)
+    early = lambda b: b.mixed_early + b.decode_early  # noqa: E731
+    assert early(behind.backend) > early(overlap.backend)
+    _assert_pools_whole(plain, behind)
 
 
 def _join_mid_run(model_dir: str, overlap: bool, specs: List[Spec], late: List[Spec], join_after: int) -> Run:
