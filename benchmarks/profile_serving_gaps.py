@@ -59,6 +59,8 @@ class Call:
     end: float
     kind: str  # CALL_KINDS
     admitted: int = 0  # requests it moved into the running batch
+    waiting: int = 0  # requests still queued when it ran its step, after its admission (the backend then
+    # launches nothing ahead of a commit, unless --router_admit_behind_step)
     finished: int = 0  # requests whose last update it returned
     undone: int = 0  # steps launched ahead and taken back (a finish changed the batch)
     gc_ms: float = 0.0  # Python's garbage collections inside it
@@ -121,13 +123,14 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
     cut = float(np.percentile(ms, percentile))
     tail = tail_gaps(gaps, percentile)
     by_kind = {k: 0.0 for k in CALL_KINDS}
-    between = admitted = finished = undone = gc_ms = gc_full = 0.0
+    between = admitted = finished = undone = gc_ms = gc_full = waited = 0.0
     for _, i, j in tail:
         for c in range(i + 1, j + 1):
             call = calls[c]
             by_kind[call.kind] += call.ms
             between += 1e3 * (call.start - calls[c - 1].end)
             admitted += call.admitted
+            waited += call.waiting > 0
             finished += call.finished
             undone += call.undone
             gc_ms += call.gc_ms
@@ -143,6 +146,9 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
         "tail_ms_by_kind": {k: v / n for k, v in by_kind.items() if v},
         "tail_ms_between_calls": between / n, "tail_gc_ms": gc_ms / n, "tail_gc_full": gc_full / n,
         "tail_admitted": admitted / n, "tail_finished": finished / n, "tail_undone": undone / n,
+        # calls that ran their step with requests queued: per tail gap, and the share of all calls for comparison
+        "tail_calls_waiting": waited / n,
+        "calls_waiting_share": sum(c.waiting > 0 for c in calls) / len(calls),
         # the calls a tail gap spans, by kind in order: the most common sequences and their counts
         "tail_call_sequences": dict(sequences.most_common(TOP_SEQUENCES)),
     }
@@ -337,8 +343,8 @@ def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingPar
                     finished += 1
                     open_reqs.discard(u.req_id)
             undone = delta["discarded_steps"] + delta["mixed_dropped"] + delta["mixed_undone"]
-            calls.append(Call(t0, t1, kind, admitted=waiting - len(router.queue.waiting), finished=finished,
-                              undone=undone, gc_ms=gc_ms, gc_full=gc_full))
+            calls.append(Call(t0, t1, kind, admitted=waiting - len(router.queue.waiting),
+                              waiting=len(router.queue.waiting), finished=finished, undone=undone, gc_ms=gc_ms, gc_full=gc_full))
     finally:
         gc.callbacks.remove(clock)
     return calls, token_calls, clock

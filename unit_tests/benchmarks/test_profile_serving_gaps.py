@@ -36,6 +36,7 @@ def test_gap_anatomy_by_hand():
     calls = [Call(start=(e - (e - p - 0.5)) / 1e3 if i else 0.009, end=e / 1e3, kind=k)
              for i, (p, e, k) in enumerate(zip([0] + ends, ends, kinds))]
     calls[3].gc_ms, calls[3].gc_full, calls[3].admitted, calls[2].undone = 4.0, 1, 2, 1
+    calls[3].waiting = calls[0].waiting = 2  # one call of the tail gap and one outside it stepped with a queue
     # request 0 gets tokens at calls 0, 1, 3, 4: gaps 2, 18, 2 ms; request 1 at 1 and 4: 20 ms
     token_calls = {0: [0, 1, 3, 4], 1: [1, 4]}
     a = gaps.gap_anatomy(calls, token_calls, percentile=75)
@@ -48,6 +49,7 @@ def test_gap_anatomy_by_hand():
     assert a["tail_ms_between_calls"] == pytest.approx(1.5)
     assert (a["tail_gc_ms"], a["tail_gc_full"], a["tail_admitted"], a["tail_undone"]) == (4.0, 1, 2, 1)
     assert a["tail_call_sequences"] == {"mixed launch > mixed > decode": 1}
+    assert a["tail_calls_waiting"] == 1 and a["calls_waiting_share"] == pytest.approx(2 / 5)
     assert gaps.gap_anatomy(calls, {0: [2]}) == {"gaps": 0}
 
 
