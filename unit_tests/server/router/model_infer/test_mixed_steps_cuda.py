@@ -68,3 +68,14 @@ def test_mixed_steps_equal_one_request_at_a_time(mode):
     assert ids == alone_ids and alt_ids == alone_ids
     for got in (lps, alt_lps):
         assert [x for r in got for x in r] == pytest.approx([x for r in alone_lps for x in r], abs=LOGPROB_TOL)
+
+
+def test_admission_behind_the_step_in_flight_equals_one_request_at_a_time():
+    """--router_admit_behind_step (plain decoding, padded rows kept past finishes): the same token ids as one
+    request at a time, log-probs to LOGPROB_TOL."""
+    prompts = _prompts()
+    alone_ids, alone_lps, _ = _run("plain", prompts, 1)
+    ids, lps, calls = _run("plain", prompts, RUNNING, router_admit_behind_step=True)
+    assert calls and all(calls)
+    assert ids == alone_ids
+    assert [x for r in lps for x in r] == pytest.approx([x for r in alone_lps for x in r], abs=LOGPROB_TOL)

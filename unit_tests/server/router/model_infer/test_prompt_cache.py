@@ -98,10 +98,13 @@ def _all_kv_back(backend) -> bool:
     return mem.can_use_mem_size + cached == mem.size and (cache is None or cache.locked_tokens == 0)
 
 
-@pytest.mark.parametrize("mode", ["plain", "mtp", "asd0", "asd", "dspark"])
+@pytest.mark.parametrize("mode", ["plain", "plain_behind", "mtp", "asd0", "asd", "dspark"])
 def test_conversations_give_the_same_outputs_with_and_without_the_cache(tiny, mode):
+    """``plain_behind``: plain decoding with --router_admit_behind_step (requests join behind a step in flight)."""
     m, drafts = tiny
-    kw = _mode_args(drafts, mode)
+    behind = mode == "plain_behind"
+    mode = "plain" if behind else mode
+    kw = dict(_mode_args(drafts, mode), router_admit_behind_step=behind)
     system = random.Random(1).choices(range(m.vocab_size), k=SYSTEM_LEN)
     questions = _questions(m.vocab_size, seed=3)
     off = make_engine(m.model_dir, disable_dynamic_prompt_cache=True, **COMMON, **kw)
