@@ -765,17 +765,16 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
     magpie_budget = None if gen_budget is None else MAGPIE_TIME_SHARE * gen_budget
     records, sampled = build_prompt_set(a, model_dir, device, magpie_budget)
     seconds["prompts"] = time.monotonic() - t0
-    magpie.write_prompt_set(a.prompt_set_out, records)
-    logger.info("prompt set: %d prompts (%s) in %.1f s, written to %s", len(records),
-                dict(Counter(r.source for r in records)), seconds["prompts"], a.prompt_set_out)
     heldout_rows = magpie.load_heldout(a.heldout) if a.heldout else []
     hits = magpie.heldout_overlap([r.prompt for r in records], [h["prompt"] for h in heldout_rows])
     if hits and a.drop_heldout:
         logger.warning("dropped %d training prompt(s) found in the held-out set %s", len(hits), a.heldout)
         hit_set = set(hits)
-        records = [r for i, r in enumerate(records) if i not in hit_set]
-        magpie.write_prompt_set(a.prompt_set_out, records)
-    elif hits:
+        records, hits = [r for i, r in enumerate(records) if i not in hit_set], []
+    magpie.write_prompt_set(a.prompt_set_out, records)  # also when refused below, for inspection
+    logger.info("prompt set: %d prompts (%s) in %.1f s, written to %s", len(records),
+                dict(Counter(r.source for r in records)), seconds["prompts"], a.prompt_set_out)
+    if hits:
         raise HeldoutOverlapError(
             f"refusing to train: {len(hits)} training prompt(s) are in the held-out set {a.heldout}, e.g. "
             f"{records[hits[0]].prompt[:120]!r} (a {records[hits[0]].source} prompt); drop them from the prompt set")

@@ -617,17 +617,17 @@ STRESS_PROMPT_LENS = range(3, 30)  # up to 8 chunks of CHUNK_TOKENS: consecutive
 
 
 def _stress_case(m, layout: str, seed: int, **kw):
-    """(engine(overlap), specs): ten requests through four slots in small chunks, each ended by a stop sequence,
+    """(engine(overlap, **more), specs): ten requests through four slots in small chunks, each ended by a stop sequence,
     an EOS token or its length at a point of its own (``seed``); ``kw``: more engine arguments."""
     g = random.Random(seed)
     prompts = random_prompts(m["vocab"], STRESS_REQUESTS, STRESS_PROMPT_LENS, seed)
     max_new = [g.randrange(4, MIX_MAX_NEW) for _ in prompts]
     kw = dict(MIX_ARGS, running_max_req_size=4, **kw)
 
-    def engine(overlap: bool):  # rows: CUDA's padding for mixed and decode steps alike
+    def engine(overlap: bool, **more):  # rows: CUDA's padding for mixed and decode steps alike
         if layout == "rows":
-            return _rows_layout(_engine(m["target"], overlap, GraphLadder.from_flags(4, 4, 4), **kw), 4)
-        return _engine(m["target"], overlap, **kw)
+            return _rows_layout(_engine(m["target"], overlap, GraphLadder.from_flags(4, 4, 4), **kw, **more), 4)
+        return _engine(m["target"], overlap, **kw, **more)
 
     ref = _run(engine(False), _greedy_specs(prompts, max_new)).tokens()
     specs = _greedy_specs(prompts, max_new)
@@ -668,9 +668,8 @@ def test_admission_behind_the_step_in_flight_under_finishes_and_joins_keeps_ever
     differ from the plain schedule's; every request's tokens, log-probs (to CPU rounding) and finish reason
     do not, and more steps are launched before the commit of the one before."""
     engine, specs = _stress_case(models["llama"], layout, seed, router_max_wait_tokens=0)
-    behind_engine, _ = _stress_case(models["llama"], layout, seed, router_max_wait_tokens=0,
-                                    router_admit_behind_step=True)
-    plain, overlap, behind = _run(engine(False), specs), _run(engine(True), specs), _run(behind_engine(True), specs)
+    plain, overlap = _run(engine(False), specs), _run(engine(True), specs)
+    behind = _run(engine(True, router_admit_behind_step=True), specs)
     _assert_same_outputs(plain, behind)
     early = lambda b: b.mixed_early + b.decode_early  # noqa: E731
     assert early(behind.backend) > early(overlap.backend)
