@@ -37,6 +37,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--mtp_step", type=int, default=0)
+    p.add_argument("--mtp_mode", default="eagle_with_att", help="the draft with --mtp_step above 0")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--disable_cudagraph", action="store_true")
@@ -62,7 +63,7 @@ def main():
         p.error("--attention_calls needs --disable_cudagraph (a graph replay makes no calls to record)")
     if a.ranges:
         add_step_ranges()
-    mtp = dict(mtp_mode="eagle_with_att", mtp_step=a.mtp_step) if a.mtp_step else {}
+    mtp = dict(mtp_mode=a.mtp_mode, mtp_step=a.mtp_step) if a.mtp_step else {}
     eng = OfflineEngine(StartArgs(model_dir=a.model_dir, load_format=a.load_format, running_max_req_size=a.batch,
                                   max_req_total_len=a.prompt_len + LEN_HEADROOM,
                                   batch_max_tokens=max(65536, a.prompt_len + LEN_HEADROOM),
@@ -89,7 +90,7 @@ def main():
     graphs += ", deterministic" if a.enable_deterministic_inference else ""
     graphs += ", no overlap" if a.disable_overlap_schedule else ""
     graphs += ", MTP overlap" if a.mtp_overlap else ""
-    print(f"batch {a.batch} K {a.mtp_step} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
+    print(f"batch {a.batch} K {a.mtp_step}{' ' + a.mtp_mode if a.mtp_step else ''} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
     print_profile(lambda: router.step(), a.rows)
     if a.attention_calls:
         with recording_attention([]) as calls:
