@@ -16,17 +16,20 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from lightllm.common.basemodel.basemodel import to_device
 from lightllm.common.basemodel.batch_objs import ModelInput
 from lightllm.common.basemodel.infer_struct import InferStateInfo
-from lightllm.common.basemodel.layer_infer.basic_ops import apply_rotary, rms_norm
+from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm, rotary_and_cache_kv
 from lightllm.common.basemodel.layer_weights.hf_load_utils import load_hf_state_dict, take_weight
 from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
 from lightllm.common.kv_cache_mem_manager import NUM_HOLD_SLOTS, MemoryManager
 from lightllm.models.draft_config import check_target_layers
 from lightllm.models.dspark.config import DSparkConfig
 from lightllm.models.llama.layer_infer.transformer_layer_infer import AttentionShape
+
+MARKOV_TABLE_CHUNK = 8192  # vocabulary ids embedded at a time while the Markov table is built
 
 
 @dataclass
@@ -87,6 +90,27 @@ class DSparkDraftModel:
         self._block_offsets = torch.arange(cfg.block_size, dtype=torch.int64, device=device)
         self._mask_ids = torch.full((max_block_reqs, cfg.block_size - 1), cfg.mask_token_id, dtype=torch.int64,
                                     device=device)
+        self._derive_weights()
+
+    def _derive_weights(self) -> None:
+        """Tensors derived once from the weights so that a step launches fewer kernels: every layer's
+        context k/v projection as one matrix, the Markov term's first product per vocabulary id, the
+        confidence head in fp32."""
+        w, s, t = self.weight, self.shape, self.target
+        q_dim = s.q_heads * s.head_dim
+        self._ctx_kv_proj = torch.cat([lw.qkv_proj[q_dim:] for lw in w.layers])  # [layers * 2 * kv_dim, hidden]
+        biases = [lw.qkv_bias for lw in w.layers]
+        self._ctx_kv_bias = None
+        if any(b is not None for b in biases):
+            self._ctx_kv_bias = torch.cat([b[q_dim:] if b is not None else
+                                           torch.zeros_like(lw.qkv_proj[q_dim:, 0]) for b, lw in zip(biases, w.layers)])
+        self._markov_table = None  # [vocab, markov_rank]: markov_down(embed(id)) for every id
+        if w.markov_down is not None:
+            ids = torch.arange(t.vocab_size, dtype=torch.int64, device=t.device)
+            self._markov_table = torch.cat([t.ops.linear(t.embed(chunk), w.markov_down, None)
+                                            for chunk in ids.split(MARKOV_TABLE_CHUNK)])
+        self._conf_weight = w.confidence_weight.float()
+        self._conf_bias = w.confidence_bias.float()
 
     # ---- context ----
     @torch.no_grad()
@@ -98,15 +122,15 @@ class DSparkDraftModel:
         t._fill_position_embeddings(state)
         w, s = self.weight, self.shape
         c = rms_norm(t.ops.linear(aux_hidden, w.fc, None), w.hidden_norm, self.eps)  # [tokens, hidden]
-        q_dim, kv_dim = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
-        for layer_infer, lw in zip(self.layers_infer, w.layers):
-            bias = None if lw.qkv_bias is None else lw.qkv_bias[q_dim:]
-            k, v = t.ops.linear(c, lw.qkv_proj[q_dim:], bias).split([kv_dim, kv_dim], dim=-1)
-            k = k.reshape(-1, s.kv_heads, s.head_dim)
+        kv_dim = s.kv_heads * s.head_dim
+        kv = t.ops.linear(c, self._ctx_kv_proj, self._ctx_kv_bias)  # [tokens, layers * 2 * kv_dim]
+        for i, (layer_infer, lw) in enumerate(zip(self.layers_infer, w.layers)):
+            k, v = kv[:, 2 * i * kv_dim:2 * (i + 1) * kv_dim].split([kv_dim, kv_dim], dim=-1)
+            k, v = k.reshape(-1, s.kv_heads, s.head_dim), v.reshape(-1, s.kv_heads, s.head_dim)
             _, k = layer_infer._qk_norm(k, k, lw)  # the k half of the layer's q/k norm (Qwen3)
-            k = apply_rotary(k, state.position_cos, state.position_sin)
-            self.mem_manager.k_buffer[layer_infer.layer_num][state.mem_indexes] = k
-            self.mem_manager.v_buffer[layer_infer.layer_num][state.mem_indexes] = v.reshape(-1, s.kv_heads, s.head_dim)
+            layer = layer_infer.layer_num
+            rotary_and_cache_kv(None, k, v, state.position_cos, state.position_sin, self.mem_manager.k_buffer[layer],
+                                self.mem_manager.v_buffer[layer], state.mem_indexes)
 
     # ---- block ----
     @torch.no_grad()
@@ -142,12 +166,11 @@ class DSparkDraftModel:
         prev, toks, normed = anchors.long(), [], []
         for i in range(1, self.mtp_step + 1):  # sequential: the Markov term reads the previous proposal
             g = f[:, i]
-            if w.markov_down is not None:
-                g = g + t.ops.linear(t.ops.linear(t.embed(prev), w.markov_down, None), w.markov_up, None)
+            if self._markov_table is not None:
+                g = g + t.ops.linear(F.embedding(prev, self._markov_table), w.markov_up, None)
             normed.append(rms_norm(g, t.pre_post_weight.final_norm, t.arch.rms_norm_eps))
             prev = t.greedy_ids(normed[-1], normed=True)
             toks.append(prev)
         # the confidence head of every depth at once, in fp32
-        conf = torch.sigmoid(torch.nn.functional.linear(torch.stack(normed, dim=1).float(), w.confidence_weight.float(),
-                                                        w.confidence_bias.float()))
+        conf = torch.sigmoid(F.linear(torch.stack(normed, dim=1).float(), self._conf_weight, self._conf_bias))
         return torch.stack(toks, dim=1), conf[..., 0]

@@ -3,6 +3,8 @@
 rms_norm and apply_rotary run a fused Triton kernel on CUDA tensors (same rounding
 steps, see triton_kernel/fused_norm_rotary.py) and the PyTorch reference otherwise.
 """
+from typing import Optional
+
 import torch
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,23 +58,27 @@ def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
-def rotary_and_cache_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def rotary_and_cache_kv(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slots: torch.Tensor) -> Optional[torch.Tensor]:
     """Rotary on q and k; the rotated k and v of token t written to the caches at slots[t].
-    q: [tokens, q_heads, head_dim], k, v: [tokens, kv_heads, head_dim], caches: [num_slots,
-    kv_heads, head_dim], slots: [tokens] int64. Returns the rotated q. One Triton launch on CUDA."""
-    fused = (q.dim() == k.dim() == v.dim() == 3 and q.shape[-1] % 2 == 0 and k.shape == v.shape
-             and q.shape[2] == k.shape[2] and k_cache.shape[1:] == k.shape[1:] == v_cache.shape[1:]
-             and cos.shape == (q.shape[0], q.shape[2]) == sin.shape and cos.stride() == sin.stride()
+    q: [tokens, q_heads, head_dim] or None (k and v only), k, v: [tokens, kv_heads, head_dim], caches:
+    [num_slots, kv_heads, head_dim], slots: [tokens] int64. Returns the rotated q (None without q).
+    One Triton launch on CUDA."""
+    fused = (k.dim() == v.dim() == 3 and k.shape[-1] % 2 == 0 and k.shape == v.shape
+             and k_cache.shape[1:] == k.shape[1:] == v_cache.shape[1:]
+             and cos.shape == (k.shape[0], k.shape[2]) == sin.shape and cos.stride() == sin.stride()
              and slots.dtype == torch.int64 and slots.is_cuda and slots.is_contiguous()
-             and _triton_ok(q, k, v, cos, sin, k_cache, v_cache))
+             and _triton_ok(k, v, cos, sin, k_cache, v_cache)
+             and (q is None or (q.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+                                and _triton_ok(q, k))))
     if fused:
         from lightllm.common.basemodel.triton_kernel.fused_norm_rotary import rotary_cache_kv_triton
 
         return rotary_cache_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots)
     k_cache[slots] = apply_rotary(k, cos, sin)
     v_cache[slots] = v
-    return apply_rotary(q, cos, sin)
+    return None if q is None else apply_rotary(q, cos, sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ every intermediate that torch stores in the tensor dtype is cast to that dtype h
 as well. Launches pass enable_fp_fusion=False so that a multiply and an add are not
 contracted into one fma, which would round once instead of twice.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -146,25 +148,28 @@ def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return out
 
 
-def rotary_cache_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """q: [tokens, q_heads, head_dim], k, v: [tokens, kv_heads, head_dim] (last dim contiguous);
-    cos, sin: [tokens, head_dim], same strides; k_cache, v_cache: [num_slots, kv_heads, head_dim];
-    slots: [tokens] int64. Writes rotated k and v at the slots; returns rotated q (new tensor)."""
-    num_tokens, q_heads, head_dim = q.shape
-    kv_heads, half = k.shape[1], head_dim // 2
-    q_out = torch.empty((num_tokens, q_heads, head_dim), dtype=q.dtype, device=q.device)
+def rotary_cache_kv_triton(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slots: torch.Tensor) -> Optional[torch.Tensor]:
+    """q: [tokens, q_heads, head_dim] or None (k and v only), k, v: [tokens, kv_heads, head_dim] (last dim
+    contiguous); cos, sin: [tokens, head_dim], same strides; k_cache, v_cache: [num_slots, kv_heads, head_dim];
+    slots: [tokens] int64. Writes rotated k and v at the slots; returns rotated q (new tensor), None without q."""
+    num_tokens, kv_heads, head_dim = k.shape
+    half = head_dim // 2
+    q_out = None if q is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
-    block_qh, block_kh = triton.next_power_of_2(q_heads), triton.next_power_of_2(kv_heads)
+    # without q the kernel rotates no q heads: k stands in for its pointers, never read or written
+    q_in, q_dst, q_heads = (k, k, 0) if q is None else (q, q_out, q.shape[1])
+    block_qh, block_kh = triton.next_power_of_2(max(q_heads, 1)), triton.next_power_of_2(kv_heads)
     block_half = triton.next_power_of_2(half)
     _rotary_cache_kernel[(num_tokens,)](
-        q, k, v, cos, sin, q_out, k_cache, v_cache, slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q_in, k, v, cos, sin, q_dst, k_cache, v_cache, slots,
+        q_in.stride(0), q_in.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), q_dst.stride(0), q_dst.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         q_heads, kv_heads, half,
         BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half,
-        num_warps=_num_warps(block_qh * block_half), enable_fp_fusion=False,
+        num_warps=_num_warps(max(block_qh, block_kh) * block_half), enable_fp_fusion=False,
     )
     return q_out

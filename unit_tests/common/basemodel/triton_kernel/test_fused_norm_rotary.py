@@ -92,6 +92,13 @@ def check_rotary_cache(q, k, v, k_cache, v_cache, slots, cos, sin):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+def check_kv_only(k, v, k_cache, v_cache, slots, cos, sin):
+    """Without q (a draft's context K/V): the same caches as with q, and nothing returned."""
+    _, want_k, want_v = ref_rotary_cache(k, k, v, cos, sin, k_cache, v_cache, slots)
+    assert rotary_cache_kv_triton(None, k, v, cos, sin, k_cache, v_cache, slots) is None
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
 def make_cos_sin(tokens, head_dim, dtype, device, seed=1):
     """Rotary tables as the engine builds them: random positions, halves duplicated."""
     g = torch.Generator().manual_seed(seed)
@@ -167,6 +174,10 @@ def test_rotary_cache_bit_exact_cuda(shape, dtype):
     vc_ref[slots] = v
     assert torch.equal(fused_q, basic_ops.apply_rotary_torch(q, cos, sin))
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    kv_only_k, kv_only_v = k_cache.clone(), v_cache.clone()
+    assert basic_ops.rotary_and_cache_kv(None, k, v, cos, sin, kv_only_k, kv_only_v, slots) is None
+    assert torch.equal(kv_only_k, kc_ref) and torch.equal(kv_only_v, vc_ref)
+    check_kv_only(k, v, k_cache.clone(), v_cache.clone(), slots, cos, sin)
     check_rotary_cache(q, k, v, k_cache, v_cache, slots, cos, sin)
 
 
@@ -276,6 +287,15 @@ def test_rotary_cache_interpreter_fp32(shape):
 
 
 @needs_triton_cpu
+@pytest.mark.parametrize("shape", ROTARY_SHAPES)
+def test_kv_only_cache_interpreter_fp32(shape):
+    tokens, q_heads, kv_heads, head_dim = shape
+    _, k, v, k_cache, v_cache, slots = make_cache_inputs(tokens, q_heads, kv_heads, head_dim, torch.float32, "cpu")
+    cos, sin = make_cos_sin(tokens, head_dim, torch.float32, "cpu")
+    check_kv_only(k, v, k_cache, v_cache, slots, cos, sin)
+
+
+@needs_triton_cpu
 def test_rotary_cache_interpreter_contiguous_qk_fp32():
     """Qwen3: q and k come out of the q/k norms contiguous, v stays a view of qkv."""
     q, k, v, k_cache, v_cache, slots = make_cache_inputs(5, 16, 8, 128, torch.float32, "cpu")
@@ -317,6 +337,7 @@ def test_cpu_dispatch_uses_torch_code():
     got_q = basic_ops.rotary_and_cache_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
     assert torch.equal(got_q, basic_ops.apply_rotary_torch(q, cos, sin))
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert basic_ops.rotary_and_cache_kv(None, k, v, cos, sin, k_cache, v_cache, slots) is None
     q, _ = make_qkv_views(3, 9, 3, 64, torch.bfloat16, "cpu")
     cos, sin = make_cos_sin(3, 64, torch.bfloat16, "cpu")
     assert torch.equal(basic_ops.apply_rotary(q, cos, sin), basic_ops.apply_rotary_torch(q, cos, sin))
