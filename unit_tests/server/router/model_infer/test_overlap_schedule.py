@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import pytest
 
 from lightllm.common.basemodel.cuda_graph import GraphLadder
+from lightllm.models.dspark.train_module import random_dspark_draft
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.manager import AddReq, BatchClock, StepTiming
 from lightllm.server.router.model_infer.infer_batch import FinishReason
@@ -59,13 +60,19 @@ def models(tmp_path_factory):
     for kind, seed in (("llama", 2), ("qwen3", 3)):
         m = tiny_model(kind, seed=seed, root=root / kind)
         out[kind] = dict(target=m.model_dir, vocab=m.vocab_size, eagle=m.draft("eagle", True, 1, seed=4))
+        if kind == "llama":
+            out[kind]["dspark"] = random_dspark_draft(m.hf.config, str(root / "dspark"), seed=3, block_size=K + 1)
     return out
 
 
 def _mode_args(m: dict, mode: str) -> dict:
+    """``mode``: plain, or [dspark_]mtp / asd0 / asd (eagle unless dspark_)."""
     if mode == "plain":
         return {}
-    mtp = dict(mtp_mode="eagle_with_att", mtp_step=K, mtp_draft_model_dir=[m["eagle"]])
+    draft, _, mode = mode.rpartition("_")
+    draft = draft or "eagle"
+    mtp = dict(mtp_mode={"eagle": "eagle_with_att", "dspark": "dspark"}[draft], mtp_step=K,
+               mtp_draft_model_dir=[m[draft]])
     if mode == "mtp":
         return mtp
     return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": ASD_BUDGET}[mode])
@@ -270,7 +277,7 @@ class FinishWatch:
 # ---- 1. outputs equal the plain schedule ----
 
 PARITY_CASES = [("llama", "plain"), ("llama", "mtp"), ("llama", "asd0"), ("llama", "asd"),
-                ("qwen3", "plain"), ("qwen3", "mtp")]
+                ("qwen3", "plain"), ("qwen3", "mtp"), ("llama", "dspark_mtp"), ("llama", "dspark_asd")]
 
 
 @pytest.mark.parametrize("wait", [0, 4])  # --router_max_wait_tokens: admission at every step, or grouped
@@ -292,7 +299,7 @@ def test_overlap_gives_the_plain_schedules_outputs(models, kind, mode, wait):
     assert watch.seen > 0 and watch.kept == 0  # no ladder: every invalidated step is undone
     _assert_pools_whole(plain, overlap)
     relaxed = sum(u.asd_relaxed for u in overlap.last().values())
-    assert (relaxed > 0) == (mode == "asd")
+    assert (relaxed > 0) == mode.endswith("asd")
 
 
 HOST_DEPENDENT = (  # requests whose next step needs the host's commit: they never run ahead
