@@ -1,5 +1,5 @@
 """The overlap schedule against --disable_overlap_schedule on the embedded model, CUDA graphs,
-bf16: plain, strict MTP, ASD B = 0 and ASD at the usage setting. Requests end at EOS (unknown
+bf16: plain, strict MTP, ASD B = 0 and ASD at the usage setting (eagle), dspark strict and usage. Requests end at EOS (unknown
 in advance) and at max_new_tokens, more requests than run at once, so that steps launched
 ahead are kept (a finished request's rows dropped, the padded size unchanged) and undone (the
 size changes). Token ids and log-probs must be bit-identical. Runs in the GPU CI."""
@@ -11,6 +11,9 @@ from unit_tests.devices import needs_cuda
 from unit_tests.server.router.model_infer.embedded_modes import MODES
 
 pytestmark = [needs_cuda, pytest.mark.slow]
+
+DSPARK = dict(MODES["mtp"], mtp_mode="dspark")
+OVERLAP_MODES = dict(MODES, dspark=DSPARK, dspark_usage=dict(MODES["asd_usage"], mtp_mode="dspark"))
 
 NUM_REQS = 14
 RUNNING = 6  # between the captured sizes 4 and 8
@@ -47,10 +50,10 @@ def _run(mode_args: dict, overlap: bool):
 
 @pytest.fixture(scope="module")
 def outputs():
-    return {(mode, o): _run(MODES[mode], o) for mode in MODES for o in (True, False)}
+    return {(mode, o): _run(OVERLAP_MODES[mode], o) for mode in OVERLAP_MODES for o in (True, False)}
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(OVERLAP_MODES))
 def test_overlap_equals_the_plain_schedule(outputs, mode, record_property):
     (over, st), (ref, ref_st) = outputs[(mode, True)], outputs[(mode, False)]
     record_property("overlap_stats", st)  # steps ahead, undone, EOS finishes (in the JUnit XML)
