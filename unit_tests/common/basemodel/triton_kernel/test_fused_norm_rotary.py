@@ -283,16 +283,8 @@ def test_rotary_cache_interpreter_fp32(shape):
     tokens, q_heads, kv_heads, head_dim = shape
     q, k, v, k_cache, v_cache, slots = make_cache_inputs(tokens, q_heads, kv_heads, head_dim, torch.float32, "cpu")
     cos, sin = make_cos_sin(tokens, head_dim, torch.float32, "cpu")
+    check_kv_only(k, v, k_cache.clone(), v_cache.clone(), slots, cos, sin)
     check_rotary_cache(q, k, v, k_cache, v_cache, slots, cos, sin)
-
-
-@needs_triton_cpu
-@pytest.mark.parametrize("shape", ROTARY_SHAPES)
-def test_kv_only_cache_interpreter_fp32(shape):
-    tokens, q_heads, kv_heads, head_dim = shape
-    _, k, v, k_cache, v_cache, slots = make_cache_inputs(tokens, q_heads, kv_heads, head_dim, torch.float32, "cpu")
-    cos, sin = make_cos_sin(tokens, head_dim, torch.float32, "cpu")
-    check_kv_only(k, v, k_cache, v_cache, slots, cos, sin)
 
 
 @needs_triton_cpu
