@@ -18,4 +18,4 @@ timeout $((580 - $(date +%s) + S)) python benchmarks/bench_e2e_throughput.py --s
     > "$O/batch1.log" 2>&1
 grep -v " INFO " "$O/batch1.log" | tail -14
 echo "total $(( $(date +%s) - S )) s"
-gzip -f "$O/batch1.log"
+gzip -f "$O/batch1.log"; cd "$O" && tar czf ci.tgz ci ci.log && rm -rf ci ci.log
