@@ -14,10 +14,9 @@ for f in "$O"/g/gaps_*.log; do
     echo "== $f"; grep -E "requests in|tail_gap_ms_mean|tail_admitted|tail_finished|calls_waiting|\"idle_ms\"" "$f" | head -8
 done
 for args in "--batch 64" "--batch 64 --mtp_step 3" "--batch 64 --mtp_step 3 --mtp_overlap" \
-            "--batch 1 --mtp_step 3" "--batch 1 --mtp_step 3 --mtp_overlap" \
-            "--batch 1 --mtp_step 3 --mtp_mode dspark" "--batch 1 --mtp_step 3 --mtp_mode dspark --mtp_overlap"; do
+            "--batch 1 --mtp_step 3 --mtp_overlap"; do
     timeout 60 python benchmarks/profile_decode_step.py --model_dir "$m" --load_format dummy $args --steps 200 \
-        --rows 80 > "$O/prof.txt" 2>&1
+        --rows 50 > "$O/prof.txt" 2>&1
     echo "$args | $(head -1 "$O/prof.txt")"
     cat "$O/prof.txt" >> "$O/profiles.txt"
 done | tee "$O/steps.txt"
