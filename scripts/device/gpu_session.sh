@@ -5,6 +5,7 @@
 # once: a machine that goes cold loses everything else.
 #
 #   gpu_session.sh data                 unpack .dz/*.jsonl.gz (carried) into .data/
+#   gpu_session.sh shape_model_dir      copy .smol_shape (carried) where the engine looks for the embedded model; print it
 #   gpu_session.sh train OUT            train the embedded model's draft; OUT/draft/ comes
 #                                       back, and env.sh installs it in the checkout from the
 #                                       next call of this lease on
@@ -549,6 +550,9 @@ profile)
         python benchmarks/profile_decode_step.py --batch 256 --mtp_step "$k" > "$out/profile_k$k.txt" 2>&1
         head -1 "$out/profile_k$k.txt"
     done
+    ;;
+shape_model_dir)
+    shape_model_dir
     ;;
 pack)
     tar czf /tmp/out.tgz -C "${OUT:?}" . && rm -rf "${OUT:?}"/* && mv /tmp/out.tgz "$OUT/out.tgz"
