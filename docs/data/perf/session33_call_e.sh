@@ -3,7 +3,7 @@
 # plain at batch 64 and 1; 2. the CUDA cases of the fused rotary / k-v-only cache kernel (283d7e6).
 source scripts/device/env.sh >/dev/null 2>&1
 S=$(date +%s); O=${OUT:?}
-m=/root/lightllm_cache/models/SmolLM2-135M-Instruct; mkdir -p "$m" && cp .smol_shape/* "$m/"
+m=$(bash scripts/device/gpu_session.sh shape_model_dir | tail -1)
 for args in "--batch 64" "--batch 64 --mtp_step 3" "--batch 64 --mtp_step 3 --mtp_overlap" \
             "--batch 1 --mtp_step 3" "--batch 1 --mtp_step 3 --mtp_overlap"; do
     timeout 40 python benchmarks/profile_decode_step.py --model_dir "$m" --load_format dummy $args --steps 200 \
