@@ -122,10 +122,10 @@ def make_argument_parser() -> argparse.ArgumentParser:
                         "cached prefix (LightLLM's dynamic prompt cache; off with --dp above 1; "
                         "docs/prompt_cache.md).")
     p.add_argument("--disable_overlap_schedule", action="store_true", default=d.disable_overlap_schedule,
-                   help="One rank, decoding without MTP: launch each decode step only after the host has "
-                        "committed the previous one. By default the next step of the same requests is launched "
-                        "first, so the commit and scheduling run while the GPU decodes; outputs are the same "
-                        "either way. (With MTP the commit already runs under the draft pass.)")
+                   help="One rank: launch each decode step only after the host has committed the previous one. "
+                        "By default the next step of the same requests is launched first, so the commit and "
+                        "scheduling run while the GPU decodes (with MTP too; its mixed steps stay step by step); "
+                        "outputs are the same either way.")
     p.add_argument("--enable_deterministic_inference", action="store_true", default=d.enable_deterministic_inference,
                    help="CUDA: batch-invariant kernels (SGLang's flag), so a request's tokens do not depend on the "
                         "rest of its batch and strict MTP is token-identical to plain decoding in bf16; slower.")

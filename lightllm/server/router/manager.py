@@ -136,9 +136,6 @@ class RouterManager:
         self._step_failures = 0  # batch steps that raised in a row
         self.max_wait_steps = backend.args.router_max_wait_tokens  # --router_max_wait_tokens
         self.admit_behind_step = backend.args.router_admit_behind_step  # --router_admit_behind_step
-        if self.admit_behind_step and backend.mtp_step:
-            logger.warning("--router_admit_behind_step has no effect with MTP (--mtp_step %d): its steps are not "
-                           "launched ahead of a commit", backend.mtp_step)
         self._steps_since_admit = 0  # decode-only forwards since requests were last admitted
 
     def take_timing(self) -> StepTiming:

@@ -54,7 +54,7 @@ class StartArgs:
     disable_mixed_steps: bool = False  # alternate prefill and decode steps instead of mixing them
     disable_dynamic_prompt_cache: bool = False  # prefill every prompt from token 0 (no radix prompt cache)
     graph_max_prefill_tokens: int = DEFAULT_BATCH_MAX_TOKENS  # CUDA: chunks up to this many tokens run as graph rows
-    disable_overlap_schedule: bool = False  # plain decoding: commit each step before launching the next
+    disable_overlap_schedule: bool = False  # one rank: commit each decode step before launching the next
     enable_deterministic_inference: bool = False  # batch-invariant kernels (CUDA): same tokens in any batch
     load_format: str = "auto"  # one of lightllm.common.constants.LOAD_FORMATS
     # HTTP connections (uvicorn; docs/limits.md, "Connections")

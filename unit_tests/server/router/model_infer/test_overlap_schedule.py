@@ -144,9 +144,6 @@ class Run:
 
 def _engine(model_dir: str, overlap: bool, ladder: Optional[GraphLadder] = None, **kw):
     eng = make_engine(model_dir, disable_overlap_schedule=not overlap, **kw)
-    # the engine overlaps plain decoding only; the same code runs any K, and with MTP the step
-    # ahead's KV lengths come from real accept lengths: test it there too
-    eng.backend.overlap_schedule = overlap
     if ladder is not None:
         eng.backend.decode_step.ladder = ladder  # CPU pads decode batches like CUDA
     return eng
@@ -278,6 +275,14 @@ class FinishWatch:
 
 PARITY_CASES = [("llama", "plain"), ("llama", "mtp"), ("llama", "asd0"), ("llama", "asd"),
                 ("qwen3", "plain"), ("qwen3", "mtp"), ("llama", "dspark_mtp"), ("llama", "dspark_asd")]
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp", "dspark_mtp"])
+def test_the_overlap_schedule_is_on_by_default_with_or_without_mtp(models, mode):
+    m = models["llama"]
+    on = make_engine(m["target"], **COMMON, **_mode_args(m, mode))
+    off = make_engine(m["target"], disable_overlap_schedule=True, **COMMON, **_mode_args(m, mode))
+    assert on.backend.overlap_schedule and not off.backend.overlap_schedule
 
 
 @pytest.mark.parametrize("wait", [0, 4])  # --router_max_wait_tokens: admission at every step, or grouped

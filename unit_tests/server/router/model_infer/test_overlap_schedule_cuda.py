@@ -37,7 +37,6 @@ def _run(mode_args: dict, overlap: bool):
     prompts = embedded_gsm8k_prompts(NUM_REQS)[2]
     eng = OfflineEngine(StartArgs(**mode_args, **ENGINE, disable_overlap_schedule=not overlap),
                         device="cuda", dtype="bfloat16")
-    eng.backend.overlap_schedule = overlap  # the engine overlaps plain decoding only: test every K
     res = eng.generate(prompts, _params(), eos_token_ids=eng.eos_token_ids())
     b = eng.backend
     stats = dict(ahead=b.steps_ahead, undone=b.discarded_steps, graphs=b.decode_step.graphs is not None,

@@ -7,7 +7,7 @@ and on CUDA with graphs at most --graph_max_prefill_tokens, so that every mixed 
 one for the draft (dspark: one for its context, one for its blocks, padded to the decode ladder).
 --disable_mixed_steps alternates prefill and decode steps instead.
 
-Overlap (one rank, decoding without MTP, unless ``--disable_overlap_schedule``): a decode step is left in flight,
+Overlap (one rank, unless ``--disable_overlap_schedule``; with MTP, decode-only steps): a decode step is left in flight,
 and the next call launches the next step of the same requests before it reads and commits
 the one in flight, so the host's commit, stop checks and the router's work run while the GPU
 decodes. Outputs stay those of the plain schedule: a step is only launched ahead for requests
@@ -70,11 +70,7 @@ class ChunkedPrefillBackend(ModeBackend):
             else:
                 self.mixed_rows = StepRows(self.model, self.req_to_next_token_ids, None, False, self.rows_draft,
                                            max_rows=self.batch_max_tokens, context=self.rows_context)
-        # Plain decoding only: with MTP the host's commit already runs under the draft pass, and a
-        # step launched ahead measured no faster on the H200 (docs/decode_step.md); the code is the
-        # same for any K (the tests run it with MTP too).
-        self.overlap_schedule = (not args.disable_overlap_schedule and self.parallel.world_size == 1
-                                 and self.mtp_step == 0)
+        self.overlap_schedule = not args.disable_overlap_schedule and self.parallel.world_size == 1
         self._inflight: Optional[Union[InFlightStep, InFlightMixed]] = None
         self.steps_ahead = 0  # decode steps launched before the previous one was committed
         self.discarded_steps = 0  # of those, steps undone because a request finished (tests, logs)
