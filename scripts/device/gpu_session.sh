@@ -23,6 +23,9 @@
 #                                       checkout's) on 200 test questions and the held-out prompts by kind, then
 #                                       eagle's at K = 3 in the same call (QUALITY_FLAGS=--deterministic: strict
 #                                       MTP must then differ from no-MTP in no request)
+#   gpu_session.sh batch1_line OUT [S]  issue 30's batch-1 usage line: 64 GSM8K prompts, 128 new tokens, concurrency 1,
+#                                       K = 3 with the usage flags; one server each: eagle, dspark, dspark, eagle
+#                                       (timeout S seconds, default 300)
 #   gpu_session.sh asd_dspark OUT       GSM8K test (all 1319), dspark K = 3: strict, B = 0, usage, and no MTP
 #   gpu_session.sh prefill OUT          ms per one-request prefill (120 tokens), K = 0 and 3, rows from graphs
 #                                       (the default) vs the prefill forward (--graph_max_prefill_tokens 0)
@@ -257,6 +260,16 @@ gaps)
             > "$out/gaps_$i.log" 2>&1
         echo "arm $i ($arm) | rc $?"; grep -v " INFO " "$out/gaps_$i.log" | tail -60
     done | tee "$out/gaps.txt"
+    ;;
+batch1_line)
+    out=${1:?OUT}; mkdir -p "$out"
+    u="--mtp_step 3 --mtp_asd_regret_budget 2.0625 --mtp_asd_local_regret_ratio 0.25 --mtp_asd_block_max_mismatch 2"
+    timeout "${2:-300}" python benchmarks/bench_e2e_throughput.py --skip_hf --concurrency 1 --num_prompts 64 \
+        --max_new_tokens 128 --gsm8k .data/test.jsonl --out "$out/batch1_usage_line.json" \
+        --configs "eagle=--mtp_mode eagle_with_att $u;dspark=--mtp_mode dspark $u;dspark_2=--mtp_mode dspark $u;eagle_2=--mtp_mode eagle_with_att $u" \
+        > "$out/batch1.log" 2>&1
+    grep -v " INFO " "$out/batch1.log" | tail -14
+    gzip -f "$out/batch1.log"
     ;;
 serving_ab)
     # the serving mix (SERVING_MODES, default plain) in the checkout and in patched copies, interleaved in

@@ -8,12 +8,6 @@ GPU_CI_WORKERS=12 timeout ${SUITE_S:-330} bash scripts/device/gpu_session.sh sui
 echo "suite $(( $(date +%s) - S )) s"
 if [ -n "${DRAFT:-}" ]; then
     cp "$DRAFT"/* lightllm/drafts/SmolLM2-135M-Instruct/dspark/
-    U="--mtp_step 3 --mtp_asd_regret_budget 2.0625 --mtp_asd_local_regret_ratio 0.25 --mtp_asd_block_max_mismatch 2"
-    timeout $((585 - $(date +%s) + S)) python benchmarks/bench_e2e_throughput.py --skip_hf --concurrency 1 \
-        --num_prompts 64 --max_new_tokens 128 --gsm8k .data/test.jsonl --out "$O/batch1_usage_line.json" \
-        --configs "eagle=--mtp_mode eagle_with_att $U;dspark=--mtp_mode dspark $U;dspark_2=--mtp_mode dspark $U;eagle_2=--mtp_mode eagle_with_att $U" \
-        > "$O/batch1.log" 2>&1
-    grep -v " INFO " "$O/batch1.log" | tail -14
-    gzip -f "$O/batch1.log"
+    bash scripts/device/gpu_session.sh batch1_line "$O" $((585 - $(date +%s) + S))
 fi
 echo "total $(( $(date +%s) - S )) s"
