@@ -6,7 +6,7 @@
 source scripts/device/env.sh >/dev/null 2>&1
 bash scripts/device/gpu_session.sh data >/dev/null 2>&1
 S=$(date +%s); O=${OUT:?}
-BUDGETS_ARMS="step=--disable_overlap_schedule;overlap=" BUDGETS_NAME=_overlap_ab timeout 570 \
+BUDGETS_ARMS="step=--disable_overlap_schedule;overlap=" BUDGETS_NAME=_overlap_ab timeout ${BUDGETS_S:-570} \
     bash scripts/device/gpu_session.sh budgets "$O/b" 3 64 "" 0,2.0625
 echo "total $(( $(date +%s) - S )) s"
 gzip -f "$O"/b/*.log

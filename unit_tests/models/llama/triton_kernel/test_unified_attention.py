@@ -23,6 +23,7 @@ from lightllm.models.llama.triton_kernel.unified_attention import (
     dynamic_split_programs,
     launch_config,
     length_split_work,
+    pdl_supported,
     plan_attention,
     plan_split_rows,
     unified_attention,
@@ -423,6 +424,37 @@ def test_decode_graph_replay_equals_eager_cuda():
     batch = make_batch(tuple((i, 8192 - 37 * i if i % 3 == 0 else 100 + i, 1) for i in range(9)), 32, 8, 128,
                        torch.bfloat16, "cuda")
     _graph_replay_equals_eager(batch, 32, 8, 1, 9, (0, -4000, -99))
+
+
+PDL_CHAIN = 4  # launches in a row, each one's q the output of the one before
+
+
+@needs_cuda
+@pytest.mark.parametrize("runs", [((0, 8192, 1),), ((0, 3000, MTP_ROWS), (1, 50, MTP_ROWS), (2, 8000, MTP_ROWS)),
+                                  ((0, 6001, 52), (1, 8192, 1), (2, 3000, 200))])
+def test_programmatic_dependent_launches_equal_plain_ones_cuda(runs):
+    """Launched as programmatic dependents (ATTENTION_PDL, sm_90) in a chain where each launch reads the output of
+    the one before as its q, eagerly and replayed from a graph: bit-exact with plain launches (the wait covers
+    the write before it)."""
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    batch = make_batch(runs, 32, 8, 128, torch.bfloat16, "cuda")
+    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, 32, 8, max(r[2] for r in runs), len(runs))
+    scale = batch.q.shape[2] ** -0.5
+
+    def chain(pdl: bool) -> torch.Tensor:
+        x = batch.q
+        for _ in range(PDL_CHAIN):
+            x = unified_attention(x, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale, pdl=pdl)
+        return x
+
+    want = chain(False)
+    assert torch.equal(chain(True), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    graph.replay()
+    assert torch.equal(out, want)
 
 
 # Few rows over long KV, planned as the rows graphs plan them (as many blocks as rows): the blocks that

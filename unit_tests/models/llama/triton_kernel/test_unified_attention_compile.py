@@ -72,7 +72,20 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
             "Q_HEADS": q_heads, "HEAD_DIM": head_dim, "BLOCK_H": 1 << (q_heads - 1).bit_length(),
             "BLOCK_DMODEL": block_dmodel, "NUM_SPLITS": splits}, {"num_warps": 2})
         assert "ptx" in compiled.asm
-print("compiled", len(CASES))
+# a programmatic dependent launch (ATTENTION_PDL): the batch-1 decode tile of the 8B shape waits for the kernel before
+dtype, head_dim, group, rows, splits = "*bf16", 128, 4, 1, SMALL_GRID_MAX_KV_SPLITS
+block_q, block_m = block_shape(group, rows, deterministic=False)
+cfg = launch_config(block_m, head_dim, True, ELEM_BYTES[dtype], small=True)
+constexprs = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": block_m, "BLOCK_DMODEL": head_dim,
+              "BLOCK_N": cfg.block_n, "NUM_SPLITS": splits, "IEEE_DOT": False, "EVEN_D": True, "DYNAMIC_SPLITS": False,
+              "SPLIT_KEYS": DYNAMIC_SPLIT_KEYS, "LENGTH_SPLITS": True, "ONE_LOOP": LENGTH_SPLIT_ONE_LOOP, "PDL": True}
+signature = {name: TYPES.get(name, dtype if name.endswith("_ptr") else "i32") for name in ATTENTION_ARGS}
+signature.update({name: "constexpr" for name in constexprs})
+compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs,
+                            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, DIVISIBLE)
+assert "griddepcontrol.wait" in compiled.asm["ptx"]
+assert sm90_resource_usage(compiled)["STACK"] == 0
+print("compiled", len(CASES) + 1)
 """
 
 
