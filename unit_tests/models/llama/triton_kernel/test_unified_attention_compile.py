@@ -38,6 +38,8 @@ CASES = (("*bf16", 64, 3, 4096, 8, True), ("*bf16", 64, 3, 1, MAX_KV_SPLITS, Fal
          ("*bf16", 64, 3, 4096, 1, False), ("*bf16", 128, 4, 1, 1, False), ("*fp32", 64, 3, 4, 32, False),
          ("*bf16", 64, 3, 1, SMALL_GRID_MAX_KV_SPLITS, False), ("*bf16", 128, 4, 1, SMALL_GRID_MAX_KV_SPLITS, False))
 ELEM_BYTES = {"*bf16": 2, "*fp16": 2, "*fp32": 4}
+PDL_CASE = ("*bf16", 128, 1, SMALL_GRID_MAX_KV_SPLITS)  # the 8B shape's batch-1 decode tile, also compiled with PDL
+assert PDL_CASE in [(d, h, r, s) for d, h, _, r, s, _ in CASES]
 for dtype, head_dim, group, rows, splits, dynamic in CASES:
     block_q, block_m = block_shape(group, rows, deterministic=False)
     block_dmodel = 1 << (head_dim - 1).bit_length()
@@ -49,10 +51,14 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
                   "BLOCK_DMODEL": block_dmodel, "BLOCK_N": cfg.block_n, "NUM_SPLITS": splits,
                   "IEEE_DOT": dtype == "*fp32", "EVEN_D": head_dim == block_dmodel, "DYNAMIC_SPLITS": dynamic,
                   "SPLIT_KEYS": DYNAMIC_SPLIT_KEYS, "LENGTH_SPLITS": by_length,
-                  "ONE_LOOP": by_length and LENGTH_SPLIT_ONE_LOOP}
+                  "ONE_LOOP": by_length and LENGTH_SPLIT_ONE_LOOP, "PDL": False}
     signature.update({name: "constexpr" for name in constexprs})
-    compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs,
-                                {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, DIVISIBLE)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs, options, DIVISIBLE)
+    if (dtype, head_dim, rows, splits) == PDL_CASE:  # launched as a programmatic dependent (ATTENTION_PDL)
+        pdl = compile_for_sm90(_unified_attention_kernel, signature, {**constexprs, "PDL": True}, options, DIVISIBLE)
+        assert "griddepcontrol.wait" in pdl.asm["ptx"] and "griddepcontrol.wait" not in compiled.asm["ptx"]
+        assert sm90_resource_usage(pdl)["STACK"] == 0
     if block_m <= SPLIT_MAX_BLOCK_M:  # decode-shaped tiles (every decode step): no register spilled
         usage = sm90_resource_usage(compiled)
         assert usage["STACK"] == 0, (dtype, head_dim, rows, usage)
@@ -72,20 +78,7 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
             "Q_HEADS": q_heads, "HEAD_DIM": head_dim, "BLOCK_H": 1 << (q_heads - 1).bit_length(),
             "BLOCK_DMODEL": block_dmodel, "NUM_SPLITS": splits}, {"num_warps": 2})
         assert "ptx" in compiled.asm
-# a programmatic dependent launch (ATTENTION_PDL): the batch-1 decode tile of the 8B shape waits for the kernel before
-dtype, head_dim, group, rows, splits = "*bf16", 128, 4, 1, SMALL_GRID_MAX_KV_SPLITS
-block_q, block_m = block_shape(group, rows, deterministic=False)
-cfg = launch_config(block_m, head_dim, True, ELEM_BYTES[dtype], small=True)
-constexprs = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": block_m, "BLOCK_DMODEL": head_dim,
-              "BLOCK_N": cfg.block_n, "NUM_SPLITS": splits, "IEEE_DOT": False, "EVEN_D": True, "DYNAMIC_SPLITS": False,
-              "SPLIT_KEYS": DYNAMIC_SPLIT_KEYS, "LENGTH_SPLITS": True, "ONE_LOOP": LENGTH_SPLIT_ONE_LOOP, "PDL": True}
-signature = {name: TYPES.get(name, dtype if name.endswith("_ptr") else "i32") for name in ATTENTION_ARGS}
-signature.update({name: "constexpr" for name in constexprs})
-compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs,
-                            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, DIVISIBLE)
-assert "griddepcontrol.wait" in compiled.asm["ptx"]
-assert sm90_resource_usage(compiled)["STACK"] == 0
-print("compiled", len(CASES) + 1)
+print("compiled", len(CASES))
 """
 
 
