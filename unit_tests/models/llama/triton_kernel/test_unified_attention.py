@@ -6,6 +6,7 @@ prefill chunks (including ones after a cached prefix), single decode rows, MTP's
 dspark-style block rows that all see the same keys, and slot tables that are not contiguous.
 """
 import dataclasses
+from typing import Tuple
 
 import pytest
 import torch
@@ -434,25 +435,31 @@ PDL_CHAIN = 4  # launches in a row, each one's q the output of the one before
                                   ((0, 6001, 52), (1, 8192, 1), (2, 3000, 200))])
 def test_programmatic_dependent_launches_equal_plain_ones_cuda(runs):
     """Launched as programmatic dependents (ATTENTION_PDL, sm_90) in a chain where each launch reads the output of
-    the one before as its q, eagerly and replayed from a graph: bit-exact with plain launches (the wait covers
-    the write before it)."""
+    the one before as its q, eagerly and replayed from a graph: the last launch matches the reference on its q
+    (the wait covers the write before it), and the chain is bit-exact with plain launches."""
     if not pdl_supported(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90")
     batch = make_batch(runs, 32, 8, 128, torch.bfloat16, "cuda")
     plan = plan_attention(batch.row_req_idx, batch.row_seq_len, 32, 8, max(r[2] for r in runs), len(runs))
     scale = batch.q.shape[2] ** -0.5
 
-    def chain(pdl: bool) -> torch.Tensor:
-        x = batch.q
+    def chain(pdl: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The last launch's q and output."""
+        q, x = None, batch.q
         for _ in range(PDL_CHAIN):
-            x = unified_attention(x, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale, pdl=pdl)
-        return x
+            q, x = x, unified_attention(x, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale, pdl=pdl)
+        return q, x
 
-    want = chain(False)
-    assert torch.equal(chain(True), want)
+    want_q, want = chain(False)
+    last_q, got = chain(True)
+    torch.testing.assert_close(
+        got.float(), reference_attention(last_q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.row_req_idx,
+                                         batch.row_seq_len, scale),
+        atol=HALF_ATOL[torch.bfloat16], rtol=0)
+    assert torch.equal(last_q, want_q) and torch.equal(got, want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = chain(True)
+        _, out = chain(True)
     graph.replay()
     assert torch.equal(out, want)
 
