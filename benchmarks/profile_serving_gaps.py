@@ -6,8 +6,9 @@ request's gap between two token updates is then split over the calls it spans. T
 p50 / p99 and, for the gaps at or above the p99, what their calls were (by kind, in ms per gap), and writes
 JSON. On CUDA each step is also timed on the GPU (CUDA events around its forward and decode flow), so the
 tail's time splits into GPU steps and the GPU idle between them (host work on the critical path), by the kind
-of the call that launched the next step. What it leaves out: the HTTP process and the queue to it (the serving
-benchmark's router ITL has them).
+of the call that launched the next step. The tail's calls also split by host phase (admission, reaping, waiting
+for the GPU, commit, staging, launch, undo: HOST_PHASES), which says what the host did while the GPU idled.
+What it leaves out: the HTTP process and the queue to it (the serving benchmark's router ITL has them).
 
     python benchmarks/profile_serving_gaps.py --gsm8k .data/test.jsonl \
         --server_args "--model_dir M --load_format dummy" --out gaps.json
@@ -49,6 +50,18 @@ TOP_SEQUENCES = 5  # the tail gaps' most common call sequences reported
 COUNTERS = ("discarded_steps", "mixed_dropped", "mixed_undone", "mixed_staged", "mixed_ahead", "mixed_left",
             "decode_after_mixed")
 CALL_KINDS = ("decode", "commit only", "commit, mixed launch", "mixed", "mixed launch", "prefill", "idle")
+# A call's host time by phase: (owner, method) pairs timed by HostClock. "wait" is the host blocked on the GPU;
+# the rest of a call is "other" (the router's and the schedule's own bookkeeping).
+HOST_PHASES = {
+    "admit": (("router", "_admit"),),
+    "reap": (("router", "_reap_finished"),),
+    "wait": (("decode_step", "wait"),),
+    "commit": (("backend", "commit_decode"), ("backend", "commit_mixed")),
+    "stage": (("backend", "stage_mixed"), ("decode_step", "prepare"), ("decode_step", "prepare_successor"),
+              ("decode_step", "snapshot"), ("decode_step", "snapshot_reqs")),
+    "launch": (("backend", "decode_forward"), ("backend", "launch_verify_draft"), ("backend", "launch_mixed")),
+    "undo": (("backend", "_undo"), ("backend", "_undo_mixed"), ("backend", "drop_mixed")),
+}
 
 
 @dataclass
@@ -65,6 +78,7 @@ class Call:
     undone: int = 0  # steps launched ahead and taken back (a finish changed the batch)
     gc_ms: float = 0.0  # Python's garbage collections inside it
     gc_full: int = 0  # of those, full (generation 2) collections
+    host_ms: Dict[str, float] = field(default_factory=dict)  # its wall time by HOST_PHASES (exclusive)
 
     @property
     def ms(self) -> float:
@@ -124,10 +138,14 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
     tail = tail_gaps(gaps, percentile)
     by_kind = {k: 0.0 for k in CALL_KINDS}
     between = admitted = finished = undone = gc_ms = gc_full = waited = 0.0
+    host: Dict[str, float] = {}
     for _, i, j in tail:
         for c in range(i + 1, j + 1):
             call = calls[c]
             by_kind[call.kind] += call.ms
+            for phase, ms_ in call.host_ms.items():
+                host[phase] = host.get(phase, 0.0) + ms_
+            host["other"] = host.get("other", 0.0) + call.ms - sum(call.host_ms.values())
             between += 1e3 * (call.start - calls[c - 1].end)
             admitted += call.admitted
             waited += call.waiting > 0
@@ -144,6 +162,8 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
         "tail_gaps": n, "tail_gap_ms_mean": float(np.mean([g[0] for g in tail])),
         "tail_calls_per_gap": float(np.mean([j - i for _, i, j in tail])),
         "tail_ms_by_kind": {k: v / n for k, v in by_kind.items() if v},
+        # the same calls' wall time by host phase (HOST_PHASES; "other": the rest of each call)
+        "tail_host_ms": {k: v / n for k, v in host.items() if v},
         "tail_ms_between_calls": between / n, "tail_gc_ms": gc_ms / n, "tail_gc_full": gc_full / n,
         "tail_admitted": admitted / n, "tail_finished": finished / n, "tail_undone": undone / n,
         # calls that ran their step with requests queued: per tail gap, and the share of all calls for comparison
@@ -189,6 +209,43 @@ class GcClock:
 
     def take(self) -> Tuple[float, int]:
         out, self.ms, self.full = (self.ms, self.full), 0.0, 0
+        return out
+
+
+class HostClock:
+    """A call's wall time by phase (HOST_PHASES): each listed method is wrapped with a timer; a phase's time
+    excludes the phases nested in it (commit_mixed's wait is "wait"), and is summed until taken."""
+
+    def __init__(self, owners: Dict[str, object], clock: Callable[[], float] = time.perf_counter):
+        """``owners``: the objects HOST_PHASES names ("router", "backend", "decode_step"); absent methods are
+        skipped."""
+        self._clock = clock
+        self.ms: Dict[str, float] = {}
+        self._stack: List[List[float]] = []  # [start, nested time] of each open phase
+        for phase, methods in HOST_PHASES.items():
+            for owner, name in methods:
+                obj = owners.get(owner)
+                if obj is not None and callable(getattr(obj, name, None)):
+                    self._wrap(obj, name, phase)
+
+    def _wrap(self, obj, name: str, phase: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            self._stack.append([self._clock(), 0.0])
+            try:
+                return fn(*a, **kw)
+            finally:
+                start, nested = self._stack.pop()
+                spent = self._clock() - start
+                self.ms[phase] = self.ms.get(phase, 0.0) + 1e3 * (spent - nested)
+                if self._stack:
+                    self._stack[-1][1] += spent
+
+        setattr(obj, name, timed)
+
+    def take(self) -> Dict[str, float]:
+        out, self.ms = self.ms, {}
         return out
 
 
@@ -301,9 +358,10 @@ def start_args(flags: Sequence[str], concurrency: int, max_req_total_len: int) -
 
 
 def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingParams], concurrency: int,
-          gpu: Optional[GpuClock] = None) -> Tuple[List[Call], Dict[int, List[int]], GcClock]:
+          gpu: Optional[GpuClock] = None, host: Optional[HostClock] = None
+          ) -> Tuple[List[Call], Dict[int, List[int]], GcClock]:
     """Closed loop: ``concurrency`` requests in the router at a time, the next one added when one finishes.
-    ``gpu``: the steps' GPU clock, told each call's index."""
+    ``gpu``: the steps' GPU clock, told each call's index; ``host``: the calls' host phases."""
     router, b = eng.router, eng.backend
     eos = eng.eos_token_ids()
     budget = eng.args.mtp_asd_regret_budget
@@ -322,6 +380,8 @@ def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingPar
             waiting = len(router.queue.waiting)
             before = [getattr(b, k, 0) for k in COUNTERS]
             clock.take()
+            if host is not None:
+                host.take()
             if gpu is not None:
                 gpu.call = len(calls)
             t0 = time.perf_counter()
@@ -344,7 +404,8 @@ def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingPar
                     open_reqs.discard(u.req_id)
             undone = delta["discarded_steps"] + delta["mixed_dropped"] + delta["mixed_undone"]
             calls.append(Call(t0, t1, kind, admitted=waiting - len(router.queue.waiting),
-                              waiting=len(router.queue.waiting), finished=finished, undone=undone, gc_ms=gc_ms, gc_full=gc_full))
+                              waiting=len(router.queue.waiting), finished=finished, undone=undone, gc_ms=gc_ms,
+                              gc_full=gc_full, host_ms=host.take() if host is not None else {}))
     finally:
         gc.callbacks.remove(clock)
     return calls, token_calls, clock
@@ -384,8 +445,9 @@ def main(argv=None) -> int:
     drive(eng, warm, [SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS)] * len(warm), args.concurrency)
     params = [SamplingParams(max_new_tokens=r.max_new_tokens) for r in workload]
     gpu = GpuClock(eng.backend) if on_gpu else None
+    host = HostClock({"router": eng.router, "backend": eng.backend, "decode_step": eng.backend.decode_step})
     t0 = time.perf_counter()
-    calls, token_calls, clock = drive(eng, prompts, params, args.concurrency, gpu)
+    calls, token_calls, clock = drive(eng, prompts, params, args.concurrency, gpu, host)
     wall = time.perf_counter() - t0
     anatomy = gap_anatomy(calls, token_calls)
     timeline = None

@@ -148,3 +148,58 @@ def test_cpu_run_writes_the_anatomy(tmp_path):
     assert result["gaps"]["gaps"] == 10 * 5 + 2 * 3
     kinds = {row["kind"] for row in result["calls"]}
     assert {"decode", "mixed"} <= kinds and result["device"] == "cpu"
+    # the tail's calls by host phase: the engine's own methods were timed (a renamed one would drop out)
+    assert {"wait", "commit", "launch", "other"} <= set(result["gaps"]["tail_host_ms"])
+
+
+def test_host_clock_splits_a_call_by_phase_exclusive_of_nested_phases():
+    now = [0.0]
+
+    def tick(ms: float) -> None:
+        now[0] += ms / 1e3
+
+    class DecodeStep:
+        def wait(self, pending):
+            tick(3.0)
+            return "host"
+
+    class Backend:
+        def __init__(self, ds):
+            self.decode_step = ds
+
+        def commit_mixed(self, step):  # 1 ms of its own around a 3 ms wait
+            tick(0.5)
+            host = self.decode_step.wait(step)
+            tick(0.5)
+            return host
+
+    class Router:
+        def _admit(self):
+            tick(2.0)
+            return []
+
+    ds = DecodeStep()
+    backend, router = Backend(ds), Router()
+    clock = gaps.HostClock({"router": router, "backend": backend, "decode_step": ds}, clock=lambda: now[0])
+    assert router._admit() == [] and backend.commit_mixed("step") == "host"
+    assert clock.take() == pytest.approx({"admit": 2.0, "commit": 1.0, "wait": 3.0})
+    assert clock.take() == {}
+    # a phase's method that raises is still timed, and the stack stays balanced
+    def boom(step):
+        tick(4.0)
+        raise RuntimeError("x")
+    ds.wait = boom
+    clock._wrap(ds, "wait", "wait")
+    with pytest.raises(RuntimeError):
+        backend.commit_mixed("step")
+    assert clock.take() == pytest.approx({"commit": 0.5, "wait": 4.0}) and clock._stack == []
+
+
+def test_gap_anatomy_splits_the_tail_by_host_phase():
+    # request 0's tokens at calls 0 and 2 (a 10 ms gap, the tail), request 1's at 0 and 1 (2 ms)
+    calls = [Call(0.000, 0.001, "decode"), Call(0.001, 0.003, "decode", host_ms={"wait": 1.5}),
+             Call(0.003, 0.011, "mixed", host_ms={"admit": 2.0, "wait": 1.0, "commit": 3.0})]
+    a = gaps.gap_anatomy(calls, {0: [0, 2], 1: [0, 1]}, percentile=75)
+    assert a["tail_gaps"] == 1
+    # calls 1 and 2: wait 2.5, admit 2, commit 3; the rest of their 2 + 8 ms is other: 10 - 7.5
+    assert a["tail_host_ms"] == pytest.approx({"wait": 2.5, "admit": 2.0, "commit": 3.0, "other": 2.5})
