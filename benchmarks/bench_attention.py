@@ -240,7 +240,6 @@ COLUMNS = (
     Column("tflops", "TFLOP/s", ".1f"), Column("sdpa_tflops", "sdpa TFLOP/s", ".1f"),
     Column("gb_s", "GB/s", ".0f"), Column("sdpa_gb_s", "sdpa GB/s", ".0f"), Column("copy_frac", "of copy", ".2f"),
     Column("vs_one_row", "x 1 row", ".2f"), Column("plan_ms", "plan ms", ".3f"),
-    Column("engine_pdl_ms", "pdl ms", ".4f"), Column("pdl_x", "pdl / engine", ".3f"),
     Column("max_abs_diff", "max |diff|", ".2e"), Column("target", "target"),
     Column("met", "met", lambda v: "yes" if v else "NO"),
 )
@@ -257,9 +256,6 @@ def parse_args(argv=None):
     p.add_argument("--deterministic", action="store_true", help="the kernel's batch-invariant plans")
     p.add_argument("--no_graphs", action="store_true", help="time decode and MTP cases eagerly too")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pdl_ab", action="store_true",
-                   help="also time the kernel launched as a programmatic dependent (sm_90; ATTENTION_PDL in "
-                        "unified_attention.py), in the same run: engine_pdl_ms, pdl_x, pdl_bit_exact")
     p.add_argument("--slots", default="random", choices=SLOT_ORDERS,
                    help="the KV slot table: a random permutation (a cache after churn; the default) or each "
                         "request's slots in order (a fresh cache)")
@@ -396,34 +392,27 @@ def bench_case(case: Case, args, gen: torch.Generator, copy_bw: float, commit: s
     built = plan()
     plan_ms = host_ms(plan)
 
-    def engine_layer(y: Inputs, pdl: bool = False):
-        return unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, built, sm_scale, pdl=pdl)
+    def engine_layer(y: Inputs):
+        return unified_attention(y.q, y.k_cache, y.v_cache, y.req_to_token, built, sm_scale)
 
     sdpa_layers = [sdpa_fn(case, y) for y in layers]
     gqa = sdpa_layers[0][1]
     reference = sdpa_layers[0][0]().transpose(1, 2).reshape(case.rows, h.q_heads, h.head_dim)  # request-major
     diff = (engine_layer(x).float() - reference.float()).abs().max().item()
 
-    def engine(pdl: bool = False):
-        return [engine_layer(y, pdl) for y in layers]
+    def engine():
+        return [engine_layer(y) for y in layers]
 
     def sdpa():
         return [fn() for fn, _ in sdpa_layers]
 
     engine_ms, timing = time_ms(engine, use_graph, args.warmup_ms, args.rep_ms)
     sdpa_ms, _ = time_ms(sdpa, use_graph, args.warmup_ms, args.rep_ms)
-    pdl = {}
-    if args.pdl_ab:  # the same kernels launched as programmatic dependents (the plan predates every layer)
-        pdl_ms, _ = time_ms(lambda: engine(True), use_graph, args.warmup_ms, args.rep_ms)
-        same = torch.equal(engine_layer(x, True), engine_layer(x))
-        pdl = dict(engine_pdl_ms=pdl_ms / len(layers), pdl_x=pdl_ms / engine_ms, pdl_bit_exact=same)
     engine_ms, sdpa_ms = engine_ms / len(layers), sdpa_ms / len(layers)
     if len(layers) > 1:
         timing += f" of {len(layers)} layers, per layer"
-    row = result_row(case, engine_ms, sdpa_ms, plan_ms=plan_ms, max_abs_diff=diff, copy_bw=copy_bw,
-                     commit=commit, timing=timing, sdpa_gqa=gqa, slots=args.slots)
-    row.update(pdl)
-    return row
+    return result_row(case, engine_ms, sdpa_ms, plan_ms=plan_ms, max_abs_diff=diff, copy_bw=copy_bw,
+                      commit=commit, timing=timing, sdpa_gqa=gqa, slots=args.slots)
 
 
 def main(argv=None) -> int:

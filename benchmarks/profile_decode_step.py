@@ -17,7 +17,6 @@ from typing import List, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lightllm.models.llama.triton_kernel import unified_attention as attention_kernels
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.offline_engine import OfflineEngine
@@ -45,12 +44,8 @@ def main():
     p.add_argument("--enable_deterministic_inference", action="store_true")
     p.add_argument("--disable_overlap_schedule", action="store_true")
     p.add_argument("--mtp_overlap", action="store_true",
-                   help="with MTP: launch each step before the previous one is committed (the overlap schedule; "
-                        "the engine's default for MTP decode steps since the thirty-fifth session, so this only "
-                        "forces it; --disable_overlap_schedule measures the step-by-step schedule)")
-    p.add_argument("--attention_pdl", action="store_true",
-                   help="launch the attention kernel as a programmatic dependent (ATTENTION_PDL in "
-                        "unified_attention.py, sm_90; off by default) in every layer but the one that plans")
+                   help="with MTP: launch each step before the previous one is committed (the overlap schedule, "
+                        "which the engine runs for plain decoding only), to measure it")
     p.add_argument("--model_dir", default=None)
     p.add_argument("--load_format", default="auto")
     p.add_argument("--prefill", action="store_true", help="profile one-request prefills, not decode steps")
@@ -69,8 +64,6 @@ def main():
     if a.ranges:
         add_step_ranges()
     mtp = dict(mtp_mode=a.mtp_mode, mtp_step=a.mtp_step) if a.mtp_step else {}
-    if a.attention_pdl:  # before the engine captures its graphs
-        attention_kernels.ATTENTION_PDL = True
     eng = OfflineEngine(StartArgs(model_dir=a.model_dir, load_format=a.load_format, running_max_req_size=a.batch,
                                   max_req_total_len=a.prompt_len + LEN_HEADROOM,
                                   batch_max_tokens=max(65536, a.prompt_len + LEN_HEADROOM),
@@ -97,7 +90,6 @@ def main():
     graphs += ", deterministic" if a.enable_deterministic_inference else ""
     graphs += ", no overlap" if a.disable_overlap_schedule else ""
     graphs += ", MTP overlap" if a.mtp_overlap else ""
-    graphs += ", attention PDL" if a.attention_pdl else ""
     print(f"batch {a.batch} K {a.mtp_step}{' ' + a.mtp_mode if a.mtp_step else ''} {graphs}: {(time.perf_counter() - t0) / a.steps * 1e3:.2f} ms per decode step")
     print_profile(lambda: router.step(), a.rows)
     if a.attention_calls:

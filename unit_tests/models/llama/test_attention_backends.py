@@ -139,26 +139,3 @@ def test_one_name_picks_the_attention():
     assert det.attention is ab.deterministic_triton_attention and det.linear is ab.batch_invariant_linear
     with pytest.raises(ValueError, match="valid names: auto, torch, triton"):
         ab.get_layer_ops("flash", cuda)
-
-
-@pytest.mark.parametrize("case", [_mtp_decode_case, _mixed_rows_case])
-def test_programmatic_dependent_launch_waits_for_a_plan_built_just_before(case, monkeypatch):
-    """With ATTENTION_PDL, a launch may start before the kernel before it ends, so it must not read a plan those
-    kernels write: the layer that builds the plan launches its first kernel plainly; later launches (the forward's
-    other layers, a mixed step's second plan) as dependents."""
-    launches = []
-
-    def recording(*args, pdl=False, **kw):
-        launches.append(pdl)
-        return real(*args, pdl=pdl, **kw)
-
-    real = ab.unified_attention
-    monkeypatch.setattr(ab, "unified_attention", recording)
-    monkeypatch.setattr(ab.attention_kernels, "ATTENTION_PDL", True)
-    q, k_cache, v_cache, state = case("cpu")
-    scale = HEAD_DIM**-0.5
-    first = ab.triton_attention(q, k_cache, v_cache, state, scale)
-    plans = len(state.attention_plan)
-    assert launches == [False] + [True] * (plans - 1)
-    assert torch.equal(ab.triton_attention(q, k_cache, v_cache, state, scale), first)  # the next layer's
-    assert launches[plans:] == [True] * plans

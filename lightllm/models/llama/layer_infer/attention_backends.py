@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from lightllm.common.basemodel.infer_struct import InferStateInfo
 from lightllm.common.basemodel.triton_kernel.batch_invariant_matmul import batch_invariant_linear
 from lightllm.common.basemodel.layer_infer.torch_attention import paged_attention_torch
-from lightllm.models.llama.triton_kernel import unified_attention as attention_kernels
 from lightllm.models.llama.triton_kernel.unified_attention import (
     AttentionPlan, plan_attention, plan_split_rows, unified_attention,
 )
@@ -61,12 +60,8 @@ def attention_plan(infer_state: InferStateInfo, q_heads: int, kv_heads: int, hea
 def _triton_attention(q, k_cache, v_cache, infer_state: InferStateInfo, sm_scale: float,
                       deterministic: bool = False) -> torch.Tensor:
     out = None
-    before = infer_state.attention_plan
-    plans = attention_plan(infer_state, q.shape[1], k_cache.shape[1], q.shape[2], deterministic)
-    fresh = plans is not before  # built now, by kernels just before the first launch: that one waits for them
-    for i, plan in enumerate(plans):
-        out = unified_attention(q, k_cache, v_cache, infer_state.req_manager.req_to_token_indexs, plan, sm_scale, out,
-                                pdl=attention_kernels.ATTENTION_PDL and (not fresh or i > 0))
+    for plan in attention_plan(infer_state, q.shape[1], k_cache.shape[1], q.shape[2], deterministic):
+        out = unified_attention(q, k_cache, v_cache, infer_state.req_manager.req_to_token_indexs, plan, sm_scale, out)
     return out
 
 

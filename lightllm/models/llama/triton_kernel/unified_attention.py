@@ -37,7 +37,6 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 # KV positions per tile of the default launch configurations (larger tiles take multiples of it).
 BLOCK_N = 64
@@ -171,7 +170,6 @@ def _unified_attention_kernel(
     SPLIT_KEYS: tl.constexpr = DYNAMIC_SPLIT_KEYS,  # DYNAMIC_SPLITS: fewest keys per split
     LENGTH_SPLITS: tl.constexpr = False,  # decode-shaped plans: each program's (block, split) from the work list
     ONE_LOOP: tl.constexpr = False,  # every tile through the masked loop (one pipelined loop, not two)
-    PDL: tl.constexpr = False,  # launched as a programmatic dependent: wait for the kernels before q and the KV
 ):
     kv_head = tl.program_id(1)
     if DYNAMIC_SPLITS:
@@ -233,8 +231,6 @@ def _unified_attention_kernel(
         q_mask = valid[:, None] & d_mask[None, :]
         if DYNAMIC_SPLITS:
             q_mask = q_mask & (split < n_split)  # a program past the block's splits reads nothing
-        if PDL:  # everything above was written before the kernel before this one started
-            gdc_wait()
         q = tl.load(q_ptr + row_c[:, None] * stride_q_row + head[:, None] * stride_q_head + offs_d[None, :],
                     mask=q_mask, other=0.0)
         # This program's share of the keys: whole tiles, split n_split ways.
@@ -410,11 +406,6 @@ def block_shape(group: int, max_q_len: int, deterministic: bool) -> Tuple[int, i
 
 
 @functools.lru_cache(maxsize=None)
-def pdl_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= PDL_MIN_CAPABILITY
-
-
-@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return H200_SMS
@@ -516,13 +507,6 @@ HALF_BYTES = 2  # the tables above are for bf16 / fp16; fp32 tiles take half the
 # a split's end) shares the pipeline instead of waiting alone (8B heads, batch 64, 4 rows over 1024 keys: 97.3 us
 # a layer against 106.9; never slower by more than 0.4 us in docs/data/perf/session26/decode_plan_variants.py)
 LENGTH_SPLIT_ONE_LOOP = True
-# Programmatic dependent launch (sm_90): the kernel may start while the kernel before it finishes; its launch and
-# the plan's loads (work item, rows, lengths) overlap that kernel's end, and it waits (griddepcontrol.wait) before
-# reading q or the KV, which the kernels before it write. So the plan must be older than the kernel before: a
-# caller that has just built it launches without (``unified_attention(pdl=...)``). Off until measured on a GPU
-# (bench_attention.py --pdl_ab).
-ATTENTION_PDL = False
-PDL_MIN_CAPABILITY = 9  # griddepcontrol is sm_90+
 
 
 def launch_config(block_m: int, block_dmodel: int, wide: bool = False, elem_bytes: int = HALF_BYTES,
@@ -657,8 +641,6 @@ def unified_attention(
     plan: AttentionPlan,
     sm_scale: float,
     out: Optional[torch.Tensor] = None,  # like q: write the plan's rows here (the others are left alone)
-    pdl: bool = False,  # a programmatic dependent launch (sm_90; ATTENTION_PDL): the plan's tensors predate the
-    # kernel launched before this one
 ) -> torch.Tensor:  # [rows, q_heads, head_dim]
     if q.ndim != 3 or k_cache.ndim != 3 or v_cache.ndim != 3:
         raise ValueError("q, k_cache, v_cache must be [rows|slots, heads, head_dim]")
@@ -713,7 +695,6 @@ def unified_attention(
     else:
         programs = plan.block_first_row.shape[0]
     grid = (programs, kv_heads)
-    pdl = pdl and pdl_supported(q.device)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, req_to_token_indexs, plan.row_req_idx, plan.row_seq_len, plan.row_seq_start,
         plan.block_first_row,
@@ -723,8 +704,8 @@ def unified_attention(
         HEAD_DIM=head_dim, GROUP=plan.group, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_DMODEL=block_dmodel,
         BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IEEE_DOT=q.dtype == torch.float32, EVEN_D=head_dim == block_dmodel,
         DYNAMIC_SPLITS=dynamic, SPLIT_KEYS=plan.split_keys, LENGTH_SPLITS=by_length,
-        ONE_LOOP=by_length and LENGTH_SPLIT_ONE_LOOP, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        ONE_LOOP=by_length and LENGTH_SPLIT_ONE_LOOP,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if dynamic:
         _combine_dynamic_splits_kernel[(rows,)](

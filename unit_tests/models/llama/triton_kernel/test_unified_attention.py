@@ -6,7 +6,6 @@ prefill chunks (including ones after a cached prefix), single decode rows, MTP's
 dspark-style block rows that all see the same keys, and slot tables that are not contiguous.
 """
 import dataclasses
-from typing import Tuple
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ from lightllm.models.llama.triton_kernel.unified_attention import (
     dynamic_split_programs,
     launch_config,
     length_split_work,
-    pdl_supported,
     plan_attention,
     plan_split_rows,
     unified_attention,
@@ -425,43 +423,6 @@ def test_decode_graph_replay_equals_eager_cuda():
     batch = make_batch(tuple((i, 8192 - 37 * i if i % 3 == 0 else 100 + i, 1) for i in range(9)), 32, 8, 128,
                        torch.bfloat16, "cuda")
     _graph_replay_equals_eager(batch, 32, 8, 1, 9, (0, -4000, -99))
-
-
-PDL_CHAIN = 4  # launches in a row, each one's q the output of the one before
-
-
-@needs_cuda
-@pytest.mark.parametrize("runs", [((0, 8192, 1),), ((0, 3000, MTP_ROWS), (1, 50, MTP_ROWS), (2, 8000, MTP_ROWS)),
-                                  ((0, 6001, 52), (1, 8192, 1), (2, 3000, 200))])
-def test_programmatic_dependent_launches_equal_plain_ones_cuda(runs):
-    """Launched as programmatic dependents (ATTENTION_PDL, sm_90) in a chain where each launch reads the output of
-    the one before as its q, eagerly and replayed from a graph: the last launch matches the reference on its q
-    (the wait covers the write before it), and the chain is bit-exact with plain launches."""
-    if not pdl_supported(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs sm_90")
-    batch = make_batch(runs, 32, 8, 128, torch.bfloat16, "cuda")
-    plan = plan_attention(batch.row_req_idx, batch.row_seq_len, 32, 8, max(r[2] for r in runs), len(runs))
-    scale = batch.q.shape[2] ** -0.5
-
-    def chain(pdl: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The last launch's q and output."""
-        q, x = None, batch.q
-        for _ in range(PDL_CHAIN):
-            q, x = x, unified_attention(x, batch.k_cache, batch.v_cache, batch.req_to_token, plan, scale, pdl=pdl)
-        return q, x
-
-    want_q, want = chain(False)
-    last_q, got = chain(True)
-    torch.testing.assert_close(
-        got.float(), reference_attention(last_q, batch.k_cache, batch.v_cache, batch.req_to_token, batch.row_req_idx,
-                                         batch.row_seq_len, scale),
-        atol=HALF_ATOL[torch.bfloat16], rtol=0)
-    assert torch.equal(last_q, want_q) and torch.equal(got, want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, out = chain(True)
-    graph.replay()
-    assert torch.equal(out, want)
 
 
 # Few rows over long KV, planned as the rows graphs plan them (as many blocks as rows): the blocks that

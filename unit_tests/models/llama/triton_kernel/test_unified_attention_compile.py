@@ -38,8 +38,6 @@ CASES = (("*bf16", 64, 3, 4096, 8, True), ("*bf16", 64, 3, 1, MAX_KV_SPLITS, Fal
          ("*bf16", 64, 3, 4096, 1, False), ("*bf16", 128, 4, 1, 1, False), ("*fp32", 64, 3, 4, 32, False),
          ("*bf16", 64, 3, 1, SMALL_GRID_MAX_KV_SPLITS, False), ("*bf16", 128, 4, 1, SMALL_GRID_MAX_KV_SPLITS, False))
 ELEM_BYTES = {"*bf16": 2, "*fp16": 2, "*fp32": 4}
-PDL_CASE = ("*bf16", 128, 1, SMALL_GRID_MAX_KV_SPLITS)  # the 8B shape's batch-1 decode tile, also compiled with PDL
-assert PDL_CASE in [(d, h, r, s) for d, h, _, r, s, _ in CASES]
 for dtype, head_dim, group, rows, splits, dynamic in CASES:
     block_q, block_m = block_shape(group, rows, deterministic=False)
     block_dmodel = 1 << (head_dim - 1).bit_length()
@@ -51,14 +49,10 @@ for dtype, head_dim, group, rows, splits, dynamic in CASES:
                   "BLOCK_DMODEL": block_dmodel, "BLOCK_N": cfg.block_n, "NUM_SPLITS": splits,
                   "IEEE_DOT": dtype == "*fp32", "EVEN_D": head_dim == block_dmodel, "DYNAMIC_SPLITS": dynamic,
                   "SPLIT_KEYS": DYNAMIC_SPLIT_KEYS, "LENGTH_SPLITS": by_length,
-                  "ONE_LOOP": by_length and LENGTH_SPLIT_ONE_LOOP, "PDL": False}
+                  "ONE_LOOP": by_length and LENGTH_SPLIT_ONE_LOOP}
     signature.update({name: "constexpr" for name in constexprs})
-    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs, options, DIVISIBLE)
-    if (dtype, head_dim, rows, splits) == PDL_CASE:  # launched as a programmatic dependent (ATTENTION_PDL)
-        pdl = compile_for_sm90(_unified_attention_kernel, signature, {**constexprs, "PDL": True}, options, DIVISIBLE)
-        assert "griddepcontrol.wait" in pdl.asm["ptx"] and "griddepcontrol.wait" not in compiled.asm["ptx"]
-        assert sm90_resource_usage(pdl)["STACK"] == 0
+    compiled = compile_for_sm90(_unified_attention_kernel, signature, constexprs,
+                                {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, DIVISIBLE)
     if block_m <= SPLIT_MAX_BLOCK_M:  # decode-shaped tiles (every decode step): no register spilled
         usage = sm90_resource_usage(compiled)
         assert usage["STACK"] == 0, (dtype, head_dim, rows, usage)
