@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 36: the attention kernel as a programmatic dependent launch (issue 25's batch-1 floor, ATTENTION_PDL),
+# spread over the model transfer's two calls (the slimmed tree; a third carried folder would pass 64 MiB).
 # (Ran in rows 2026-12-06 05:00 and 05:04 of docs/gpu_ci.md; its flags --pdl_ab and --attention_pdl left with the
 # variant in a718996, so it documents that run and no longer runs.)
-# spread over the model transfer's two calls (the slimmed tree; a third carried folder would pass 64 MiB).
 #   call_p.sh kernel   call 1 (model parts aa, ab): its CUDA tests, then the kernel A/B (bench_attention --pdl_ab)
 #   call_p.sh step     call 2 (parts ac, ad, .whl; env.sh assembles the model): the batch-1 decode step of the
 #                      embedded model with and without it, interleaved twice (the first of each arm compiles)
