@@ -246,6 +246,36 @@ def test_a_prompt_is_cached_when_its_prefill_is_done_hand_computed():
     assert q.reserved_tokens == 5
 
 
+def test_eviction_frees_the_oldest_paths_real_slots_in_one_call_hand_computed():
+    """Draft window 2: a finished 6-token prompt leaves 6 tree tokens, the first 2 holding no slot, and 4 slots
+    (positions 0..3, filed under tokens 2..5); its positions 4, 5 go back at release. Two such prompts hold 8 of
+    40 slots. A match of the newer path's first 3 tokens splits it in two nodes. Evicting 3 takes the older path
+    whole (4 slots), then the rest takes both nodes of the other, their slots in one free."""
+    mem = MemoryManager(40, torch.float32, 1, 1, 1, "cpu")
+    cache = PromptCache(mem, PrefixCacheRule(draft_window=2, cache_decoded=False))
+    slots = {}
+    for i, prompt in enumerate([list(range(100, 106)), list(range(200, 206))]):
+        r = _req(i, prompt, max_new=1)
+        cache.lock(r, cache.match(r))
+        slots[i] = mem.alloc(6).tolist()
+        r.slots, r.kv_len = list(slots[i]), 6
+        cache.release(r)
+    assert (mem.can_use_mem_size, cache.tree.total_tokens, cache.stats().cached_tokens) == (32, 12, 8)
+    assert cache.tree.match_prefix(list(range(200, 203))).length == 3 and cache.tree.num_nodes == 3
+    calls = []
+
+    def free(s: torch.Tensor) -> None:
+        calls.append(sorted(s.tolist()))
+        mem.free(s)
+
+    assert cache.evict(3, free) == 4
+    assert calls == [sorted(slots[0][:4])]
+    assert (mem.can_use_mem_size, cache.tree.total_tokens, cache.stats().cached_tokens) == (36, 6, 4)
+    assert cache.evict(100, free) == 4 and calls[1:] == [sorted(slots[1][:4])]
+    assert (mem.can_use_mem_size, cache.tree.total_tokens, cache.stats().cached_tokens) == (40, 0, 0)
+    assert cache.evict(1, free) == 0 and len(calls) == 2  # nothing left: no call
+
+
 def _drive(eng, arrivals, max_new: int):
     """Step the router by hand: ``arrivals`` [(step, prompt)] join at their step. Returns per
     request (token ids, log-probs, accept lens, prompt_cached_tokens) and, per arrival, whether an
