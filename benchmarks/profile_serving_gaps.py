@@ -49,6 +49,10 @@ TOP_SEQUENCES = 5  # the tail gaps' most common call sequences reported
 # the backend's counters a call's kind is read from (ChunkedPrefillBackend; absent ones count 0)
 COUNTERS = ("discarded_steps", "mixed_dropped", "mixed_undone", "mixed_staged", "mixed_ahead", "mixed_left",
             "decode_after_mixed")
+# the schedule's counters the JSON reports for the measured wave: which steps ran ahead of a commit and which
+# were taken back (a mixed step run from idle to its commit is what is left of the rows steps)
+SCHEDULE_COUNTERS = COUNTERS + ("steps_ahead", "mixed_early", "mixed_kept_past_finish", "decode_early",
+                                "decode_kept_past_finish", "successors_without_last")
 CALL_KINDS = ("decode", "commit only", "commit, mixed launch", "mixed", "mixed launch", "prefill", "idle")
 # A call's host time by phase: (owner, method) pairs timed by HostClock. "wait" is the host blocked on the GPU;
 # the rest of a call is "other" (the router's and the schedule's own bookkeeping).
@@ -445,10 +449,12 @@ def main(argv=None) -> int:
     drive(eng, warm, [SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS)] * len(warm), args.concurrency)
     params = [SamplingParams(max_new_tokens=r.max_new_tokens) for r in workload]
     gpu = GpuClock(eng.backend) if on_gpu else None
+    counters = {k: getattr(eng.backend, k, 0) for k in SCHEDULE_COUNTERS}
     host = HostClock({"router": eng.router, "backend": eng.backend, "decode_step": eng.backend.decode_step})
     t0 = time.perf_counter()
     calls, token_calls, clock = drive(eng, prompts, params, args.concurrency, gpu, host)
     wall = time.perf_counter() - t0
+    counters = {k: getattr(eng.backend, k, 0) - v for k, v in counters.items()}
     anatomy = gap_anatomy(calls, token_calls)
     timeline = None
     if gpu is not None:
@@ -461,11 +467,12 @@ def main(argv=None) -> int:
           f"{len(clock.all_ms)} collections (max {max(clock.all_ms, default=0):.2f} ms)")
     print("gaps at or above the p99, per gap:", json.dumps({k: v for k, v in anatomy.items() if k.startswith("tail")},
                                                           indent=1))
+    print("schedule counters of the wave:", json.dumps(counters))
     if timeline is not None:
         print("GPU steps and idle (ms):", json.dumps(timeline, indent=1))
     result = {"commit": serving._git_commit(), "args": vars(args), "device": "cuda" if on_gpu else "cpu",
               "wall_s": wall, "calls": table, "gpu": timeline,
-              "gaps": anatomy, "gc": {"collections": len(clock.all_ms), "ms_total": sum(clock.all_ms),
+              "gaps": anatomy, "schedule": counters, "gc": {"collections": len(clock.all_ms), "ms_total": sum(clock.all_ms),
                                       "ms_max": max(clock.all_ms, default=0.0)}}
     if args.out:
         write_json(args.out, result)

@@ -150,6 +150,8 @@ def test_cpu_run_writes_the_anatomy(tmp_path):
     assert {"decode", "mixed"} <= kinds and result["device"] == "cpu"
     # the tail's calls by host phase: the engine's own methods were timed (a renamed one would drop out)
     assert {"wait", "commit", "launch", "other"} <= set(result["gaps"]["tail_host_ms"])
+    # the schedule's counters over the measured wave (a renamed backend attribute would read 0 everywhere)
+    assert set(result["schedule"]) == set(gaps.SCHEDULE_COUNTERS) and result["schedule"]["steps_ahead"] > 0
 
 
 def test_host_clock_splits_a_call_by_phase_exclusive_of_nested_phases():
