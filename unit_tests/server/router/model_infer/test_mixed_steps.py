@@ -62,13 +62,13 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", counters=
         if b.rows_context is not None:  # dspark: its blocks padded as on CUDA (a ladder of 1, 2, 4)
             b.draft.use_block_ladder(GraphLadder.from_flags(BLOCK_LADDER_MAX, BLOCK_LADDER_MAX, 1), False)
     calls = []
-    mixed = eng.backend.mixed
+    launch = eng.backend.launch_mixed  # every mixed step's launch (run at once, or left in flight with overlap)
 
-    def spy(rows_owner, decoding, reqs, chunk_lens):
-        calls.append((len(decoding), sum(chunk_lens)))
-        return mixed(rows_owner, decoding, reqs, chunk_lens)
+    def spy(step):
+        calls.append((len(step.decoding), sum(step.chunk_lens)))
+        return launch(step)
 
-    eng.backend.mixed = spy
+    eng.backend.launch_mixed = spy
     params = [{"max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
     res = eng.generate(prompts, params)
     assert eng.backend.mem_manager.available_size == eng.backend.mem_manager.size  # every slot back
@@ -148,17 +148,17 @@ def test_mixed_steps_take_their_own_budget_prefill_steps_the_whole_one(tiny):
                       mixed_max_prefill_tokens=mixed_budget, **COMMON)
     b = eng.backend
     mixed_calls, prefill_calls = [], []
-    mixed, prefill = b.mixed, b.prefill
+    launch, prefill = b.launch_mixed, b.prefill
 
-    def spy_mixed(rows_owner, decoding, reqs, chunk_lens):
-        mixed_calls.append(sum(chunk_lens))
-        return mixed(rows_owner, decoding, reqs, chunk_lens)
+    def spy_mixed(step):
+        mixed_calls.append(sum(step.chunk_lens))
+        return launch(step)
 
     def spy_prefill(reqs, chunk_lens, *args, **kwargs):
         prefill_calls.append(sum(chunk_lens))
         return prefill(reqs, chunk_lens, *args, **kwargs)
 
-    b.mixed, b.prefill = spy_mixed, spy_prefill
+    b.launch_mixed, b.prefill = spy_mixed, spy_prefill
     res = eng.generate(prompts, [{"max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW])
     assert b.mixed_budget == mixed_budget
     assert mixed_calls and max(mixed_calls) == mixed_budget  # chunks of a longer prompt fill the budget

@@ -507,6 +507,45 @@ JOIN_AFTER_TOKENS = 5  # request 0's committed tokens when the late prompts are 
 
 # the first four prompts' lengths: none fits one chunk (the fifth's first mixed step comes after a decode
 # step in flight), or some do (it comes after a step committed at once, nothing in flight)
+def _mix_prompts(m: dict, first_lens) -> List[List[int]]:
+    """Four prompts of ``first_lens`` tokens, then one of five CHUNK_TOKENS chunks."""
+    prompts = random_prompts(m["vocab"], 5, first_lens, seed=80)
+    prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]
+    return prompts
+
+
+def _timed_runs(m: dict, specs: List[Spec], **kw) -> Tuple[Tuple[Run, Run], Tuple[StepTiming, StepTiming]]:
+    """((plain, overlap) runs of ``specs`` with MIX_ARGS and ``kw``, their step clocks)."""
+    timings, runs = [], []
+    for overlap in (False, True):
+        eng = _engine(m["target"], overlap, **dict(MIX_ARGS, **kw))
+        eng.router.take_timing()
+        runs.append(_run(eng, specs))
+        timings.append(eng.router.take_timing())
+    return (runs[0], runs[1]), (timings[0], timings[1])
+
+
+@pytest.mark.parametrize("first_max_new", [2, 4, 7])
+def test_mixed_steps_run_ahead_past_a_request_that_reaches_max_new_tokens(models, first_max_new):
+    """Five requests at once, the fifth a prompt of five chunks; request 0 reaches max_new_tokens while those
+    chunks run. Its finish is known in advance, so the mixed step after the one that brings its last token is
+    staged without it and launched before that commit: every mixed step but the first runs ahead (none from
+    idle, none taken back), and every update is the plain schedule's."""
+    m = models["llama"]
+    specs = _greedy_specs(_mix_prompts(m, range(5, 7)), [first_max_new] + [MIX_MAX_NEW] * 4)
+    (plain, overlap), (plain_t, overlap_t) = _timed_runs(m, specs, running_max_req_size=5)
+    assert overlap.groups == plain.groups
+    _assert_pools_whole(plain, overlap)
+    ups = overlap.updates()
+    ends = next(i for i, u in enumerate(ups) if u.req_id == 0 and u.finish_reason == "length")
+    firsts = [i for i, u in enumerate(ups) if u.req_id == 4 and u.token_ids]
+    assert firsts and ends < firsts[0]  # request 0 finished while prompt 4 was still in chunks
+    b = overlap.backend
+    assert b.mixed_left == 1 and b.mixed_ahead + b.mixed_staged == plain_t.mixed_steps - 1
+    assert b.mixed_undone == b.mixed_dropped == 0
+    assert (overlap_t.mixed_steps, overlap_t.mixed_decode_reqs) == (plain_t.mixed_steps, plain_t.mixed_decode_reqs)
+
+
 @pytest.mark.parametrize("first_lens", [range(5, 7), range(4, 6)])
 def test_consecutive_mixed_steps_run_ahead_with_the_plain_schedules_updates(models, first_lens):
     """Four requests decode while a fifth (waiting for a slot, then alone in the queue) is prefilled in
@@ -514,17 +553,8 @@ def test_consecutive_mixed_steps_run_ahead_with_the_plain_schedules_updates(mode
     after the first launched right after the one before it is committed, and every update is the plain
     schedule's."""
     m = models["llama"]
-    prompts = random_prompts(m["vocab"], 5, first_lens, seed=80)
-    prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
-    specs = _greedy_specs(prompts, [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW])
-    kw = dict(MIX_ARGS, running_max_req_size=4)
-    timings, runs = [], []
-    for overlap in (False, True):
-        eng = _engine(m["target"], overlap, **kw)
-        eng.router.take_timing()
-        runs.append(_run(eng, specs))
-        timings.append(eng.router.take_timing())
-    (plain, overlap), (plain_t, overlap_t) = runs, timings
+    specs = _greedy_specs(_mix_prompts(m, first_lens), [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW])
+    (plain, overlap), (plain_t, overlap_t) = _timed_runs(m, specs, running_max_req_size=4)
     assert overlap.groups == plain.groups
     b = overlap.backend
     assert b.mixed_ahead >= 3 and b.decode_after_mixed >= 1 and plain.backend.mixed_ahead == 0
@@ -546,8 +576,7 @@ def test_a_finish_in_the_mixed_step_in_flight_drops_the_step_staged_under_it(mod
     """As above, but request 1 stops (its stop sequence) in one of the fifth prompt's mixed steps: the
     mixed step staged while that one ran is dropped (its slots back) and the plain schedule's step runs."""
     m = models["llama"]
-    prompts = random_prompts(m["vocab"], 5, range(5, 7), seed=80)
-    prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
+    prompts = _mix_prompts(m, range(5, 7))
     max_new = [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW]
     kw = dict(MIX_ARGS, running_max_req_size=4)
     ref = _run(_engine(m["target"], False, **kw), _greedy_specs(prompts, max_new)).tokens()
@@ -578,8 +607,7 @@ def test_a_finish_in_the_mixed_step_in_flight_keeps_the_padded_step_launched_und
     whose commit keeps nothing; every update is the plain schedule's (log-probs to CPU rounding: the rows after
     the padding sit one place earlier in the plain step)."""
     m = models["llama"]
-    prompts = random_prompts(m["vocab"], 5, range(5, 7), seed=80)
-    prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
+    prompts = _mix_prompts(m, range(5, 7))
     max_new = [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW]
     kw = dict(MIX_ARGS, running_max_req_size=4)
     ref = _run(_rows_layout(_engine(m["target"], False, **kw), 4), _greedy_specs(prompts, max_new)).tokens()
@@ -602,8 +630,7 @@ def test_a_finish_at_the_last_chunk_keeps_the_padded_decode_step_launched_under_
     decode step launched under that mixed step keeps request 1's rows as padding (the padded size is the plain
     step's), and every update is the plain schedule's (log-probs to CPU rounding)."""
     m = models["llama"]
-    prompts = random_prompts(m["vocab"], 5, range(5, 7), seed=80)
-    prompts[4] = random_prompts(m["vocab"], 1, range(19, 20), seed=81)[0]  # five chunks
+    prompts = _mix_prompts(m, range(5, 7))
     max_new = [6, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW, MIX_MAX_NEW]
     kw = dict(MIX_ARGS, running_max_req_size=4)
     ladder = GraphLadder.from_flags(4, 4, 4)

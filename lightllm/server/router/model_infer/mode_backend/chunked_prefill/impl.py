@@ -105,7 +105,7 @@ class ChunkedPrefillBackend(ModeBackend):
             return self._advance(decoding, bool(prefilling), may_admit)
         if prefilling and decoding and self.mixed_rows is not None:
             self.last_step_prefilled = True
-            if self.mtp_step == 0 and self._may_run_ahead(decoding):  # left in flight: the router's work runs under it
+            if self.mtp_step == 0 and self._host_free(decoding):  # left in flight: the router's work runs under it
                 self._leave_mixed(decoding, prefilling)
                 self.mixed_left += 1
                 return StepResult([], prefilled=True, steps=0)  # counted at its commit
@@ -206,7 +206,7 @@ class ChunkedPrefillBackend(ModeBackend):
             return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
         reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
         step = self.stage_mixed(self.mixed_rows, going_on, reqs, lens, kv_ahead={r.req_idx: 1 for r in going_on})
-        if self._may_run_ahead(going_on, committed_ahead=1):  # launched now: the GPU runs it while the host commits
+        if self._host_free(going_on):  # launched now: the GPU runs it while the host commits
             self._launch_early(step)
             updates = self.flush_decode()
             if self._keeps(step, decoding + prefilling):
@@ -227,9 +227,9 @@ class ChunkedPrefillBackend(ModeBackend):
         return StepResult(updates, decode_reqs=decoded, steps=0)
 
     def _split_last(self, decoding: List[InferReq]) -> Tuple[List[InferReq], List[InferReq]]:
-        """(the requests whose last token comes in the decode step in flight, the others), in order. Their finish
-        (max_new_tokens, plain decoding: one token a step) is known now, so the plain schedule's next step, known
-        too, leaves them out."""
+        """(the requests whose last token comes in the step in flight, decode or mixed, the others), in order. Their
+        finish (max_new_tokens, plain decoding: one token a step) is known now, so the plain schedule's next step,
+        known too, leaves them out."""
         if self.mtp_step != 0:
             return [], list(decoding)
         last, going_on = [], []
@@ -255,17 +255,20 @@ class ChunkedPrefillBackend(ModeBackend):
 
     def _stage_under_mixed(self, cur: MixedStep, running: List[InferReq]) -> Optional[MixedStep]:
         """While ``cur`` runs: stage the mixed step the plain schedule runs after it, should its commit finish no
-        request. Its decode rows are ``cur``'s (one token further) and the prompts ``cur`` finishes (their first
-        token); its chunks follow ``cur``'s. None: no prompt is left for it, or it may not run ahead."""
+        request but those whose last token (max_new_tokens) it brings, known now. Its decode rows are ``cur``'s
+        (one token further) and the prompts ``cur`` finishes (their first token), less those; its chunks follow
+        ``cur``'s. None: no prompt is left for it, or it may not run ahead."""
         if self.mtp_step != 0:
             return None
         ahead, done = self._gains(cur)
         decoding = [r for r in running if (not r.in_prefill or r.req_idx in done) and r.finish_reason is None]
         prefilling = [r for r in running if r.in_prefill and r.req_idx not in done]
-        if not prefilling or not decoding or any(r.finish_reason is not None for r in running):
+        if any(r.finish_reason is not None for r in running):
             return None
-        # the plain check after the commit: each decoding request one token further
-        if not self._may_run_ahead(decoding, committed_ahead=1):
+        _, decoding = self._split_last(decoding)  # their last token comes in ``cur``: the plain step leaves them out
+        if not prefilling or not decoding:
+            return None
+        if not self._host_free(decoding):
             return None
         plan = plan_chunks([r.prompt_len - r.kv_len - ahead.get(r.req_idx, 0) for r in prefilling], self.mixed_budget)
         reqs, lens = [prefilling[i] for i, _ in plan], [n for _, n in plan]
@@ -282,7 +285,7 @@ class ChunkedPrefillBackend(ModeBackend):
         a row's place (CPU attention), exactly with batch-invariant kernels."""
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
         prefilling = [r for r in running if r.in_prefill]
-        if not decoding or not prefilling or not self._may_run_ahead(decoding):
+        if not decoding or not prefilling or not self._host_free(decoding):
             return False
         reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
         going = [r for r in nxt.decoding if r.finish_reason is None]
@@ -299,17 +302,19 @@ class ChunkedPrefillBackend(ModeBackend):
     def _stage_decode_under_mixed(self, cur: MixedStep, running: List[InferReq]) -> Optional[DecodeRows]:
         """While ``cur`` runs, when it finishes every prompt left: the decode step the plain schedule runs after
         it, staged (each decoding request one token further, each prompt ``cur`` finishes at its end, with its
-        first token), should its commit finish no request. None: prompts remain, or it may not run ahead."""
+        first token; less those whose last token ``cur`` brings), should its commit finish no other request.
+        None: prompts remain, or it may not run ahead."""
         if self.mtp_step != 0 or any(r.finish_reason is not None for r in running):
             return None
         ahead, done = self._gains(cur)
         if any(r.in_prefill and r.req_idx not in done for r in running):
             return None
-        if not running or not self._may_run_ahead(running, committed_ahead=1):
+        _, going_on = self._split_last(running)  # their last token comes in ``cur``: the plain step leaves them out
+        if not going_on or not self._host_free(going_on):
             return None
-        if self.mem_manager.available_size < len(running) * (self.mtp_step + 1):
+        if self.mem_manager.available_size < len(going_on) * (self.mtp_step + 1):
             return None
-        return self.decode_step.prepare(list(running), kv_ahead=ahead)  # a copy: the router's list changes
+        return self.decode_step.prepare(going_on, kv_ahead=ahead)
 
     def _keep_decode_after_mixed(self, dec: InFlightStep, running: List[InferReq]) -> int:
         """After the commit of the mixed step ``dec`` was launched under: keep ``dec`` in flight when it is the
@@ -319,7 +324,7 @@ class ChunkedPrefillBackend(ModeBackend):
         rows = dec.rows
         going = [r for r in rows.reqs if r.finish_reason is None]
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
-        keep = bool(going) and _same_reqs(going, decoding) and self._may_run_ahead(decoding)
+        keep = bool(going) and _same_reqs(going, decoding) and self._host_free(decoding)
         if keep and len(going) < len(rows.reqs):
             keep = self.decode_step.padded_rows(len(going)) == rows.num_rows
             self.decode_kept_past_finish += keep
@@ -346,8 +351,9 @@ class ChunkedPrefillBackend(ModeBackend):
         decode step. Returns the requests of a decode step so launched (0: none)."""
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill]
-        if (self.mtp_step != 0 or any(r.finish_reason is not None for r in running) or not decoding
-                or not self._may_run_ahead(decoding)):
+        if self.mtp_step != 0 or any(r.finish_reason is not None for r in running) or not decoding:
+            return 0
+        if not (self._host_free(decoding) if prefilling else self._may_run_ahead(decoding)):
             return 0
         if prefilling:
             self._leave_mixed(decoding, prefilling)
@@ -374,6 +380,14 @@ class ChunkedPrefillBackend(ModeBackend):
         self._inflight = None
         self.discarded_steps += 1
 
+    def _host_free(self, reqs: List[InferReq]) -> bool:
+        """Whether a step of ``reqs`` may run before the host commits the step before it: its inputs do not depend
+        on that commit (per-position seeds, penalty counts, a grammar's mask, a verify observer). A mixed step
+        needs only this: a request whose last token (max_new_tokens) it brings finishes at its commit, known in
+        advance, and the step after it leaves that request out (``_split_last``)."""
+        return self.overlap_schedule and self.verify_observer is None and all(
+            r.params.seed is None and not r.has_penalty and r.grammar is None for r in reqs)
+
     def _may_run_ahead(self, reqs: List[InferReq], committed_ahead: int = 0) -> bool:
         """Whether the next step of ``reqs`` may be launched before the current one is committed:
         its inputs must not depend on the host's commit (per-position seeds, penalty counts, a
@@ -381,10 +395,8 @@ class ChunkedPrefillBackend(ModeBackend):
         finish is known in advance: no step is launched for nothing). ``committed_ahead``: tokens each request
         commits before then (1 for a request still in prefill: its first token)."""
         k1 = self.mtp_step + 1
-        return self.overlap_schedule and self.verify_observer is None and all(
-            r.params.seed is None and not r.has_penalty and r.grammar is None
-            and len(r.output_ids) + (1 if r.in_prefill else committed_ahead) + k1 < r.params.max_new_tokens
-            for r in reqs)
+        return self._host_free(reqs) and all(
+            len(r.output_ids) + (1 if r.in_prefill else committed_ahead) + k1 < r.params.max_new_tokens for r in reqs)
 
     def flush_decode(self) -> List[ReqStepUpdate]:
         if self._inflight is None:
