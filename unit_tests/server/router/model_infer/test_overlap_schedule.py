@@ -827,6 +827,19 @@ def _decode_steps_and_reqs(run: Run) -> Tuple[int, int]:
     return len(decode_groups), sum(1 for g in decode_groups for u in g if u.accept_len)
 
 
+def test_a_decode_step_from_idle_that_ends_a_request_is_left_in_flight(models):
+    """Three prompts prefilled in one step, then decoding; request 0's second token (max_new_tokens 2) comes in the
+    first decode step. That step is still left in flight (its finish is known in advance), so every decode step
+    but the first is launched before the commit of the one before it, and the updates are the plain schedule's."""
+    m = models["llama"]
+    specs = _greedy_specs(random_prompts(m["vocab"], 3, range(5, 7), seed=80), [2, 5, 9])
+    (plain, overlap), (plain_t, overlap_t) = _timed_runs(m, specs, running_max_req_size=4, batch_max_tokens=32)
+    assert overlap.groups == plain.groups
+    _assert_pools_whole(plain, overlap)
+    assert overlap_t.decode_steps == plain_t.decode_steps
+    assert overlap.backend.steps_ahead == plain_t.decode_steps - 1 and overlap.backend.discarded_steps == 0
+
+
 @pytest.mark.parametrize("ends", [
     "length",
     "stop",

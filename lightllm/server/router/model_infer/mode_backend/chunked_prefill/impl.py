@@ -118,7 +118,7 @@ class ChunkedPrefillBackend(ModeBackend):
         self.last_step_prefilled = False
         if not decoding:
             return StepResult([])
-        if not self._may_run_ahead(decoding):
+        if not self._may_leave(decoding):
             return StepResult(self.decode(decoding), decode_reqs=len(decoding))
         rows = self.prepare_decode_rows(decoding)
         self._inflight = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
@@ -353,7 +353,7 @@ class ChunkedPrefillBackend(ModeBackend):
         decoding = [r for r in running if not r.in_prefill]
         if self.mtp_step != 0 or any(r.finish_reason is not None for r in running) or not decoding:
             return 0
-        if not (self._host_free(decoding) if prefilling else self._may_run_ahead(decoding)):
+        if not (self._host_free(decoding) if prefilling else self._may_leave(decoding)):
             return 0
         if prefilling:
             self._leave_mixed(decoding, prefilling)
@@ -387,6 +387,12 @@ class ChunkedPrefillBackend(ModeBackend):
         advance, and the step after it leaves that request out (``_split_last``)."""
         return self.overlap_schedule and self.verify_observer is None and all(
             r.params.seed is None and not r.has_penalty and r.grammar is None for r in reqs)
+
+    def _may_leave(self, reqs: List[InferReq]) -> bool:
+        """Whether a decode step of ``reqs`` launched with nothing in flight may be left in flight: with plain
+        decoding when its inputs are commit-free (a request whose last token it brings is left out of the step
+        after it, ``_split_last``); with MTP, when no request can finish in it by length either."""
+        return self._host_free(reqs) if self.mtp_step == 0 else self._may_run_ahead(reqs)
 
     def _may_run_ahead(self, reqs: List[InferReq], committed_ahead: int = 0) -> bool:
         """Whether the next step of ``reqs`` may be launched before the current one is committed:
