@@ -472,8 +472,9 @@ def main(argv=None) -> int:
         print("GPU steps and idle (ms):", json.dumps(timeline, indent=1))
     result = {"commit": serving._git_commit(), "args": vars(args), "device": "cuda" if on_gpu else "cpu",
               "wall_s": wall, "calls": table, "gpu": timeline,
-              "gaps": anatomy, "schedule": counters, "gc": {"collections": len(clock.all_ms), "ms_total": sum(clock.all_ms),
-                                      "ms_max": max(clock.all_ms, default=0.0)}}
+              "gaps": anatomy, "schedule": counters,
+              "gc": {"collections": len(clock.all_ms), "ms_total": sum(clock.all_ms),
+                     "ms_max": max(clock.all_ms, default=0.0)}}
     if args.out:
         write_json(args.out, result)
     return 0

@@ -195,7 +195,7 @@ class ChunkedPrefillBackend(ModeBackend):
         the step in flight left out), commit the step in flight, then launch the mixed step and leave it in
         flight, unless the commit changed it (another request finished, or one is waiting to join: the plain
         schedule lays out another step, so the staging is dropped). When no decoding request depends on the host
-        (``_may_run_ahead``) the mixed step is launched before the commit instead, then kept or taken back as in
+        (``_host_free``) the mixed step is launched before the commit instead, then kept or taken back as in
         ``_after_mixed``."""
         cur = self._inflight
         decoded = sum(r.finish_reason is None for r in cur.rows.reqs)
@@ -351,9 +351,8 @@ class ChunkedPrefillBackend(ModeBackend):
         decode step. Returns the requests of a decode step so launched (0: none)."""
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill]
-        if self.mtp_step != 0 or any(r.finish_reason is not None for r in running) or not decoding:
-            return 0
-        if not (self._host_free(decoding) if prefilling else self._may_leave(decoding)):
+        if (self.mtp_step != 0 or any(r.finish_reason is not None for r in running) or not decoding
+                or not self._host_free(decoding)):
             return 0
         if prefilling:
             self._leave_mixed(decoding, prefilling)
@@ -394,15 +393,14 @@ class ChunkedPrefillBackend(ModeBackend):
         after it, ``_split_last``); with MTP, when no request can finish in it by length either."""
         return self._host_free(reqs) if self.mtp_step == 0 else self._may_run_ahead(reqs)
 
-    def _may_run_ahead(self, reqs: List[InferReq], committed_ahead: int = 0) -> bool:
+    def _may_run_ahead(self, reqs: List[InferReq]) -> bool:
         """Whether the next step of ``reqs`` may be launched before the current one is committed:
-        its inputs must not depend on the host's commit (per-position seeds, penalty counts, a
-        grammar's mask, a verify observer), and no request may reach max_new_tokens in the current step (that
-        finish is known in advance: no step is launched for nothing). ``committed_ahead``: tokens each request
-        commits before then (1 for a request still in prefill: its first token)."""
+        its inputs must not depend on the host's commit (``_host_free``), and no request may reach max_new_tokens
+        in the current step (that finish is known in advance: no step is launched for nothing; a request still in
+        prefill commits its first token before then)."""
         k1 = self.mtp_step + 1
         return self._host_free(reqs) and all(
-            len(r.output_ids) + (1 if r.in_prefill else committed_ahead) + k1 < r.params.max_new_tokens for r in reqs)
+            len(r.output_ids) + (1 if r.in_prefill else 0) + k1 < r.params.max_new_tokens for r in reqs)
 
     def flush_decode(self) -> List[ReqStepUpdate]:
         if self._inflight is None:
