@@ -52,7 +52,7 @@ COUNTERS = ("discarded_steps", "mixed_dropped", "mixed_undone", "mixed_staged", 
 # the schedule's counters the JSON reports for the measured wave: which steps ran ahead of a commit and which
 # were taken back (a mixed step run from idle to its commit is what is left of the rows steps)
 SCHEDULE_COUNTERS = COUNTERS + ("steps_ahead", "mixed_early", "mixed_kept_past_finish", "decode_early",
-                                "decode_kept_past_finish", "successors_without_last")
+                                "decode_kept_past_finish", "successors_without_last", "left_idle")
 CALL_KINDS = ("decode", "commit only", "commit, mixed launch", "mixed", "mixed launch", "prefill", "idle")
 # A call's host time by phase: (owner, method) pairs timed by HostClock. "wait" is the host blocked on the GPU;
 # the rest of a call is "other" (the router's and the schedule's own bookkeeping).

@@ -83,11 +83,12 @@
 #                                       and in copies with each PATCH applied (SERVING_AB_ARMS: server flags in the
 #                                       checkout, "NAME=FLAGS;..."), interleaved in SERVING_AB_ROUNDS rounds;
 #                                       carrying .smol_shape, .whl and .dz (no model): dummy weights
-#   gpu_session.sh gaps OUT             where the serving mix's long inter-token gaps come from (profile_serving_gaps.py,
-#                                       in process, no HTTP) at each GAPS_ARMS entry (';'-separated server flags;
-#                                       default the engine's defaults, then --mixed_max_prefill_tokens 256;
-#                                       GAPS_FLAGS: more of the script's flags); carrying
-#                                       .smol_shape, .dz (no model): dummy weights
+#   gpu_session.sh gaps OUT [NAME=PATCH...]  where the serving mix's long inter-token gaps come from
+#                                       (profile_serving_gaps.py, in process, no HTTP) at each GAPS_ARMS entry
+#                                       (';'-separated server flags; default the engine's defaults, then
+#                                       --mixed_max_prefill_tokens 256; GAPS_FLAGS: more of the script's flags) in the
+#                                       checkout and in copies with each PATCH applied, GAPS_ROUNDS rounds (default 1);
+#                                       carrying .smol_shape, .dz (no model): dummy weights
 #   gpu_session.sh attention_ab OUT [NAME=PATCH...]  bench_attention.py (ATTENTION_FLAGS; default --cases decode
 #                                       mtp_rows) in the checkout and in copies with each PATCH applied, interleaved
 #                                       in ATTENTION_AB_ROUNDS rounds (default 2)
@@ -248,17 +249,24 @@ serving)
     status=$?; grep -v " INFO " "$out/serving.log" | grep -v "req/s\]" | tail -20; exit $status
     ;;
 gaps)
-    out=${1:?OUT}; mkdir -p "$out"
+    out=${1:?OUT}; shift; mkdir -p "$out"
     unpack_data
     m=$(shape_model_dir)
+    patched_trees "$@"
     IFS=';' read -r -a gap_arms <<< "${GAPS_ARMS:- ;--mixed_max_prefill_tokens 256}"
-    i=0
-    for arm in "${gap_arms[@]}"; do
-        i=$((i + 1))
-        timeout 240 python benchmarks/profile_serving_gaps.py --gsm8k .data/test.jsonl ${GAPS_FLAGS:-} \
-            --server_args "--model_dir $m --load_format dummy $arm" --out "$out/gaps_$i.json" \
-            > "$out/gaps_$i.log" 2>&1
-        echo "arm $i ($arm) | rc $?"; grep -v " INFO " "$out/gaps_$i.log" | tail -60
+    data=$PWD/.data/test.jsonl
+    for round in $(seq "${GAPS_ROUNDS:-1}"); do
+        i=0
+        for arm in "${gap_arms[@]}"; do
+            i=$((i + 1))
+            for tree in "${trees[@]}"; do
+                dir=${tree%%:*}; tag=${tree##*:}; name="gaps_${tag}_${i}_r$round"
+                (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 240 python benchmarks/profile_serving_gaps.py \
+                    --gsm8k "$data" ${GAPS_FLAGS:-} --server_args "--model_dir $m --load_format dummy $arm" \
+                    --out "$out/$name.json" > "$out/$name.log" 2>&1)
+                echo "round $round | $tag | arm $i ($arm) | rc $?"; grep -v " INFO " "$out/$name.log" | tail -60
+            done
+        done
     done | tee "$out/gaps.txt"
     ;;
 batch1_line)

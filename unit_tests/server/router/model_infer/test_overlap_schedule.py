@@ -544,6 +544,9 @@ def test_mixed_steps_run_ahead_past_a_request_that_reaches_max_new_tokens(models
     assert b.mixed_left == 1 and b.mixed_ahead + b.mixed_staged == plain_t.mixed_steps - 1
     assert b.mixed_undone == b.mixed_dropped == 0
     assert (overlap_t.mixed_steps, overlap_t.mixed_decode_reqs) == (plain_t.mixed_steps, plain_t.mixed_decode_reqs)
+    # the plain schedule leaves nothing in flight: the GPU idles after every call but the last (which ends every
+    # request); the overlap schedule at most twice
+    assert plain.backend.left_idle == plain_t.steps - 1 and b.left_idle <= 2
 
 
 @pytest.mark.parametrize("first_lens", [range(5, 7), range(4, 6)])

@@ -85,6 +85,7 @@ class ChunkedPrefillBackend(ModeBackend):
         self.decode_early = 0  # of those, launched under the mixed step before its commit
         self.decode_kept_past_finish = 0  # of those, kept with the rows of requests that finished at it as padding
         self.successors_without_last = 0  # decode steps launched ahead without the requests finishing before them
+        self.left_idle = 0  # calls that returned with no step in flight while requests run (the GPU idles on the host)
 
     def mixed_steps_enabled(self) -> bool:
         return not self.args.disable_mixed_steps
@@ -94,6 +95,12 @@ class ChunkedPrefillBackend(ModeBackend):
         Without mixed steps prefill and decode alternate while both have work, so a stream of long
         prompts never starves running decodes. ``may_admit``: requests are waiting (a finish may let
         one in, which the plain schedule prefills next)."""
+        result = self._run_step(running, may_admit)
+        if self._inflight is None and any(r.finish_reason is None for r in running):
+            self.left_idle += 1
+        return result
+
+    def _run_step(self, running: List[InferReq], may_admit: bool) -> StepResult:
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill and r.finish_reason is None]
         if isinstance(self._inflight, InFlightMixed):
