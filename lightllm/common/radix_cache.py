@@ -101,7 +101,8 @@ class _HeapEntry:
 def _as_key(tokens: Tokens) -> Tuple[int, ...]:
     if isinstance(tokens, torch.Tensor):
         return tuple(tokens.reshape(-1).tolist())
-    return tuple(map(int, tokens))
+    # numpy integers hash and compare as the ints they hold, so a sequence's items are kept as they are
+    return tuple(tokens)
 
 
 def _as_slots(slots: Slots) -> torch.Tensor:

@@ -7,10 +7,16 @@ every position at ``mem_manager.HOLD_SLOT``, so a padding row's attention reads 
 HOLD slot it writes.
 """
 import math
-from typing import List
+from typing import List, Optional, Sequence
 
+import numpy as np
 import torch
 
+from lightllm.common.basemodel.triton_kernel.init_req_rows import (
+    ASD_BUDGET_COL, FREQUENCY_PENALTY_COL, PRESENCE_PENALTY_COL, REPETITION_PENALTY_COL, REQ_IDX_COL, TEMPERATURE_COL,
+    TOP_K_COL, TOP_P_COL, init_req_rows_triton, pack_req_rows,
+)
+from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID
 from lightllm.common.kv_cache_mem_manager import MemoryManager
 from lightllm.server.core.objs.sampling_params import MAX_TOP_LOGPROBS
 from lightllm.utils.host_copy import to_device
@@ -130,21 +136,48 @@ class ReqSamplingParamsManager:
 
         Raises ReqParamsError (before writing anything) when ``check_req`` refuses ``req``."""
         self.check_req(req)
-        p, idx = req.params, req.req_idx
-        self.req_to_temperature[idx] = p.temperature
-        self.req_to_top_k[idx] = p.top_k
-        self.req_to_top_p[idx] = p.top_p
-        self.req_to_repetition_penalty[idx] = p.repetition_penalty
-        self.req_to_presence_penalty[idx] = p.presence_penalty
-        self.req_to_frequency_penalty[idx] = p.frequency_penalty
-        if req.has_penalty:  # only such requests read or write their counts (two vocabulary-wide rows)
-            self.req_to_out_token_counts[idx].zero_()
-            self.req_to_token_seen[idx].zero_()
-            prompt = to_device(req.prompt_ids, self.device)  # pinned: no stream sync
-            self.req_to_token_seen[idx, prompt] = True
-        if self.req_to_asd_cum_regret is not None:
-            self.req_to_asd_cum_regret[idx] = 0.0
-            self.req_to_asd_budget[idx] = req.asd_budget
+        self.init_reqs_sampling_params([req])
+
+    def init_reqs_sampling_params(self, reqs: Sequence, next_token_ids: Optional[torch.Tensor] = None) -> None:
+        """``init_req_sampling_params`` of requests ``check_req`` accepted, all at once (admission), and each
+        one's row of ``next_token_ids`` ([max_req + 1, W], the backend's) set to NO_DRAFT_TOKEN_ID. On CUDA the
+        values go as one packed copy and one kernel (init_req_rows.py), whatever the number of requests."""
+        if not reqs:
+            return
+        params = [r.params for r in reqs]
+        rows = pack_req_rows(
+            [r.req_idx for r in reqs], [p.top_k for p in params], [p.temperature for p in params],
+            [p.top_p for p in params], [p.repetition_penalty for p in params],
+            [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+            [r.asd_budget if self.req_to_asd_budget is not None else 0.0 for r in reqs],
+        )
+        if torch.device(self.device).type == "cuda":
+            init_req_rows_triton(
+                to_device(rows.reshape(-1), self.device, torch.int32).view(rows.shape), self.req_to_temperature,
+                self.req_to_top_k, self.req_to_top_p, self.req_to_repetition_penalty, self.req_to_presence_penalty,
+                self.req_to_frequency_penalty, next_token_ids, self.req_to_asd_budget, self.req_to_asd_cum_regret,
+            )
+        else:  # the CPU backend: a vectorized write per table
+            column = lambda col, dtype=np.float32: torch.from_numpy(rows.view(dtype)[:, col].copy())  # noqa: E731
+            idx = column(REQ_IDX_COL, np.int32).long()
+            self.req_to_top_k[idx] = column(TOP_K_COL, np.int32)
+            for table, col in ((self.req_to_temperature, TEMPERATURE_COL), (self.req_to_top_p, TOP_P_COL),
+                               (self.req_to_repetition_penalty, REPETITION_PENALTY_COL),
+                               (self.req_to_presence_penalty, PRESENCE_PENALTY_COL),
+                               (self.req_to_frequency_penalty, FREQUENCY_PENALTY_COL)):
+                table[idx] = column(col)
+            if self.req_to_asd_budget is not None:
+                self.req_to_asd_budget[idx] = column(ASD_BUDGET_COL)
+                self.req_to_asd_cum_regret[idx] = 0.0
+            if next_token_ids is not None:
+                next_token_ids[idx] = NO_DRAFT_TOKEN_ID
+        for req in reqs:
+            if req.has_penalty:  # only such requests read or write their counts (two vocabulary-wide rows)
+                idx = req.req_idx
+                self.req_to_out_token_counts[idx].zero_()
+                self.req_to_token_seen[idx].zero_()
+                prompt = to_device(req.prompt_ids, self.device)  # pinned: no stream sync
+                self.req_to_token_seen[idx, prompt] = True
 
     def update_penalty_state(self, b_req_idx: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count committed tokens (``b_req_idx`` [n], ``token_ids`` [n]) for the penalties."""

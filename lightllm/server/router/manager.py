@@ -226,16 +226,20 @@ class RouterManager:
         running_per_group = [0] * self.queue.dp_size
         for req in self.running:
             running_per_group[req.dp_rank] += 1
+        admitted = self.queue.pop_admissible(running_per_group)
+        if not admitted:
+            return []
+        refused = {id(req): e for req, e in self.backend.add_reqs(admitted)}
         failed = []
-        for req in self.queue.pop_admissible(running_per_group):
-            try:
-                self.backend.add_req(req)
-            except Exception as e:
-                logger.exception("request %d: the backend cannot store it", req.req_id)
+        now = time.monotonic()
+        for req in admitted:
+            e = refused.get(id(req))
+            if e is not None:
+                logger.error("request %d: the backend cannot store it", req.req_id, exc_info=e)
                 self._finish(req)
                 failed.append(self._fail(req, f"the worker cannot serve this request: {type(e).__name__}: {e}"))
                 continue
-            req.queue_time_s = time.monotonic() - req.queued_at
+            req.queue_time_s = now - req.queued_at
             self.running.append(req)
             self._steps_since_admit = 0
         return failed

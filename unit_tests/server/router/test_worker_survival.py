@@ -66,13 +66,19 @@ def _params(raw: dict, **bypass) -> SamplingParams:
     return sp
 
 
-def _run(router: RouterManager, msgs: List[AddReq]) -> Dict[int, Result]:
-    """Submit ``msgs`` and step until every request finished; results by req_id."""
-    results = {m.req_id: Result() for m in msgs}
+def _run(router: RouterManager, msgs: List[AddReq],
+         joining: Optional[Dict[int, List[AddReq]]] = None) -> Dict[int, Result]:
+    """Submit ``msgs`` (and ``joining[n]`` before step n) and step until every request finished; results
+    by req_id."""
+    joining = dict(joining or {})
+    results = {m.req_id: Result() for m in msgs + [m for later in joining.values() for m in later]}
     for m in msgs:
         router.add_req(m)
-    idle = 0
-    while router.has_work:
+    idle = steps = 0
+    while router.has_work or joining:
+        for m in joining.pop(steps, []):
+            router.add_req(m)
+        steps += 1
         updates = router.step()
         idle = 0 if updates else idle + 1
         assert idle < MAX_IDLE_STEPS, "router made no progress"
@@ -156,21 +162,50 @@ def test_huge_asd_budget_fails_alone(tiny):
 
 
 def test_backend_that_cannot_store_a_request_fails_it_and_frees_its_row(tiny, monkeypatch):
-    """Anything add_req raises (beyond the known checks) fails that request, not the worker."""
+    """Anything the backend raises for one request at admission (beyond the known checks) fails that
+    request, not the requests admitted with it, nor the worker."""
     prompts = _prompts(tiny.vocab_size, 3, seed=2)
     router = _router(tiny)
     pm = router.backend.params_manager
-    store = pm.init_req_sampling_params
+    check = pm.check_req
 
     def refuse_one(req):
         if req.req_id == 1:
             raise RuntimeError("cannot store")
-        store(req)
+        check(req)
 
-    monkeypatch.setattr(pm, "init_req_sampling_params", refuse_one)
+    monkeypatch.setattr(pm, "check_req", refuse_one)
     res = _run(router, _msgs(prompts, [ORDINARY[0]] * 3))
     assert res[1].finish_reason == FinishReason.ERROR and "cannot store" in res[1].error
     assert [len(res[i].token_ids) for i in (0, 2)] == [ORDINARY[0]["max_new_tokens"]] * 2
+    _assert_pools_whole(router)
+
+
+def test_a_failed_batch_write_at_admission_fails_that_batch_and_serving_goes_on(tiny, monkeypatch):
+    """The table rows of requests admitted together are written in one batch: when that write raises,
+    each of them fails (their rows go back); the requests admitted before and after are served exactly."""
+    prompts = _prompts(tiny.vocab_size, 4, seed=4)
+    params = [ORDINARY[0], ORDINARY[2], ORDINARY[1], ORDINARY[3]]
+    reference = _run(_router(tiny), _msgs(prompts, params))
+    router = _router(tiny)
+    pm = router.backend.params_manager
+    write = pm.init_reqs_sampling_params
+    batches = []
+
+    def fail_the_batch_of_request_1(reqs, next_token_ids=None):
+        batches.append(sorted(r.req_id for r in reqs))
+        if 1 in batches[-1]:
+            raise RuntimeError("injected write failure")
+        write(reqs, next_token_ids)
+
+    monkeypatch.setattr(pm, "init_reqs_sampling_params", fail_the_batch_of_request_1)
+    msgs = _msgs(prompts, params)
+    res = _run(router, msgs[:1], joining={1: msgs[1:3], 8: msgs[3:]})
+    assert batches == [[0], [1, 2], [3]]  # 1 and 2 admitted together
+    for i in (1, 2):
+        assert res[i].finish_reason == FinishReason.ERROR and "injected write failure" in res[i].error
+    for i in (0, 3):
+        assert res[i].token_ids == reference[i].token_ids
     _assert_pools_whole(router)
 
 

@@ -64,6 +64,12 @@ class PrefixMatch:
             self.filed = self.length
 
 
+def own_slots(req: InferReq) -> torch.Tensor:
+    """``req.slots`` (positions ``prompt_cached_len`` .. ``kv_len`` - 1) as a host tensor; through numpy: a
+    quarter of ``torch.tensor``'s time on a list (a done request's reap does this on the host's critical path)."""
+    return torch.from_numpy(np.array(req.slots, dtype=np.int64))
+
+
 class PromptCache:
     def __init__(self, mem_manager: MemoryManager, rule: PrefixCacheRule):
         self.mem_manager = mem_manager
@@ -140,13 +146,15 @@ class PromptCache:
                 match.node, match.tree_length = path.last_node, path.length
         return taken
 
-    def _file(self, req: InferReq, n: int) -> int:
+    def _file(self, req: InferReq, n: int, own: Optional[torch.Tensor] = None) -> int:
         """Put ``req``'s first ``n`` tokens in the tree (token t holds the slot of position t - W);
-        returns how many own slots the tree took. Own slots of KV the tree had go to ``dups``."""
+        returns how many own slots the tree took. Own slots of KV the tree had go to ``dups``.
+        ``own``: ``req.slots`` as a tensor, if the caller has it."""
         match, w = req.prefix, self.window
         if n <= max(match.tree_length, w) or n - w <= match.filed:
             return 0
-        own = torch.tensor(req.slots, dtype=SLOT_DTYPE)  # positions prompt_cached_len .. kv_len - 1
+        if own is None:
+            own = own_slots(req)
         positions = torch.cat([match.slots, own])
         filed = torch.cat([torch.full((w,), NO_SLOT, dtype=SLOT_DTYPE), positions[:n - w]])
         dup = self.tree.insert_request((req.prompt_ids + req.output_ids)[:n], filed, match.tree_length)
@@ -168,11 +176,11 @@ class PromptCache:
     def release(self, req: InferReq) -> None:
         """``req`` is done: cache its tokens, give back every own slot the tree did not take, unlock."""
         match = req.prefix
+        own = own_slots(req)
         if match is None:
-            self.mem_manager.free(torch.tensor(req.slots, dtype=SLOT_DTYPE))
+            self.mem_manager.free(own)
         else:
-            self._file(req, self.cacheable_len(req))
-            own = torch.tensor(req.slots, dtype=SLOT_DTYPE)
+            self._file(req, self.cacheable_len(req), own)
             self.mem_manager.free(torch.cat(match.dups + [own[match.filed - match.length:]]))
             self.tree.dec_ref(match.node)
         req.slots = []

@@ -7,8 +7,9 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from lightllm.common.basemodel.basemodel import ModelKvArgs
@@ -209,17 +210,42 @@ class ModeBackend:
         self.decode_step.verify_observer = fn
 
     # ---- request lifecycle ----
-    def add_req(self, req: InferReq) -> None:
-        fmt = req.params.response_format
-        if fmt is not None:  # before any table row is taken: a failure leaves nothing to free
-            req.grammar = self.grammars.matcher(fmt, req.eos_token_ids)
-        req.req_idx = self.req_manager.alloc()
-        self.params_manager.init_req_sampling_params(req)
-        self.req_to_next_token_ids[req.req_idx].fill_(NO_DRAFT_TOKEN_ID)
-        n = req.prompt_cached_len
-        if n:  # its cached prefix (matched at admission): prefill starts after it
-            self.req_manager.req_to_token_indexs[req.req_idx, :n] = to_device(req.prefix.slots, self.device)
-            req.kv_len = n
+    def add_reqs(self, reqs: List[InferReq]) -> List[Tuple[InferReq, Exception]]:
+        """Give ``reqs`` (admitted together) their table rows; returns the requests it could not store, with
+        why (each holds no row then, or one ``free_req`` gives back). The rows' values go in one batch."""
+        refused, taken = [], []
+        for req in reqs:
+            try:
+                fmt = req.params.response_format
+                if fmt is not None:  # before any table row is taken: a failure leaves nothing to free
+                    req.grammar = self.grammars.matcher(fmt, req.eos_token_ids)
+                self.params_manager.check_req(req)
+                req.req_idx = self.req_manager.alloc()
+            except Exception as e:
+                refused.append((req, e))
+                continue
+            taken.append(req)
+        try:
+            self.params_manager.init_reqs_sampling_params(taken, self.req_to_next_token_ids)
+            self._point_at_prefixes([r for r in taken if r.prompt_cached_len])
+        except Exception as e:  # nothing of theirs is valid then: all of them fail
+            return refused + [(req, e) for req in taken]
+        return refused
+
+    def _point_at_prefixes(self, reqs: List[InferReq]) -> None:
+        """Each request's first ``prompt_cached_len`` positions at its cached prefix's slots (matched at
+        admission; prefill starts after them), in one copy and one scatter."""
+        if not reqs:
+            return
+        lens = [r.prompt_cached_len for r in reqs]
+        where = np.empty((3, sum(lens)), dtype=np.int64)  # req_idx, position, slot of each cached position
+        where[0] = np.repeat([r.req_idx for r in reqs], lens)
+        where[1] = np.concatenate([np.arange(n) for n in lens])
+        where[2] = torch.cat([r.prefix.slots for r in reqs]).numpy()
+        idx, pos, slots = to_device(where.reshape(-1), self.device).view(where.shape)
+        self.req_manager.req_to_token_indexs[idx, pos] = slots
+        for req in reqs:
+            req.kv_len = req.prompt_cached_len
 
     def cache_prompt(self, req: InferReq) -> int:
         """``req``'s prefill is done: its prompt goes into the prompt cache; returns the slots it took."""

@@ -50,9 +50,8 @@ class DPBackend(ChunkedPrefillBackend):
         return groups
 
     # ---- request lifecycle: only the owning group holds table rows and slots ----
-    def add_req(self, req: InferReq) -> None:
-        if req.dp_rank == self.dp_rank:
-            super().add_req(req)
+    def add_reqs(self, reqs: List[InferReq]) -> List[Tuple[InferReq, Exception]]:
+        return super().add_reqs([r for r in reqs if r.dp_rank == self.dp_rank])
         # free_req: a shadow copy has req_idx -1 and no slots, so the base method does nothing
 
     # ---- prefill ----
