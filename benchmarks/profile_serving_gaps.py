@@ -178,6 +178,16 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
     }
 
 
+def host_cost_per_request(calls: Sequence[Call]) -> Dict[str, Optional[float]]:
+    """Over the whole wave: the admission phase's ms per request admitted and the reaping phase's per request
+    finished (what an A/B of those paths compares; None when the wave had none)."""
+    def per(phase: str, count: float) -> Optional[float]:
+        return sum(c.host_ms.get(phase, 0.0) for c in calls) / count if count else None
+
+    return {"admit_ms_per_request": per("admit", sum(c.admitted for c in calls)),
+            "reap_ms_per_request": per("reap", sum(c.finished for c in calls))}
+
+
 def call_table(calls: Sequence[Call]) -> List[Dict[str, object]]:
     """Count and wall ms (p50, p99, max) of the calls of each kind."""
     rows = []
@@ -468,11 +478,13 @@ def main(argv=None) -> int:
     print("gaps at or above the p99, per gap:", json.dumps({k: v for k, v in anatomy.items() if k.startswith("tail")},
                                                           indent=1))
     print("schedule counters of the wave:", json.dumps(counters))
+    per_request = host_cost_per_request(calls)
+    print("host ms per request of the wave:", json.dumps(per_request))
     if timeline is not None:
         print("GPU steps and idle (ms):", json.dumps(timeline, indent=1))
     result = {"commit": serving._git_commit(), "args": vars(args), "device": "cuda" if on_gpu else "cpu",
               "wall_s": wall, "calls": table, "gpu": timeline,
-              "gaps": anatomy, "schedule": counters,
+              "gaps": anatomy, "schedule": counters, "host_per_request": per_request,
               "gc": {"collections": len(clock.all_ms), "ms_total": sum(clock.all_ms),
                      "ms_max": max(clock.all_ms, default=0.0)}}
     if args.out:

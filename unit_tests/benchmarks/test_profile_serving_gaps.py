@@ -205,3 +205,12 @@ def test_gap_anatomy_splits_the_tail_by_host_phase():
     assert a["tail_gaps"] == 1
     # calls 1 and 2: wait 2.5, admit 2, commit 3; the rest of their 2 + 8 ms is other: 10 - 7.5
     assert a["tail_host_ms"] == pytest.approx({"wait": 2.5, "admit": 2.0, "commit": 3.0, "other": 2.5})
+
+
+def test_host_cost_per_request_by_hand():
+    calls = [Call(0.0, 0.001, "decode", admitted=2, host_ms={"admit": 0.5}),
+             Call(0.001, 0.002, "decode", admitted=1, finished=4, host_ms={"admit": 0.4, "reap": 1.0}),
+             Call(0.002, 0.003, "decode", host_ms={"reap": 0.2})]
+    assert gaps.host_cost_per_request(calls) == pytest.approx({"admit_ms_per_request": 0.3,
+                                                                "reap_ms_per_request": 0.3})
+    assert gaps.host_cost_per_request(calls[2:]) == {"admit_ms_per_request": None, "reap_ms_per_request": None}
