@@ -200,13 +200,14 @@ class RouterManager:
     def _reap_finished(self) -> None:
         """Free and drop the running requests that have finished."""
         done = [r for r in self.running if r.finish_reason is not None]
-        for req in done:
-            self._finish(req)
-            self.running.remove(req)
+        if done:
+            self._finish(done)
+            self.running[:] = [r for r in self.running if r.finish_reason is None]
 
-    def _finish(self, req: InferReq) -> None:
-        self.backend.free_req(req)
-        self.queue.release(req)
+    def _finish(self, reqs: List[InferReq]) -> None:
+        self.backend.free_reqs(reqs)
+        for req in reqs:
+            self.queue.release(req)
 
     def admission_due(self, steps_ahead: int = 0) -> bool:
         """Whether waiting requests may join at the step ``steps_ahead`` steps from now:
@@ -236,7 +237,7 @@ class RouterManager:
             e = refused.get(id(req))
             if e is not None:
                 logger.error("request %d: the backend cannot store it", req.req_id, exc_info=e)
-                self._finish(req)
+                self._finish([req])
                 failed.append(self._fail(req, f"the worker cannot serve this request: {type(e).__name__}: {e}"))
                 continue
             req.queue_time_s = now - req.queued_at

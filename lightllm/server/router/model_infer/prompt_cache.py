@@ -175,16 +175,20 @@ class PromptCache:
 
     def release(self, req: InferReq) -> None:
         """``req`` is done: cache its tokens, give back every own slot the tree did not take, unlock."""
+        self.mem_manager.free(self.take_back(req))
+
+    def take_back(self, req: InferReq) -> torch.Tensor:
+        """``release`` of ``req`` but for the pool: returns the slots to free (a caller that releases several
+        requests frees them in one ``MemoryManager.free``)."""
         match = req.prefix
         own = own_slots(req)
-        if match is None:
-            self.mem_manager.free(own)
-        else:
+        if match is not None:
             self._file(req, self.cacheable_len(req), own)
-            self.mem_manager.free(torch.cat(match.dups + [own[match.filed - match.length:]]))
+            own = torch.cat(match.dups + [own[match.filed - match.length:]])
             self.tree.dec_ref(match.node)
         req.slots = []
         req.prefix = None
+        return own
 
     def reset(self) -> None:
         """The pool was reset (``MemoryManager.free_all``): forget every node; locks go with them."""

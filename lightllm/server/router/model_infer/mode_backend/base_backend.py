@@ -31,7 +31,7 @@ from lightllm.server.router.model_infer.mode_backend.generic_post_process import
     SampleOutput, max_top_logprobs, sample, token_logprobs, top_logprobs,
 )
 from lightllm.server.router.model_infer.mtp_speculative.proposer import DraftKvNeeds, MixedAnchors, MixedProposal
-from lightllm.server.router.model_infer.prompt_cache import make_prompt_cache
+from lightllm.server.router.model_infer.prompt_cache import make_prompt_cache, own_slots
 from lightllm.server.router.model_infer.step_rows import RowItem, RowsBatch, StepRows, max_sampled_rows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 from lightllm.utils.host_copy import to_device
@@ -212,7 +212,7 @@ class ModeBackend:
     # ---- request lifecycle ----
     def add_reqs(self, reqs: List[InferReq]) -> List[Tuple[InferReq, Exception]]:
         """Give ``reqs`` (admitted together) their table rows; returns the requests it could not store, with
-        why (each holds no row then, or one ``free_req`` gives back). The rows' values go in one batch."""
+        why (each holds no row then, or one ``free_reqs`` gives back). The rows' values go in one batch."""
         refused, taken = [], []
         for req in reqs:
             try:
@@ -251,15 +251,21 @@ class ModeBackend:
         """``req``'s prefill is done: its prompt goes into the prompt cache; returns the slots it took."""
         return self.prompt_cache.cache_prompt(req) if self.prompt_cache is not None else 0
 
-    def free_req(self, req: InferReq) -> None:
-        if self.prompt_cache is not None:
-            self.prompt_cache.release(req)  # caches its tokens, frees its slots
-        elif req.slots:
-            self.mem_manager.free(req.slots)
-            req.slots = []
-        if req.req_idx >= 0:
-            self.req_manager.free(req.req_idx)
-            req.req_idx = -1
+    def free_reqs(self, reqs: List[InferReq]) -> None:
+        """Give back the rows and slots of ``reqs`` (done: finished, aborted or refused); with the prompt cache
+        their tokens are cached first. The slots go back to the pool in one free."""
+        slots = []
+        for req in reqs:
+            if self.prompt_cache is not None:
+                slots.append(self.prompt_cache.take_back(req))
+            elif req.slots:
+                slots.append(own_slots(req))
+                req.slots = []
+            if req.req_idx >= 0:
+                self.req_manager.free(req.req_idx)
+                req.req_idx = -1
+        if slots:
+            self.mem_manager.free(torch.cat(slots))
 
     def reset_pools(self) -> None:
         """Every KV slot and req_idx row back (after a failed step: no request holds any)."""
