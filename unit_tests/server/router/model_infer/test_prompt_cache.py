@@ -332,3 +332,37 @@ def test_a_request_that_arrives_while_another_decodes_shares_its_prompt(tiny, mo
         assert got[i][1] == pytest.approx(ref.logprobs, abs=LOGPROB_TOL)
         assert got[i][2] == ref.accept_lens
     assert _all_kv_back(on.backend)
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp"])
+def test_requests_admitted_together_point_at_their_own_cached_prefixes(tiny, mode):
+    """Two requests that join at the same step, one sharing the first prompt's system part and one its whole
+    prompt, are admitted in one batch (their cached slots go to the slot table in one scatter): each reads its
+    own prefix; outputs equal the uncached engine's."""
+    m, drafts = tiny
+    kw = _mode_args(drafts, mode)
+    system = random.Random(9).choices(range(m.vocab_size), k=SYSTEM_LEN)
+    qs = _questions(m.vocab_size, seed=10)
+    prompts = [system + qs[0][0], system + qs[1][0], system + qs[0][0] + qs[2][1]]
+    on = make_engine(m.model_dir, **COMMON, **kw)
+    admitted = []
+    point = on.backend._point_at_prefixes
+
+    def record(reqs):
+        admitted.append(sorted((r.req_id, r.prompt_cached_len) for r in reqs))
+        point(reqs)
+
+    on.backend._point_at_prefixes = record
+    got, overlapped = _drive(on, [(0, prompts[0]), (3, prompts[1]), (3, prompts[2])], MAX_NEW)
+    assert overlapped == [False, True, True]
+    window = K if mode == "mtp" else 0
+    together = [batch for batch in admitted if len(batch) == 2]
+    assert together and [i for i, _ in together[0]] == [1, 2]
+    (_, first), (_, second) = together[0]
+    assert first >= SYSTEM_LEN - window and second >= len(prompts[0]) - window and first < second
+    off = make_engine(m.model_dir, disable_dynamic_prompt_cache=True, **COMMON, **kw)
+    for i, p in enumerate(prompts):
+        ref = off.generate([p], [{"max_new_tokens": MAX_NEW, "ignore_eos": True}])[0]
+        assert got[i][0] == ref.token_ids
+        assert got[i][1] == pytest.approx(ref.logprobs, abs=LOGPROB_TOL)
+    assert _all_kv_back(on.backend)
