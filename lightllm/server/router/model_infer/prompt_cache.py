@@ -7,13 +7,14 @@ follows its longest cached prefix. A request's life, for the code that calls thi
 - admission (``ReqQueue``): ``match(req)`` finds the prefix; the queue checks the KV budget with it
   (the prefix's slots are not the request's to reserve; the tree's locked tokens count once),
   then ``lock(req, match)`` sets ``req.prompt_cached_len`` and keeps the prefix in the tree.
-- the backend's ``add_req`` points the request's first ``prompt_cached_len`` positions at the
+- the backend's ``add_reqs`` points the request's first ``prompt_cached_len`` positions at the
   prefix's slots and prefill starts there (a chunk that starts late, as any later chunk).
 - ``cache_prompt(req)`` once its prefill is done (SGLang caches at that point too): its prompt
   goes into the tree and its lock moves to the end of it, so requests that arrive while it decodes
   share the prompt; the tree's slots no longer count in the request's KV reservation.
 - ``release(req)`` when it is done (finished, aborted, refused by the backend): its tokens go into
-  the tree, the slots the tree did not take go back to the pool, the lock goes.
+  the tree, the slots the tree did not take go back to the pool, the lock goes (``take_back``: the
+  same, but it returns those slots, for a caller that frees several requests' slots at once).
 - the pool evicts unlocked cached tokens before an ``alloc`` would fail (``MemoryManager.reclaimer``).
 
 What is cached with an MTP draft (``PrefixCacheRule``, reported by the proposer): the target's KV
