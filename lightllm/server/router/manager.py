@@ -230,14 +230,15 @@ class RouterManager:
         admitted = self.queue.pop_admissible(running_per_group)
         if not admitted:
             return []
-        refused = {id(req): e for req, e in self.backend.add_reqs(admitted)}
+        refused = self.backend.add_reqs(admitted)
+        self._finish([req for req, _ in refused])
+        why = {id(req): e for req, e in refused}
         failed = []
         now = time.monotonic()
         for req in admitted:
-            e = refused.get(id(req))
+            e = why.get(id(req))
             if e is not None:
                 logger.error("request %d: the backend cannot store it", req.req_id, exc_info=e)
-                self._finish([req])
                 failed.append(self._fail(req, f"the worker cannot serve this request: {type(e).__name__}: {e}"))
                 continue
             req.queue_time_s = now - req.queued_at
