@@ -79,6 +79,11 @@ def _check_token_ids(name: str, ids, vocab_size: int) -> None:
         raise ReqParamsError(f"{name}: token id {bad!r} outside the vocabulary [0, {vocab_size})")
 
 
+def writes_by_kernel(device) -> bool:
+    """Whether admission writes the tables with init_req_rows' kernel (CUDA) or per table (the CPU backend)."""
+    return torch.device(device).type == "cuda"
+
+
 class ReqSamplingParamsManager:
     """Device tables of per-request sampling parameters and state, indexed by req_idx.
 
@@ -151,7 +156,7 @@ class ReqSamplingParamsManager:
             [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
             [r.asd_budget if self.req_to_asd_budget is not None else 0.0 for r in reqs],
         )
-        if torch.device(self.device).type == "cuda":
+        if writes_by_kernel(self.device):
             init_req_rows_triton(
                 to_device(rows.reshape(-1), self.device, torch.int32).view(rows.shape), self.req_to_temperature,
                 self.req_to_top_k, self.req_to_top_p, self.req_to_repetition_penalty, self.req_to_presence_penalty,

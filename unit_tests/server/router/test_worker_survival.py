@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
+from lightllm.common import req_manager
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.manager import (
     MAX_CONSECUTIVE_STEP_FAILURES,
@@ -24,6 +25,7 @@ from lightllm.server.router.manager import (
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
 from lightllm.server.router.model_infer.mode_backend.base_backend import ModeBackend
 from lightllm.utils.dist_utils import single_rank_context
+from unit_tests.devices import needs_triton_cpu
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import make_engine
 
@@ -159,6 +161,24 @@ def test_huge_asd_budget_fails_alone(tiny):
     assert res[1].finish_reason == FinishReason.ERROR and "asd_regret_budget" in res[1].error
     assert res[0].token_ids == reference[0].token_ids and res[2].token_ids == reference[1].token_ids
     _assert_pools_whole(router)
+
+
+@needs_triton_cpu
+def test_admission_by_kernel_serves_as_the_per_table_writes(tiny, monkeypatch):
+    """The engine with admission's CUDA path (init_req_rows' kernel, here in the Triton interpreter on the CPU
+    tables) serves the ordinary mix and ASD requests, several admitted at once, token for token as the CPU
+    backend's per-table writes."""
+    draft = tiny.draft("weak_draft", True, 1, seed=5, std=0.02)
+    asd = dict(mtp_mode="eagle_with_att", mtp_step=2, mtp_draft_model_dir=[draft], mtp_asd_regret_budget=2.0)
+    prompts = _prompts(tiny.vocab_size, len(ORDINARY), seed=8)
+    for kw, budgets in ((ENGINE, None), (asd, [2.0] * len(ORDINARY))):
+        reference = _run(_router(tiny, **kw), _msgs(prompts, ORDINARY, asd_budgets=budgets))
+        with monkeypatch.context() as m:
+            m.setattr(req_manager, "writes_by_kernel", lambda _: True)
+            router = _router(tiny, **kw)
+            got = _run(router, _msgs(prompts, ORDINARY, asd_budgets=budgets))
+        assert {i: r.token_ids for i, r in got.items()} == {i: r.token_ids for i, r in reference.items()}
+        _assert_pools_whole(router)
 
 
 def test_backend_that_cannot_store_a_request_fails_it_and_frees_its_row(tiny, monkeypatch):

@@ -14,9 +14,10 @@ import torch
 from lightllm.common.basemodel.triton_kernel.init_req_rows import init_req_rows_triton, pack_req_rows
 from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID
 from lightllm.common.constants import MTP_TABLE_WIDTH
+from lightllm.common import req_manager
 from lightllm.common.req_manager import INT32_MAX, INT32_MIN, FP32_MAX, ReqSamplingParamsManager
 from lightllm.server.core.objs.sampling_params import SamplingParams
-from unit_tests.devices import KERNEL_DEVICES, needs_cuda
+from unit_tests.devices import KERNEL_DEVICES, needs_cuda, needs_triton_cpu
 from unit_tests.triton_compile_util import run_compile_child
 
 pytestmark = pytest.mark.spread  # kernel and table tests without fixtures
@@ -135,14 +136,17 @@ def test_kernel_refuses_a_bad_row_table():
                              asd_budget=t["temperature"])
 
 
-MANAGER_DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+# (device, path): the CPU backend's per-table writes, the kernel path on CPU tensors (the interpreter), CUDA's
+MANAGER_PATHS = [("cpu", "tables"), pytest.param("cpu", "kernel", marks=needs_triton_cpu),
+                 pytest.param("cuda", "kernel", marks=needs_cuda)]
 
 
-@pytest.mark.parametrize("device", MANAGER_DEVICES)
+@pytest.mark.parametrize("device,path", MANAGER_PATHS)
 @pytest.mark.parametrize("asd", [False, True])
-def test_manager_writes_what_scalar_writes_would(device, asd):
-    """The CPU backend's vectorized path and CUDA's kernel path, over tables that served other requests; a
-    penalized request also gets its count rows cleared and its prompt marked seen."""
+def test_manager_writes_what_scalar_writes_would(device, path, asd, monkeypatch):
+    """Both of the manager's write paths, over tables that served other requests; a penalized request also
+    gets its count rows cleared and its prompt marked seen."""
+    monkeypatch.setattr(req_manager, "writes_by_kernel", lambda _: path == "kernel")
     pm = ReqSamplingParamsManager(MAX_REQS, vocab_size=16, device=device, asd_enabled=asd)
     old = random_reqs(MAX_REQS, seed=1)
     pm.init_reqs_sampling_params(old)
