@@ -50,9 +50,9 @@ class DPBackend(ChunkedPrefillBackend):
         return groups
 
     # ---- request lifecycle: only the owning group holds table rows and slots ----
+    # free_reqs: a shadow copy has req_idx -1 and no slots, so the base method does nothing for it
     def add_reqs(self, reqs: List[InferReq]) -> List[Tuple[InferReq, Exception]]:
         return super().add_reqs([r for r in reqs if r.dp_rank == self.dp_rank])
-        # free_reqs: a shadow copy has req_idx -1 and no slots, so the base method does nothing for it
 
     # ---- prefill ----
     def prefill_chunks(self, reqs: List[InferReq]) -> List[ReqStepUpdate]:
