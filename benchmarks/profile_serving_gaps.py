@@ -66,6 +66,15 @@ HOST_PHASES = {
     "launch": (("backend", "decode_forward"), ("backend", "launch_verify_draft"), ("backend", "launch_mixed")),
     "undo": (("backend", "_undo"), ("backend", "_undo_mixed"), ("backend", "drop_mixed")),
 }
+# Inside those phases, what each of these methods took (inclusive; phases are unchanged by them): where an
+# admission, a finish or a staging spends its time. Keyed "owner.method".
+HOST_DETAILS = (
+    ("queue", "pop_admissible"), ("queue", "release"), ("prompt_cache", "match"), ("prompt_cache", "take_back"),
+    ("backend", "add_reqs"), ("backend", "free_reqs"), ("backend", "_point_at_prefixes"),
+    ("req_manager", "alloc"), ("params_manager", "init_reqs_sampling_params"),
+    ("mem_manager", "alloc"), ("mem_manager", "free"), ("step_rows", "stage"), ("decode_step", "_stage"),
+    ("decode_step", "launch_finish"), ("decode_step", "finish"),
+)
 
 
 @dataclass
@@ -83,6 +92,7 @@ class Call:
     gc_ms: float = 0.0  # Python's garbage collections inside it
     gc_full: int = 0  # of those, full (generation 2) collections
     host_ms: Dict[str, float] = field(default_factory=dict)  # its wall time by HOST_PHASES (exclusive)
+    host_detail_ms: Dict[str, float] = field(default_factory=dict)  # HOST_DETAILS' time in it (inclusive)
 
     @property
     def ms(self) -> float:
@@ -143,6 +153,7 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
     by_kind = {k: 0.0 for k in CALL_KINDS}
     between = admitted = finished = undone = gc_ms = gc_full = waited = 0.0
     host: Dict[str, float] = {}
+    detail: Dict[str, float] = {}
     for _, i, j in tail:
         for c in range(i + 1, j + 1):
             call = calls[c]
@@ -150,6 +161,8 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
             for phase, ms_ in call.host_ms.items():
                 host[phase] = host.get(phase, 0.0) + ms_
             host["other"] = host.get("other", 0.0) + call.ms - sum(call.host_ms.values())
+            for key, ms_ in call.host_detail_ms.items():
+                detail[key] = detail.get(key, 0.0) + ms_
             between += 1e3 * (call.start - calls[c - 1].end)
             admitted += call.admitted
             waited += call.waiting > 0
@@ -168,6 +181,8 @@ def gap_anatomy(calls: Sequence[Call], token_calls: Dict[int, List[int]],
         "tail_ms_by_kind": {k: v / n for k, v in by_kind.items() if v},
         # the same calls' wall time by host phase (HOST_PHASES; "other": the rest of each call)
         "tail_host_ms": {k: v / n for k, v in host.items() if v},
+        # inside those phases, the listed methods' time (HOST_DETAILS, inclusive, so they may overlap)
+        "tail_host_detail_ms": {k: v / n for k, v in sorted(detail.items(), key=lambda kv: -kv[1]) if v},
         "tail_ms_between_calls": between / n, "tail_gc_ms": gc_ms / n, "tail_gc_full": gc_full / n,
         "tail_admitted": admitted / n, "tail_finished": finished / n, "tail_undone": undone / n,
         # calls that ran their step with requests queued: per tail gap, and the share of all calls for comparison
@@ -184,8 +199,15 @@ def host_cost_per_request(calls: Sequence[Call]) -> Dict[str, Optional[float]]:
     def per(phase: str, count: float) -> Optional[float]:
         return sum(c.host_ms.get(phase, 0.0) for c in calls) / count if count else None
 
-    return {"admit_ms_per_request": per("admit", sum(c.admitted for c in calls)),
-            "reap_ms_per_request": per("reap", sum(c.finished for c in calls))}
+    admitted, finished = sum(c.admitted for c in calls), sum(c.finished for c in calls)
+    detail: Dict[str, float] = {}
+    for c in calls:
+        for key, ms in c.host_detail_ms.items():
+            detail[key] = detail.get(key, 0.0) + ms
+    return {"admit_ms_per_request": per("admit", admitted), "reap_ms_per_request": per("reap", finished),
+            "admitted": admitted, "finished": finished, "calls": len(calls),
+            # the wave's HOST_DETAILS totals (ms): divide by the counts above for a cost per request or call
+            "detail_ms": dict(sorted(detail.items(), key=lambda kv: -kv[1]))}
 
 
 def call_table(calls: Sequence[Call]) -> List[Dict[str, object]]:
@@ -235,12 +257,29 @@ class HostClock:
         skipped."""
         self._clock = clock
         self.ms: Dict[str, float] = {}
+        self.detail_ms: Dict[str, float] = {}  # HOST_DETAILS, inclusive
         self._stack: List[List[float]] = []  # [start, nested time] of each open phase
+        for owner, name in HOST_DETAILS:  # wrapped first: a method in both is timed as a phase around its detail
+            obj = owners.get(owner)
+            if obj is not None and callable(getattr(obj, name, None)):
+                self._wrap_detail(obj, name, f"{owner}.{name}")
         for phase, methods in HOST_PHASES.items():
             for owner, name in methods:
                 obj = owners.get(owner)
                 if obj is not None and callable(getattr(obj, name, None)):
                     self._wrap(obj, name, phase)
+
+    def _wrap_detail(self, obj, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            start = self._clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.detail_ms[key] = self.detail_ms.get(key, 0.0) + 1e3 * (self._clock() - start)
+
+        setattr(obj, name, timed)
 
     def _wrap(self, obj, name: str, phase: str) -> None:
         fn = getattr(obj, name)
@@ -260,6 +299,10 @@ class HostClock:
 
     def take(self) -> Dict[str, float]:
         out, self.ms = self.ms, {}
+        return out
+
+    def take_details(self) -> Dict[str, float]:
+        out, self.detail_ms = self.detail_ms, {}
         return out
 
 
@@ -371,6 +414,15 @@ def start_args(flags: Sequence[str], concurrency: int, max_req_total_len: int) -
     return StartArgs(**{k: v for k, v in vars(ns).items() if k in names})
 
 
+def host_owners(eng: OfflineEngine) -> Dict[str, object]:
+    """The objects HOST_PHASES and HOST_DETAILS name, by owner (None where the engine has none)."""
+    backend = eng.backend
+    return {"router": eng.router, "backend": backend, "decode_step": backend.decode_step,
+            "queue": eng.router.queue, "prompt_cache": backend.prompt_cache, "mem_manager": backend.mem_manager,
+            "req_manager": backend.req_manager, "params_manager": backend.params_manager,
+            "step_rows": getattr(backend, "mixed_rows", None) or backend.step_rows}
+
+
 def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingParams], concurrency: int,
           gpu: Optional[GpuClock] = None, host: Optional[HostClock] = None
           ) -> Tuple[List[Call], Dict[int, List[int]], GcClock]:
@@ -396,6 +448,7 @@ def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingPar
             clock.take()
             if host is not None:
                 host.take()
+                host.take_details()
             if gpu is not None:
                 gpu.call = len(calls)
             t0 = time.perf_counter()
@@ -419,7 +472,8 @@ def drive(eng: OfflineEngine, prompts: List[List[int]], params: List[SamplingPar
             undone = delta["discarded_steps"] + delta["mixed_dropped"] + delta["mixed_undone"]
             calls.append(Call(t0, t1, kind, admitted=waiting - len(router.queue.waiting),
                               waiting=len(router.queue.waiting), finished=finished, undone=undone, gc_ms=gc_ms,
-                              gc_full=gc_full, host_ms=host.take() if host is not None else {}))
+                              gc_full=gc_full, host_ms=host.take() if host is not None else {},
+                              host_detail_ms=host.take_details() if host is not None else {}))
     finally:
         gc.callbacks.remove(clock)
     return calls, token_calls, clock
@@ -460,7 +514,7 @@ def main(argv=None) -> int:
     params = [SamplingParams(max_new_tokens=r.max_new_tokens) for r in workload]
     gpu = GpuClock(eng.backend) if on_gpu else None
     counters = {k: getattr(eng.backend, k, 0) for k in SCHEDULE_COUNTERS}
-    host = HostClock({"router": eng.router, "backend": eng.backend, "decode_step": eng.backend.decode_step})
+    host = HostClock(host_owners(eng))
     t0 = time.perf_counter()
     calls, token_calls, clock = drive(eng, prompts, params, args.concurrency, gpu, host)
     wall = time.perf_counter() - t0

@@ -150,8 +150,29 @@ def test_cpu_run_writes_the_anatomy(tmp_path):
     assert {"decode", "mixed"} <= kinds and result["device"] == "cpu"
     # the tail's calls by host phase: the engine's own methods were timed (a renamed one would drop out)
     assert {"wait", "commit", "launch", "other"} <= set(result["gaps"]["tail_host_ms"])
+    # the admission's, reaping's and staging's methods were timed inside those phases
+    detail = result["host_per_request"]["detail_ms"]
+    assert {"backend.add_reqs", "backend.free_reqs", "mem_manager.alloc", "queue.pop_admissible"} <= set(detail)
     # the schedule's counters over the measured wave (a renamed backend attribute would read 0 everywhere)
     assert set(result["schedule"]) == set(gaps.SCHEDULE_COUNTERS) and result["schedule"]["steps_ahead"] > 0
+
+
+def test_host_details_name_methods_the_engine_has():
+    # a renamed method would silently time nothing: each HOST_DETAILS entry exists on its owner's class
+    from lightllm.common.kv_cache_mem_manager import MemoryManager
+    from lightllm.common.req_manager import ReqManager, ReqSamplingParamsManager
+    from lightllm.server.router.manager import RouterManager
+    from lightllm.server.router.model_infer.decode_step import DecodeStep
+    from lightllm.server.router.model_infer.mode_backend.chunked_prefill.impl import ChunkedPrefillBackend
+    from lightllm.server.router.model_infer.prompt_cache import PromptCache
+    from lightllm.server.router.model_infer.step_rows import StepRows
+    from lightllm.server.router.req_queue import ReqQueue
+
+    classes = {"router": RouterManager, "backend": ChunkedPrefillBackend, "decode_step": DecodeStep,
+               "queue": ReqQueue, "prompt_cache": PromptCache, "mem_manager": MemoryManager,
+               "req_manager": ReqManager, "params_manager": ReqSamplingParamsManager, "step_rows": StepRows}
+    named = list(gaps.HOST_DETAILS) + [m for methods in gaps.HOST_PHASES.values() for m in methods]
+    assert [f"{o}.{m}" for o, m in named if not callable(getattr(classes[o], m, None))] == []
 
 
 def test_host_clock_splits_a_call_by_phase_exclusive_of_nested_phases():
@@ -211,6 +232,52 @@ def test_host_cost_per_request_by_hand():
     calls = [Call(0.0, 0.001, "decode", admitted=2, host_ms={"admit": 0.5}),
              Call(0.001, 0.002, "decode", admitted=1, finished=4, host_ms={"admit": 0.4, "reap": 1.0}),
              Call(0.002, 0.003, "decode", host_ms={"reap": 0.2})]
-    assert gaps.host_cost_per_request(calls) == pytest.approx({"admit_ms_per_request": 0.3,
-                                                                "reap_ms_per_request": 0.3})
-    assert gaps.host_cost_per_request(calls[2:]) == {"admit_ms_per_request": None, "reap_ms_per_request": None}
+    calls[0].host_detail_ms = {"backend.add_reqs": 0.4}
+    calls[1].host_detail_ms = {"backend.add_reqs": 0.3, "backend.free_reqs": 0.9}
+    out = gaps.host_cost_per_request(calls)
+    assert out.pop("detail_ms") == pytest.approx({"backend.add_reqs": 0.7, "backend.free_reqs": 0.9})
+    assert out == pytest.approx({"admit_ms_per_request": 0.3, "reap_ms_per_request": 0.3, "admitted": 3,
+                                 "finished": 4, "calls": 3})
+    assert gaps.host_cost_per_request(calls[2:]) == {"admit_ms_per_request": None, "reap_ms_per_request": None,
+                                                     "admitted": 0, "finished": 0, "calls": 1, "detail_ms": {}}
+
+
+def test_host_details_are_inclusive_and_leave_the_phases_alone():
+    now = [0.0]
+
+    def tick(ms: float) -> None:
+        now[0] += ms / 1e3
+
+    class Mem:
+        def alloc(self, n):
+            tick(0.25)
+            return n
+
+    class Backend:
+        def __init__(self, mem):
+            self.mem_manager = mem
+
+        def stage_mixed(self, n):  # a phase (stage) holding a detail (mem_manager.alloc)
+            tick(1.0)
+            return self.mem_manager.alloc(n)
+
+        def free_reqs(self, reqs):  # a detail outside any phase
+            tick(2.0)
+
+    mem = Mem()
+    backend = Backend(mem)
+    clock = gaps.HostClock({"backend": backend, "mem_manager": mem}, clock=lambda: now[0])
+    assert backend.stage_mixed(3) == 3
+    backend.free_reqs([])
+    mem.alloc(1)
+    assert clock.take() == pytest.approx({"stage": 1.25})
+    assert clock.take_details() == pytest.approx({"mem_manager.alloc": 0.5, "backend.free_reqs": 2.0})
+    assert clock.take_details() == {}
+
+
+def test_gap_anatomy_sums_the_tail_calls_details():
+    calls = [Call(0.000, 0.001, "decode"), Call(0.001, 0.003, "decode", host_detail_ms={"mem_manager.alloc": 0.5}),
+             Call(0.003, 0.011, "mixed", host_detail_ms={"mem_manager.alloc": 0.25, "backend.add_reqs": 2.0})]
+    a = gaps.gap_anatomy(calls, {0: [0, 2], 1: [0, 1]}, percentile=75)
+    assert a["tail_host_detail_ms"] == pytest.approx({"backend.add_reqs": 2.0, "mem_manager.alloc": 0.75})
+    assert list(a["tail_host_detail_ms"]) == ["backend.add_reqs", "mem_manager.alloc"]  # largest first
