@@ -6,6 +6,9 @@
 #                      before them (the old patch), GAPS_ROUNDS interleaved rounds (default 2)
 #   call_i.sh suite    call 3 (whole tree, .dz, .whl, .smol_shape): the whole GPU suite with the model
 #   call_i.sh serving  call 4 (the same carry): client ITL and tok/s, the checkout against the old patch
+#   call_i.sh tune     whole tree, .dz, .whl, .smol_shape, the model's parts left by two calls before: the serving mix
+#                      at mixed-step prompt budgets 512 and 1024 beside the default (one round, dummy weights), then
+#                      eagle's budgets at --router_max_wait_tokens 0, 2 and 4 (one server each, rounds interleaved)
 #   call_i.sh ab       one call instead of 1, 2 and 4 (slimmed tree, .dz, .smol_shape, .whl; no model parts): the CUDA
 #                      tests of the change, the gaps A/B (two rounds), then serving_ab (one round), ~8 minutes
 source scripts/device/env.sh >/dev/null 2>&1
@@ -27,6 +30,12 @@ ab) nvidia-smi --query-gpu=name --format=csv,noheader
     tests
     GAPS_S=220 gaps_ab
     SERVING_AB_ROUNDS=1 timeout 230 bash $G serving_ab "$O/sab" $OLD 2>&1 | tail -8 ;;
+tune) nvidia-smi --query-gpu=name --format=csv,noheader
+      SERVING_AB_ROUNDS=1 SERVING_AB_ARMS="m512=--mixed_max_prefill_tokens 512;m1024=--mixed_max_prefill_tokens 1024" \
+          timeout 170 bash $G serving_ab "$O/sab" 2>&1 | tail -6
+      bash $G data >/dev/null 2>&1
+      BUDGETS_NAME=_wait BUDGETS_ARMS="w0=--router_max_wait_tokens 0;w2=--router_max_wait_tokens 2;w4=--router_max_wait_tokens 4" \
+          timeout ${TUNE_BUDGETS_S:-260} bash $G budgets "$O/b" 3 64 1319 0,2.0625 2>&1 | grep -E "^== arm|^\| (0|2.0625) " | cut -c1-220 ;;
 suite) bash $G data >/dev/null 2>&1
        GPU_CI_WORKERS=12 timeout ${SUITE_S:-420} bash $G suite "$O/suite" 2>&1 | tail -14 ;;
 serving) SERVING_AB_ROUNDS=${SERVING_AB_ROUNDS:-2} timeout 560 bash $G serving_ab "$O/sab" $OLD 2>&1 | tail -12 ;;
