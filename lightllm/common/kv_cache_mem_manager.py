@@ -59,6 +59,9 @@ class MemoryManager:
         self._num_used = 0
         # [size] True where a slot is free; catches double frees
         self._slot_is_free = np.ones(self.size, dtype=np.bool_)
+        # [size] scratch: a freed batch's position of each slot, which finds a slot named twice without a sort
+        self._free_pos = np.zeros(self.size, dtype=np.int64)
+        self._positions = np.arange(self.size, dtype=np.int64)
 
     @property
     def can_use_mem_size(self) -> int:
@@ -98,8 +101,13 @@ class MemoryManager:
             return
         if int(slots.min()) < 0 or int(slots.max()) >= self.size:
             raise ValueError(f"free of slots outside [0, {self.size}) (HOLD_SLOT={self.HOLD_SLOT} is never freed)")
-        if self._slot_is_free[slots].any() or np.unique(slots).size != n:
+        if self._slot_is_free[slots].any():
             raise ValueError("double free of KV cache slots")
+        # a slot named twice keeps its later position: the earlier one reads back another
+        positions = self._positions[:n]
+        self._free_pos[slots] = positions
+        if (self._free_pos[slots] != positions).any():
+            raise ValueError("double free of KV cache slots (a slot named twice)")
         self._slot_is_free[slots] = True
         self._num_used -= n
         self._slot_stack[self._num_used : self._num_used + n] = slots

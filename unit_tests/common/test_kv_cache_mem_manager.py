@@ -64,6 +64,19 @@ def test_double_free_is_caught():
     assert mem.can_use_mem_size == SIZE - 2
 
 
+def test_a_slot_named_twice_anywhere_in_a_batch_is_caught_and_changes_nothing():
+    mem = _manager()
+    a = mem.alloc(6).tolist()
+    for bad in ([a[0], a[1], a[2], a[1]], [a[4], a[0], a[5], a[3], a[2], a[4]], [a[5]] * 3):
+        with pytest.raises(ValueError, match="double free"):
+            mem.free(bad)
+        assert mem.can_use_mem_size == SIZE - 6  # the batch was refused whole
+    mem.free([a[2], a[0], a[5]])  # then a clean batch of the same slots goes back
+    mem.free(torch.tensor([a[1], a[4], a[3]]))
+    assert mem.can_use_mem_size == SIZE
+    assert sorted(mem.alloc(SIZE).tolist()) == list(range(SIZE))
+
+
 def test_hold_slot_is_never_allocated_nor_freed():
     mem = _manager()
     slots = mem.alloc(SIZE)
