@@ -176,11 +176,18 @@ def test_host_details_name_methods_the_engine_has():
     assert [f"{o}.{m}" for o, m in named if not callable(getattr(classes[o], m, None))] == []
 
 
-def test_host_clock_splits_a_call_by_phase_exclusive_of_nested_phases():
+def _manual_clock():
+    """A clock for HostClock (seconds) and the tick that advances it by ms."""
     now = [0.0]
 
     def tick(ms: float) -> None:
         now[0] += ms / 1e3
+
+    return (lambda: now[0]), tick
+
+
+def test_host_clock_splits_a_call_by_phase_exclusive_of_nested_phases():
+    now, tick = _manual_clock()
 
     class DecodeStep:
         def wait(self, pending):
@@ -204,7 +211,7 @@ def test_host_clock_splits_a_call_by_phase_exclusive_of_nested_phases():
 
     ds = DecodeStep()
     backend, router = Backend(ds), Router()
-    clock = gaps.HostClock({"router": router, "backend": backend, "decode_step": ds}, clock=lambda: now[0])
+    clock = gaps.HostClock({"router": router, "backend": backend, "decode_step": ds}, clock=now)
     assert router._admit() == [] and backend.commit_mixed("step") == "host"
     assert clock.take() == pytest.approx({"admit": 2.0, "commit": 1.0, "wait": 3.0})
     assert clock.take() == {}
@@ -244,10 +251,7 @@ def test_host_cost_per_request_by_hand():
 
 
 def test_host_details_are_inclusive_and_leave_the_phases_alone():
-    now = [0.0]
-
-    def tick(ms: float) -> None:
-        now[0] += ms / 1e3
+    now, tick = _manual_clock()
 
     class Mem:
         def alloc(self, n):
@@ -267,7 +271,7 @@ def test_host_details_are_inclusive_and_leave_the_phases_alone():
 
     mem = Mem()
     backend = Backend(mem)
-    clock = gaps.HostClock({"backend": backend, "mem_manager": mem}, clock=lambda: now[0])
+    clock = gaps.HostClock({"backend": backend, "mem_manager": mem}, clock=now)
     assert backend.stage_mixed(3) == 3
     backend.free_reqs([])
     mem.alloc(1)
