@@ -35,6 +35,11 @@ outside the timed region; ``plan_ms`` is its own host time (synchronized, median
 ``max_abs_diff`` = max |engine - SDPA| per case, printed and written, not asserted: a wrong
 kernel cannot look fast unnoticed. ``target``/``met``: issue 25's goals (8B shape only).
 
+The KV-reading cases (decode, mtp_rows) also time a bare read of the same caches (``read_floor.py``: each
+layer's K and V streamed once by one kernel, the fastest of READ_PROGRAMS_PER_SM grids), graphed the same way:
+``floor_ms``, its ``floor_copy_frac``, and ``vs_floor`` = floor_ms / engine_ms (1.0: the attention call costs
+what reading its bytes does).
+
     python benchmarks/bench_attention.py              # writes docs/data/perf/attention.json
     python benchmarks/bench_attention.py --quick --out /tmp/attention.json   # a short smoke run
 """
@@ -51,8 +56,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
+for path in (REPO_ROOT, os.path.join(REPO_ROOT, "benchmarks")):  # run as a script from anywhere
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 from lightllm.tools.report import Column, render_table, write_json  # noqa: E402 (after the path set-up)
 
@@ -203,7 +209,8 @@ def check_target(row: Dict[str, object]) -> Tuple[Optional[str], Optional[bool]]
 
 
 def result_row(case: Case, engine_ms: float, sdpa_ms: float, *, plan_ms: float, max_abs_diff: float,
-               copy_bw: float, commit: str, timing: str, sdpa_gqa: str, slots: str = "random") -> Dict[str, object]:
+               copy_bw: float, commit: str, timing: str, sdpa_gqa: str, slots: str = "random",
+               floor_ms: Optional[float] = None) -> Dict[str, object]:
     """One JSON row: the case, its times and the measures derived from them."""
     row: Dict[str, object] = {
         "case": case.kind, "heads": case.heads.name, "shape": case.shape, "batch": case.batch,
@@ -218,6 +225,9 @@ def result_row(case: Case, engine_ms: float, sdpa_ms: float, *, plan_ms: float, 
         nbytes = kv_bytes(case)
         row.update(gb_s=gb_s(nbytes, engine_ms), sdpa_gb_s=gb_s(nbytes, sdpa_ms), copy_gb_s=copy_bw,
                    copy_frac=gb_s(nbytes, engine_ms) / copy_bw)
+        if floor_ms is not None:
+            row.update(floor_ms=floor_ms, floor_copy_frac=gb_s(nbytes, floor_ms) / copy_bw,
+                       vs_floor=floor_ms / engine_ms)
     return row
 
 
@@ -239,6 +249,7 @@ COLUMNS = (
     Column("sdpa_ms", "sdpa ms", ".4f"), Column("vs_sdpa", "x sdpa", ".2f"),
     Column("tflops", "TFLOP/s", ".1f"), Column("sdpa_tflops", "sdpa TFLOP/s", ".1f"),
     Column("gb_s", "GB/s", ".0f"), Column("sdpa_gb_s", "sdpa GB/s", ".0f"), Column("copy_frac", "of copy", ".2f"),
+    Column("floor_copy_frac", "read floor of copy", ".2f"), Column("vs_floor", "x floor", ".2f"),
     Column("vs_one_row", "x 1 row", ".2f"), Column("plan_ms", "plan ms", ".3f"),
     Column("max_abs_diff", "max |diff|", ".2e"), Column("target", "target"),
     Column("met", "met", lambda v: "yes" if v else "NO"),
@@ -409,10 +420,27 @@ def bench_case(case: Case, args, gen: torch.Generator, copy_bw: float, commit: s
     engine_ms, timing = time_ms(engine, use_graph, args.warmup_ms, args.rep_ms)
     sdpa_ms, _ = time_ms(sdpa, use_graph, args.warmup_ms, args.rep_ms)
     engine_ms, sdpa_ms = engine_ms / len(layers), sdpa_ms / len(layers)
+    floor_ms = None
+    if case.kind not in FLOP_KINDS:
+        floor_ms = read_floor_ms(layers, use_graph, args.warmup_ms, args.rep_ms)
     if len(layers) > 1:
         timing += f" of {len(layers)} layers, per layer"
     return result_row(case, engine_ms, sdpa_ms, plan_ms=plan_ms, max_abs_diff=diff, copy_bw=copy_bw,
-                      commit=commit, timing=timing, sdpa_gqa=gqa, slots=args.slots)
+                      commit=commit, timing=timing, sdpa_gqa=gqa, slots=args.slots, floor_ms=floor_ms)
+
+
+def read_floor_ms(layers: Sequence[Inputs], use_graph: bool, warmup_ms: int, rep_ms: int) -> float:
+    """Per layer, the fastest bare read of each layer's K and V caches (read_floor.py), over READ_PROGRAMS_PER_SM."""
+    from read_floor import READ_PROGRAMS_PER_SM, read_kv
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best = math.inf
+    for per_sm in READ_PROGRAMS_PER_SM:
+        outs = [torch.empty(per_sm * sms, dtype=torch.float32, device="cuda") for _ in layers]
+        ms, _ = time_ms(lambda: [read_kv(y.k_cache, y.v_cache, o) for y, o in zip(layers, outs)], use_graph,
+                        warmup_ms, rep_ms)
+        best = min(best, ms / len(layers))
+    return best
 
 
 def main(argv=None) -> int:

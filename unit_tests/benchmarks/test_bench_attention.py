@@ -147,6 +147,19 @@ def test_decode_row_by_hand():
     assert row["vs_sdpa"] == 2.0 and "tflops" not in row
 
 
+def test_read_floor_fields_by_hand():
+    case = bench.Case("decode", LLAMA_8B, 1, 1, 8192)
+    row = bench.result_row(case, 0.02, 0.04, plan_ms=0.05, max_abs_diff=0.01, copy_bw=4000.0, commit="abc1234",
+                           timing="do_bench", sdpa_gqa="enable_gqa", floor_ms=0.016)
+    # 32 MiB in 0.016 ms = 2097 GB/s: 0.52 of a 4000 GB/s copy; the call costs 1.25x the bare read
+    assert row["floor_copy_frac"] == pytest.approx(32 * 2 ** 20 / 0.016 / 1e6 / 4000.0)
+    assert row["vs_floor"] == pytest.approx(0.8)
+    assert "floor_ms" not in _row(case, 0.02, 0.04)  # not timed: no fields
+    prefill = bench.result_row(bench.Case("prefill", LLAMA_8B, 1, 512, 512), 1.0, 1.0, plan_ms=0.05,
+                               max_abs_diff=0.0, copy_bw=4000.0, commit="x", timing="t", sdpa_gqa="g", floor_ms=0.5)
+    assert "vs_floor" not in prefill  # compute-bound cases read no floor
+
+
 def test_mtp_ratio_and_targets():
     rows = [_row(bench.Case("decode", LLAMA_8B, 64, 1, 1024), 0.10, 0.2),
             _row(bench.Case("mtp_rows", LLAMA_8B, 64, 4, 1024), 0.12, 0.3),

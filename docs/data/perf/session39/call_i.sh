@@ -9,7 +9,7 @@
 #                      --router_max_wait_tokens 0, 1, 2 and 4 in three rounds (about 6-7 minutes on an H200)
 #   call_i.sh mixed    slimmed tree, .dz, .smol_shape, .whl: the serving mix at --mixed_max_prefill_tokens 256, 512 and
 #                      1024 beside the default, two rounds (dummy weights; about 6 minutes), then the two tests fixed
-#                      in 356cc08
+#                      in 356cc08 and the attention's decode cases beside the bare read of the same bytes (read_floor.py)
 case ${1:?ab, gaps, suite, serving, tune, wait or mixed} in
 ab|gaps|suite|serving) exec bash docs/data/perf/session38/call_h.sh "$@" ;;
 tune|wait|mixed) ;;
@@ -30,6 +30,7 @@ wait) bash $G data >/dev/null 2>&1
 mixed) SERVING_AB_ROUNDS=2 SERVING_AB_ARMS="m256=--mixed_max_prefill_tokens 256;m512=--mixed_max_prefill_tokens 512;m1024=--mixed_max_prefill_tokens 1024" \
            timeout ${MIXED_S:-480} bash $G serving_ab "$O/sab" 2>&1 | tail -18
        timeout 90 python -m pytest -q -p no:cacheprovider unit_tests/benchmarks/test_profile_serving_gaps.py \
-           unit_tests/benchmarks/test_bench_tp.py 2>&1 | tail -3 ;;
+           unit_tests/benchmarks/test_bench_tp.py 2>&1 | tail -3
+       ATTENTION_FLAGS="--cases decode mtp_rows" timeout 120 bash $G attention "$O/att" 2>&1 | tail -14 ;;
 esac
 echo "total $(( $(date +%s) - S )) s"
