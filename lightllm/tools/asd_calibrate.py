@@ -21,7 +21,7 @@ from typing import Dict, List, Sequence
 
 from lightllm.tools.client import (AsdSetting, auto_max_req_total_len, engine_parser, generate_offline,
                                    model_dir_or_embedded, server_flags)
-from lightllm.tools.prompts import chat_prompt_ids, gsm8k_parser, load_gsm8k, solve_turns
+from lightllm.tools.prompts import chat_prompt_ids, gsm8k_parser, load_gsm8k, run_tool, solve_turns
 from lightllm.tools.report import first_difference, write_json
 
 QUANTILE = 0.25
@@ -170,4 +170,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

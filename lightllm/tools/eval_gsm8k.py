@@ -42,7 +42,7 @@ from lightllm.tools.client import (BATCH_STEP_SECONDS, MTP_ACCEPT_LEN, USAGE, WA
                                    AsdSetting, auto_max_req_total_len, engine_parser, generate_body,
                                    model_dir_or_embedded, send_all, serve, server_flags, wave_server_flags, warm_up)
 from lightllm.tools.prompts import (Question, chat_prompt_texts, extract_answer, gsm8k_parser, is_correct, load_gsm8k,
-                                    solve_turns)
+                                    run_tool, solve_turns)
 from lightllm.tools.report import Column, first_token_difference, ratio, render_table, tokens_per_step, write_json
 from lightllm.utils.server_launcher import scrape
 
@@ -529,4 +529,4 @@ def write_outputs(arms: Sequence[Arm], runs: Dict[str, "ArmRun"], skipped: Seque
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from itertools import islice
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -48,8 +49,25 @@ class Question:
     gold: Optional[float]  # the number after ####; None when the record has no answer
 
 
+class DataFileNotFound(FileNotFoundError):
+    """A prompt set's file is missing: the tools' command lines print its message, not a traceback."""
+
+
+def run_tool(main: Callable[[], object]) -> None:
+    """A tool's ``__main__``: exit with ``main()``'s status (0 unless it returns an int); a missing prompt file
+    exits with its message, not a traceback."""
+    try:
+        status = main()
+    except DataFileNotFound as e:
+        sys.exit(f"error: {e}")
+    sys.exit(status if isinstance(status, int) else 0)
+
+
 def load_gsm8k(path: str, num_questions: Optional[int] = None) -> List[Question]:
     """The first ``num_questions`` records of a GSM8K jsonl file (all when None)."""
+    if not os.path.isfile(path):
+        raise DataFileNotFound(f"GSM8K file {path} not found: pass its path (--data), or set ${GSM8K_DIR_ENV} to a "
+                               "folder holding train.jsonl and test.jsonl")
     out = []
     with open(path) as f:
         for i, line in enumerate(f):

@@ -74,7 +74,8 @@ from lightllm.tools import answer_cache
 from lightllm.tools import magpie_prompts as magpie
 from lightllm.tools.client import generate_offline, model_dir_or_embedded
 from lightllm.tools.magpie_prompts import KIND_MATH, SOURCE_GSM8K, PromptRecord, abort_all_after, as_records
-from lightllm.tools.prompts import GSM8K_BESIDE_CHECKOUT, GSM8K_DIR_ENV, REPO, chat_prompt_ids, gsm8k_path, load_gsm8k
+from lightllm.tools.prompts import (GSM8K_BESIDE_CHECKOUT, GSM8K_DIR_ENV, REPO, chat_prompt_ids, gsm8k_path, load_gsm8k,
+                                    run_tool)
 from lightllm.tools.report import write_json
 from lightllm.utils.embedded_model import CACHE_DIR_ENV, get_cache_dir
 
@@ -841,4 +842,4 @@ def main(argv: Optional[Sequence[str]] = None) -> TrainResult:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -64,6 +64,23 @@ def test_load_gsm8k(tmp_path):
         load_gsm8k(str(p))
 
 
+def test_a_missing_gsm8k_file_is_a_clear_exit_of_a_tool(tmp_path, capsys):
+    from lightllm.tools.prompts import DataFileNotFound, load_gsm8k, run_tool
+
+    missing = str(tmp_path / "none.jsonl")
+    with pytest.raises(DataFileNotFound, match=f"GSM8K file {missing} not found.*LIGHTLLM_GSM8K_DIR"):
+        load_gsm8k(missing)
+    with pytest.raises(SystemExit) as e:
+        run_tool(lambda: load_gsm8k(missing))
+    assert str(e.value.code).startswith(f"error: GSM8K file {missing} not found")  # the message, no traceback
+    for returned, status in ((3, 3), (None, 0), (object(), 0)):  # an int is the status; anything else is 0
+        with pytest.raises(SystemExit) as e:
+            run_tool(lambda: returned)
+        assert e.value.code == status
+    with pytest.raises(FileNotFoundError):  # other errors keep their traceback
+        run_tool(lambda: open(missing))
+
+
 def test_real_gsm8k_golds_all_parse():
     qs = load_gsm8k(require_gsm8k("test"))
     assert len(qs) == 1319 and qs[0].gold == 18.0
