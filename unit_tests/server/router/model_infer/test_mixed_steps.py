@@ -50,9 +50,9 @@ def _mode_args(drafts: dict, mode: str) -> dict:
     return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": ASD_BUDGET}[mode])
 
 
-def _run(model_dir: str, prompts, running: int, layout: str = "items", counters=None, **kw):
+def _run(model_dir: str, prompts, running: int, layout: str = "items", counters=None, max_new=MAX_NEW, **kw):
     """``layout`` rows: CUDA's padded rows layout (its eager body) instead of CPU's items. ``counters``: a dict
-    filled with the backend's step counters of those names."""
+    filled with the backend's step counters of those names. ``max_new``: each prompt's max_new_tokens."""
     eng = make_engine(model_dir, running_max_req_size=running, batch_max_tokens=CHUNK, **COMMON, **kw)
     b = eng.backend
     if layout == "rows":
@@ -69,7 +69,7 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", counters=
         return launch(step)
 
     eng.backend.launch_mixed = spy
-    params = [{"max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
+    params = [{"max_new_tokens": n, "ignore_eos": True} for n in max_new]
     res = eng.generate(prompts, params)
     assert eng.backend.mem_manager.available_size == eng.backend.mem_manager.size  # every slot back
     hold = b.req_manager.HOLD_REQUEST_ID  # padding rows read position 0 of the HOLD row: the HOLD slot
@@ -127,6 +127,33 @@ def test_admission_behind_the_step_in_flight_keeps_outputs_and_launches_more_ear
         assert b.accept_lens == a.accept_lens
     if mode == "plain":  # these count mixed steps, which with MTP are not launched ahead of a commit
         assert sum(after.values()) > sum(before.values()), (before, after)
+
+
+LEFT_COUNTERS = ("mixed_left", "mixed_ahead", "decode_after_mixed")
+LEFT_LONG_PROMPT, LEFT_MAX_NEW = 39, 24  # 5 chunks of CHUNK; 39 + 24 within max_req_total_len
+
+
+@pytest.mark.parametrize("layout", ["items", "rows"])
+@pytest.mark.parametrize("mode", ["mtp", "asd", "dspark_asd"])
+def test_mtp_mixed_steps_are_left_in_flight_with_the_same_outputs(tiny, mode, layout):
+    """With MTP a mixed step is launched right after the commit before it and left in flight (the router's work
+    runs under it), and the step after it is launched right after its commit; every request's outputs stay one
+    request at a time's."""
+    m, drafts = tiny
+    # a short prompt decodes while a long one is prefilled in chunks; both admitted at once (no request waits,
+    # so the step after a commit may be launched at once), the short one far from its last token at the end
+    short, long_ = (random_prompts(m.vocab_size, 1, range(n, n + 1), seed=n)[0] for n in (3, LEFT_LONG_PROMPT))
+    prompts, max_new = [short, long_, short], (LEFT_MAX_NEW,) * 3
+    kw = dict(_mode_args(drafts, mode), router_max_wait_tokens=4, max_new=max_new)
+    alone, _ = _run(m.model_dir, prompts, 1, **kw)
+    counters = dict.fromkeys(LEFT_COUNTERS, 0)
+    mixed, calls = _run(m.model_dir, prompts, len(prompts), layout, counters=counters, **kw)
+    assert calls
+    for a, b in zip(alone, mixed):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=LOGPROB_TOL)
+        assert b.accept_lens == a.accept_lens
+    assert counters["mixed_left"] > 0 and counters["decode_after_mixed"] > 0, counters
 
 
 def test_disable_mixed_steps_alternates(tiny):

@@ -109,10 +109,10 @@ class ChunkedPrefillBackend(ModeBackend):
             self.last_step_prefilled = False
             if prefilling and self.mixed_rows is not None and self.mtp_step == 0:  # plain: one token a step
                 return self._mix_after(decoding, prefilling, may_admit)
-            return self._advance(decoding, bool(prefilling), may_admit)
+            return self._advance(decoding, prefilling, may_admit)
         if prefilling and decoding and self.mixed_rows is not None:
             self.last_step_prefilled = True
-            if self.mtp_step == 0 and self._host_free(decoding):  # left in flight: the router's work runs under it
+            if self._host_free(decoding):  # left in flight: the router's work runs under it
                 self._leave_mixed(decoding, prefilling)
                 self.mixed_left += 1
                 return StepResult([], prefilled=True, steps=0)  # counted at its commit
@@ -162,9 +162,10 @@ class ChunkedPrefillBackend(ModeBackend):
             launched = self._launch_after_mixed(running) if not may_admit else 0
         return StepResult(updates, prefilled=True, decode_reqs=decoded, launched_decode_reqs=launched)
 
-    def _advance(self, decoding: List[InferReq], prefilling: bool, may_admit: bool) -> StepResult:
+    def _advance(self, decoding: List[InferReq], prefilling: List[InferReq], may_admit: bool) -> StepResult:
         """With a step in flight: launch the next step of the same requests and commit the one in
-        flight, or (anything else to do first) only commit it."""
+        flight, or (anything else to do first) only commit it; with prompts to prefill and no request
+        waiting, the mixed step after that commit is then launched and left in flight (``_mix_after_commit``)."""
         cur = self._inflight
         same = not prefilling and _same_reqs(decoding, cur.rows.reqs)
         k1 = self.mtp_step + 1
@@ -174,7 +175,10 @@ class ChunkedPrefillBackend(ModeBackend):
         if not (same and going_on and self._may_run_ahead(going_on)
                 and (not last or not may_admit)
                 and self.mem_manager.available_size >= len(going_on) * k1):
-            return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
+            updates = self.flush_decode()
+            if prefilling and not may_admit:
+                self._mix_after_commit(decoding, prefilling)
+            return StepResult(updates, decode_reqs=decoded, steps=0)
         if last:  # the plain schedule's next step leaves them out: stage it afresh, each request one token on
             rows = self.decode_step.prepare(going_on, kv_ahead=1)
             self.decode_step.snapshot(rows)  # after cur's writes, before the next step's
@@ -358,18 +362,38 @@ class ChunkedPrefillBackend(ModeBackend):
         decode step. Returns the requests of a decode step so launched (0: none)."""
         prefilling = [r for r in running if r.in_prefill]
         decoding = [r for r in running if not r.in_prefill]
-        if (self.mtp_step != 0 or any(r.finish_reason is not None for r in running) or not decoding
-                or not self._host_free(decoding)):
+        if any(r.finish_reason is not None for r in running) or not decoding or not self._host_free(decoding):
             return 0
         if prefilling:
             self._leave_mixed(decoding, prefilling)
             self.mixed_ahead += 1
+            return 0
+        if not self._may_leave(decoding):  # MTP: a request may finish by length in it
             return 0
         rows = self.prepare_decode_rows(decoding)
         self._inflight = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
         self.last_step_prefilled = False
         self.decode_after_mixed += 1
         return len(decoding)
+
+    def _mix_after_commit(self, decoding: List[InferReq], prefilling: List[InferReq]) -> None:
+        """Right after the commit of a decode step (no request waits to join): launch the mixed step the plain
+        schedule's next call runs, of the requests that commit left decoding and the prompts' next chunks, and
+        leave it in flight, so the router's work runs under it. This is how MTP reaches a mixed step, whose
+        rows cannot be staged under the decode step in flight (``_mix_after``: their KV lengths wait for its
+        accept lengths). Nothing is launched when a request depends on the host or the slots are short (the
+        next call then runs the step as before)."""
+        going = [r for r in decoding if r.finish_reason is None]
+        if not going or self.mixed_rows is None or not self._host_free(going):
+            return
+        reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+        if self.mem_manager.available_size < len(going) * (self.mtp_step + 1) + sum(lens):
+            return
+        step = self.stage_mixed(self.mixed_rows, going, reqs, lens)
+        self.launch_mixed(step)
+        self._inflight = InFlightMixed(step)
+        self.last_step_prefilled = True
+        self.mixed_left += 1
 
     def _leave_mixed(self, decoding: List[InferReq], prefilling: List[InferReq]) -> None:
         """Lay out and launch the mixed step the plain schedule runs now, and leave it in flight."""
