@@ -8,8 +8,9 @@
 #   call_i.sh wait     the model's parts first, then the whole tree, .dz, .whl, .smol_shape: eagle's budgets at
 #                      --router_max_wait_tokens 0, 1, 2 and 4 in three rounds (about 6-7 minutes on an H200)
 #   call_i.sh mtpmix   the model's parts first, then the whole tree, .dz, .whl, .smol_shape: MTP mixed steps left in
-#                      flight (20efe86) against patches/mtp_mixed_sync.patch over HTTP, the real model, MTP K = 3 and
-#                      ASD usage on the serving mix, two rounds interleaved (about 6 minutes), then their CUDA test
+#                      flight (20efe86) against patches/mtp_mixed_sync.patch over HTTP, the real model, ASD's usage
+#                      line (eagle K = 3) on the serving mix, two rounds interleaved (about 5 minutes), then their
+#                      CUDA test
 #   call_i.sh mixed    slimmed tree, .dz, .smol_shape, .whl: the serving mix at --mixed_max_prefill_tokens 256, 512 and
 #                      1024 beside the default, two rounds (dummy weights; about 6 minutes), then the two tests fixed
 #                      in 356cc08 and the attention's decode cases beside the bare read of the same bytes (read_floor.py)
@@ -31,7 +32,7 @@ wait) bash $G data >/dev/null 2>&1
       BUDGETS_NAME=_wait BUDGETS_ARMS="w0=--router_max_wait_tokens 0;w1=--router_max_wait_tokens 1;w2=--router_max_wait_tokens 2;w4=--router_max_wait_tokens 4" \
           timeout ${WAIT_S:-560} bash $G budgets "$O/b" 3 64 1319 0,2.0625 2>&1 | grep -E "^== arm|^\| (w[0-9]|0|2.0625) " | cut -c1-220 ;;
 mtpmix) bash $G data >/dev/null 2>&1
-        SERVING_AB_REAL=1 SERVING_MODES="mtp asd_usage" SERVING_AB_ROUNDS=2 timeout ${MTPMIX_S:-420} bash $G serving_ab \
+        SERVING_AB_REAL=1 SERVING_MODES=asd_usage SERVING_AB_ROUNDS=2 timeout ${MTPMIX_S:-420} bash $G serving_ab \
             "$O/sab" sync=docs/data/perf/session39/patches/mtp_mixed_sync.patch 2>&1 | tail -12
         timeout 150 python -m pytest -q -p no:cacheprovider unit_tests/server/router/model_infer/test_mixed_steps_cuda.py \
             2>&1 | tail -3 ;;
