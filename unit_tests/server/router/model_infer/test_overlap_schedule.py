@@ -703,6 +703,21 @@ def test_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(m
     _assert_pools_whole(plain, overlap)
 
 
+@pytest.mark.parametrize("wait", [0, 4])
+@pytest.mark.parametrize("seed", [90, 91])
+@pytest.mark.parametrize("mode", ["mtp", "asd", "dspark_asd"])
+def test_mtp_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(models, mode, seed, wait):
+    """The same stress with MTP: mixed steps launched right after the commit before them and left in flight, and
+    the steps after them launched right after their commit, give the plain schedule's updates step by step
+    (tokens, log-probs, accept lengths, the ASD ledger)."""
+    m = models["llama"]
+    engine, specs = _stress_case(m, "items", seed, router_max_wait_tokens=wait, **_mode_args(m, mode))
+    plain, overlap = _run(engine(False), specs), _run(engine(True), specs)
+    assert overlap.groups == plain.groups
+    assert overlap.backend.mixed_left > 0
+    _assert_pools_whole(plain, overlap)
+
+
 @pytest.mark.parametrize("seed", [90, 91, 92])
 @pytest.mark.parametrize("layout", ["items", "rows"])
 def test_admission_behind_the_step_in_flight_under_finishes_and_joins_keeps_every_output(models, layout, seed):
