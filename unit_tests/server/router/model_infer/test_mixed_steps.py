@@ -131,6 +131,9 @@ def test_admission_behind_the_step_in_flight_keeps_outputs_and_launches_more_ear
 
 LEFT_COUNTERS = ("mixed_left", "mixed_ahead", "decode_after_mixed")
 LEFT_LONG_PROMPT, LEFT_MAX_NEW = 39, 24  # 5 chunks of CHUNK; 39 + 24 within max_req_total_len
+# two requests run, the first ends early, the third joins while the second decodes (within max_req_total_len)
+JOIN_PROMPT_LENS, JOIN_MAX_NEW = (10, 12, 30), (4, 40, 20)
+JOIN_ASD_BUDGET = 1e6
 
 
 @pytest.mark.parametrize("layout", ["items", "rows"])
@@ -154,6 +157,50 @@ def test_mtp_mixed_steps_are_left_in_flight_with_the_same_outputs(tiny, mode, la
         assert b.logprobs == pytest.approx(a.logprobs, abs=LOGPROB_TOL)
         assert b.accept_lens == a.accept_lens
     assert counters["mixed_left"] > 0 and counters["decode_after_mixed"] > 0, counters
+
+
+JOIN_COUNTERS = ("mixed_staged", "mixed_undone", "mixed_left", "mixed_ahead", "decode_after_mixed")
+
+
+@pytest.mark.parametrize("layout", ["items", "rows"])
+@pytest.mark.parametrize("mode", ["mtp", "asd", "dspark_asd"])
+def test_a_prompt_joining_a_decode_step_in_flight_is_mixed_over_its_commit(tiny, mode, layout, monkeypatch):
+    """MTP: a prompt admitted while a decode step is in flight (held by --router_max_wait_tokens until then; at 0
+    the step before its admission is only committed, since a request waits): the mixed step that takes its first
+    chunk is staged with the accept lengths the wait for that step brings, launched, and the step is committed
+    under it (``_mix_over_commit``); outputs stay one request at a time's."""
+    from lightllm.server.router.model_infer.mode_backend.chunked_prefill.impl import ChunkedPrefillBackend, InFlightMixed
+
+    m, drafts = tiny
+    prompts = [random_prompts(m.vocab_size, 1, range(n, n + 1), seed=n)[0] for n in JOIN_PROMPT_LENS]
+    kw = dict(_mode_args(drafts, mode), router_max_wait_tokens=4, max_new=JOIN_MAX_NEW)
+    if mode != "mtp":  # a budget that relaxes most drafts: accept lengths above 1 at the join
+        kw["mtp_asd_regret_budget"] = JOIN_ASD_BUDGET
+    alone, _ = _run(m.model_dir, prompts, 1, **kw)
+    # each kept step's decode rows start where the commit under it left each request (its accept length added)
+    kept_gains = []
+    mix = ChunkedPrefillBackend._mix_over_commit
+
+    def spy(self, cur, decoding, prefilling):
+        before = {r.req_idx: r.kv_len for r in cur.rows.reqs}
+        updates = mix(self, cur, decoding, prefilling)
+        if isinstance(self._inflight, InFlightMixed) and self._inflight.step.decoding:
+            step = self._inflight.step
+            for item, req in zip(step.batch.items, step.decoding):
+                assert item.start == req.kv_len, (item.start, req.kv_len)
+                kept_gains.append(req.kv_len - before.get(req.req_idx, req.kv_len))
+        return updates
+
+    monkeypatch.setattr(ChunkedPrefillBackend, "_mix_over_commit", spy)
+    counters = dict.fromkeys(JOIN_COUNTERS, 0)
+    joined, _ = _run(m.model_dir, prompts, len(prompts) - 1, layout, counters=counters, **kw)
+    for a, b in zip(alone, joined):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=LOGPROB_TOL)
+        assert b.accept_lens == a.accept_lens
+    assert counters["mixed_staged"] > 0, counters
+    if mode != "mtp":
+        assert max(kept_gains) > 1, kept_gains  # some request accepted drafts in the step committed under it
 
 
 def test_disable_mixed_steps_alternates(tiny):

@@ -175,10 +175,9 @@ class ChunkedPrefillBackend(ModeBackend):
         if not (same and going_on and self._may_run_ahead(going_on)
                 and (not last or not may_admit)
                 and self.mem_manager.available_size >= len(going_on) * k1):
-            updates = self.flush_decode()
-            if prefilling and not may_admit:
-                self._mix_after_commit(decoding, prefilling)
-            return StepResult(updates, decode_reqs=decoded, steps=0)
+            if prefilling and not may_admit and self.mixed_rows is not None:  # MTP (plain: ``_mix_after``)
+                return StepResult(self._mix_over_commit(cur, decoding, prefilling), decode_reqs=decoded, steps=0)
+            return StepResult(self.flush_decode(), decode_reqs=decoded, steps=0)
         if last:  # the plain schedule's next step leaves them out: stage it afresh, each request one token on
             rows = self.decode_step.prepare(going_on, kv_ahead=1)
             self.decode_step.snapshot(rows)  # after cur's writes, before the next step's
@@ -375,6 +374,36 @@ class ChunkedPrefillBackend(ModeBackend):
         self.last_step_prefilled = False
         self.decode_after_mixed += 1
         return len(decoding)
+
+    def _mix_over_commit(self, cur: InFlightStep, decoding: List[InferReq],
+                         prefilling: List[InferReq]) -> List[ReqStepUpdate]:
+        """MTP, prompts to prefill, no request waiting: wait for the decode step in flight, then, with its accept
+        lengths on the host, stage the mixed step the plain schedule's next call runs and launch it, and commit
+        the decode step while the GPU runs it. The commit keeps that step when it left it the plain one (a request
+        that ended at the commit rides as padding when the padded size holds, ``_keeps``), else takes it back and
+        launches the plain one (``_mix_after_commit``). A request that ends by length at this commit (known from
+        the accept lengths) is not staged around: the plain one then follows the commit."""
+        self._inflight = None
+        host = self.decode_step.wait(cur.pending)
+        gains = {r.req_idx: n for r, n in zip(cur.rows.reqs, host.accept_len)}
+        step = None
+        ends = any(len(r.output_ids) + gains.get(r.req_idx, 0) >= r.params.max_new_tokens for r in decoding)
+        if not ends and self._host_free(decoding):
+            reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+            if self.mem_manager.available_size >= len(decoding) * (self.mtp_step + 1) + sum(lens):
+                step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens, kv_ahead=gains)
+                self._launch_early(step)
+        updates = self.commit_decode(cur.rows, host)
+        if step is not None and self._keeps(step, decoding + prefilling):
+            self._inflight = InFlightMixed(step)
+            self.last_step_prefilled = True
+            self.mixed_staged += 1
+            return updates
+        if step is not None:
+            self._undo_mixed(step)
+            self.mixed_undone += 1
+        self._mix_after_commit(decoding, prefilling)
+        return updates
 
     def _mix_after_commit(self, decoding: List[InferReq], prefilling: List[InferReq]) -> None:
         """Right after the commit of a decode step (no request waits to join): launch the mixed step the plain
