@@ -129,7 +129,7 @@ def test_admission_behind_the_step_in_flight_keeps_outputs_and_launches_more_ear
         assert sum(after.values()) > sum(before.values()), (before, after)
 
 
-LEFT_COUNTERS = ("mixed_left", "mixed_ahead", "decode_after_mixed")
+LEFT_COUNTERS = ("mixed_left", "mixed_ahead", "decode_after_mixed", "mixed_early", "decode_early")
 LEFT_LONG_PROMPT, LEFT_MAX_NEW = 39, 24  # 5 chunks of CHUNK; 39 + 24 within max_req_total_len
 # two requests run, the first ends early, the third joins while the second decodes (within max_req_total_len)
 JOIN_PROMPT_LENS, JOIN_MAX_NEW = (10, 12, 30), (4, 40, 20)
@@ -140,8 +140,8 @@ JOIN_ASD_BUDGET = 1e6
 @pytest.mark.parametrize("mode", ["mtp", "asd", "dspark_asd"])
 def test_mtp_mixed_steps_are_left_in_flight_with_the_same_outputs(tiny, mode, layout):
     """With MTP a mixed step is launched right after the commit before it and left in flight (the router's work
-    runs under it), and the step after it is launched right after its commit; every request's outputs stay one
-    request at a time's."""
+    runs under it); the step after a mixed step is staged once its result (the accept lengths) is on the host and
+    launched before its commit; every request's outputs stay one request at a time's."""
     m, drafts = tiny
     # a short prompt decodes while a long one is prefilled in chunks; both admitted at once (no request waits,
     # so the step after a commit may be launched at once), the short one far from its last token at the end
@@ -157,6 +157,8 @@ def test_mtp_mixed_steps_are_left_in_flight_with_the_same_outputs(tiny, mode, la
         assert b.logprobs == pytest.approx(a.logprobs, abs=LOGPROB_TOL)
         assert b.accept_lens == a.accept_lens
     assert counters["mixed_left"] > 0 and counters["decode_after_mixed"] > 0, counters
+    # staged with the accept lengths of the mixed step before them and launched before its commit
+    assert counters["mixed_early"] > 0 and counters["decode_early"] > 0, counters
 
 
 JOIN_COUNTERS = ("mixed_staged", "mixed_undone", "mixed_left", "mixed_ahead", "decode_after_mixed")

@@ -516,10 +516,11 @@ class ModeBackend:
         step.rows, step.done = rows, done
         step.pending = self.decode_step.launch_finish(rows, out, self.sample_rows, self._seed, firsts)
 
-    def commit_mixed(self, step: "MixedStep") -> List[ReqStepUpdate]:
+    def commit_mixed(self, step: "MixedStep", host: Optional[HostStepResult] = None) -> List[ReqStepUpdate]:
         """Wait for a launched mixed step and commit it: the chunks' progress, the decode rows' tokens, each
-        finished prompt's first token."""
-        host = self.decode_step.wait(step.pending)
+        finished prompt's first token. ``host``: its result, when the caller has waited for it already."""
+        if host is None:
+            host = self.decode_step.wait(step.pending)
         real = step.rows.num_real_rows
         chunk_slots = step.slots[real:].tolist()
         for req, start, n in zip(step.reqs, itertools.accumulate([0] + step.chunk_lens), step.chunk_lens):

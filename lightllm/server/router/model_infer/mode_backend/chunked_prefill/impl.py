@@ -27,7 +27,7 @@ the decode step after a mixed step that finishes the last prompts (``_stage_deco
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple, Union
 
-from lightllm.server.router.model_infer.decode_step import DecodeRows, PendingResult
+from lightllm.server.router.model_infer.decode_step import DecodeRows, HostStepResult, PendingResult
 from lightllm.server.router.model_infer.infer_batch import InferReq
 from lightllm.server.router.model_infer.mode_backend.base_backend import (
     MixedStep, ModeBackend, ReqStepUpdate, StepResult,
@@ -134,23 +134,26 @@ class ChunkedPrefillBackend(ModeBackend):
     def _after_mixed(self, running: List[InferReq], may_admit: bool) -> StepResult:
         """Commit the mixed step in flight. The mixed step after it, staged under it, is launched first (the GPU
         runs it while the host commits) and kept if it is still the plain schedule's next step, else taken back;
-        without one, the plain schedule's next step is launched after the commit (``_launch_after_mixed``)."""
+        without one, the plain schedule's next step is launched after the commit (``_launch_after_mixed``). With
+        MTP the next step's decode rows wait for the mixed step's accept lengths: it is staged after the wait for
+        its result, still before its commit."""
         self.last_step_prefilled = True
         step = self._inflight.step
         self._inflight = None
         decoded = sum(r.finish_reason is None for r in step.decoding)  # a kept step's finished rows: padding
-        nxt = self._stage_under_mixed(step, running) if not may_admit else None
+        host = self.decode_step.wait(step.pending) if self.mtp_step != 0 and not may_admit else None
+        nxt = self._stage_under_mixed(step, running, host) if not may_admit else None
         if nxt is not None:
             self._launch_early(nxt)
         elif not may_admit:
-            rows = self._stage_decode_under_mixed(step, running)
+            rows = self._stage_decode_under_mixed(step, running, host)
             if rows is not None:  # the step's prompts were the last: the decode step after it, launched now
                 self.decode_step.snapshot(rows)  # after the mixed step's writes, before its own
                 dec = InFlightStep(rows, self.launch_verify_draft(rows, self.decode_forward(rows)))
-                updates = self.commit_mixed(step)
+                updates = self.commit_mixed(step, host)
                 return StepResult(updates, prefilled=True, decode_reqs=decoded,
                                   launched_decode_reqs=self._keep_decode_after_mixed(dec, running))
-        updates = self.commit_mixed(step)
+        updates = self.commit_mixed(step, host)
         launched = 0
         if nxt is not None and self._keeps(nxt, running):
             self._inflight = InFlightMixed(nxt)
@@ -256,21 +259,30 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_early += 1
 
     @staticmethod
-    def _gains(cur: MixedStep) -> Tuple[Dict[int, int], Set[int]]:
-        """By req_idx, the KV positions each request of ``cur`` gains at its commit (1 a decode request, its chunk
-        a prompt), and the req_idx of the prompts ``cur`` finishes."""
-        ahead = {r.req_idx: 1 for r in cur.decoding}
+    def _gains(cur: MixedStep, host: Optional[HostStepResult] = None) -> Tuple[Dict[int, int], Set[int]]:
+        """By req_idx, the KV positions each request of ``cur`` gains at its commit (1 a decode request, or with
+        MTP its accept length from ``host``, its chunk a prompt), and the req_idx of the prompts ``cur`` finishes."""
+        accepted = [1] * len(cur.decoding) if host is None else host.accept_len
+        ahead = {r.req_idx: n for r, n in zip(cur.decoding, accepted)}
         ahead.update({r.req_idx: n for r, n in zip(cur.reqs, cur.chunk_lens)})
         return ahead, {cur.reqs[i - len(cur.decoding)].req_idx for i in cur.done_items}
 
-    def _stage_under_mixed(self, cur: MixedStep, running: List[InferReq]) -> Optional[MixedStep]:
+    def _ends_by_length(self, cur: MixedStep, host: Optional[HostStepResult]) -> bool:
+        """MTP: whether a decode request of ``cur`` reaches max_new_tokens at its commit (its accept length, read
+        from ``host``); the step after it is then laid out after that commit (plain decoding: ``_split_last``)."""
+        return host is not None and any(len(r.output_ids) + n >= r.params.max_new_tokens
+                                        for r, n in zip(cur.decoding, host.accept_len))
+
+    def _stage_under_mixed(self, cur: MixedStep, running: List[InferReq],
+                           host: Optional[HostStepResult] = None) -> Optional[MixedStep]:
         """While ``cur`` runs: stage the mixed step the plain schedule runs after it, should its commit finish no
         request but those whose last token (max_new_tokens) it brings, known now. Its decode rows are ``cur``'s
-        (one token further) and the prompts ``cur`` finishes (their first token), less those; its chunks follow
-        ``cur``'s. None: no prompt is left for it, or it may not run ahead."""
-        if self.mtp_step != 0:
+        (one token further; with MTP, its accept lengths further, read from its result ``host`` after the wait) and
+        the prompts ``cur`` finishes (their first token), less those; its chunks follow ``cur``'s. None: no prompt
+        is left for it, or it may not run ahead."""
+        if self.mtp_step != 0 and (host is None or self._ends_by_length(cur, host)):
             return None
-        ahead, done = self._gains(cur)
+        ahead, done = self._gains(cur, host)
         decoding = [r for r in running if (not r.in_prefill or r.req_idx in done) and r.finish_reason is None]
         prefilling = [r for r in running if r.in_prefill and r.req_idx not in done]
         if any(r.finish_reason is not None for r in running):
@@ -309,14 +321,17 @@ class ChunkedPrefillBackend(ModeBackend):
         self.mixed_kept_past_finish += 1
         return True
 
-    def _stage_decode_under_mixed(self, cur: MixedStep, running: List[InferReq]) -> Optional[DecodeRows]:
+    def _stage_decode_under_mixed(self, cur: MixedStep, running: List[InferReq],
+                                  host: Optional[HostStepResult] = None) -> Optional[DecodeRows]:
         """While ``cur`` runs, when it finishes every prompt left: the decode step the plain schedule runs after
-        it, staged (each decoding request one token further, each prompt ``cur`` finishes at its end, with its
-        first token; less those whose last token ``cur`` brings), should its commit finish no other request.
-        None: prompts remain, or it may not run ahead."""
-        if self.mtp_step != 0 or any(r.finish_reason is not None for r in running):
+        it, staged (each decoding request one token further, or with MTP its accept length from ``host``, each
+        prompt ``cur`` finishes at its end, with its first token; less those whose last token ``cur`` brings),
+        should its commit finish no other request. None: prompts remain, or it may not run ahead."""
+        if self.mtp_step != 0 and (host is None or self._ends_by_length(cur, host)):
             return None
-        ahead, done = self._gains(cur)
+        if any(r.finish_reason is not None for r in running):
+            return None
+        ahead, done = self._gains(cur, host)
         if any(r.in_prefill and r.req_idx not in done for r in running):
             return None
         _, going_on = self._split_last(running)  # their last token comes in ``cur``: the plain step leaves them out
