@@ -8,7 +8,7 @@
 #   call_i.sh wait     the model's parts first, then the whole tree, .dz, .whl, .smol_shape: eagle's budgets at
 #                      --router_max_wait_tokens 0, 1, 2 and 4 in three rounds (about 6-7 minutes on an H200)
 #   call_i.sh mtpmix   the model's parts first, then the whole tree, .dz, .whl, .smol_shape: MTP mixed steps left in
-#                      flight (20efe86, fdf3e9d) against patches/mtp_mixed_sync.patch over HTTP, the real model, ASD's usage
+#                      flight (20efe86, fdf3e9d, 74baea1) against patches/mtp_mixed_sync.patch over HTTP, the real model, ASD's usage
 #                      line (eagle K = 3) on the serving mix, two rounds interleaved (about 5 minutes), then their
 #                      CUDA test
 #   call_i.sh mixed    slimmed tree, .dz, .smol_shape, .whl: the serving mix at --mixed_max_prefill_tokens 256, 512 and
