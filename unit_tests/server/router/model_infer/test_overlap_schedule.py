@@ -688,38 +688,22 @@ def _stress_case(m, layout: str, seed: int, **kw):
 @pytest.mark.parametrize("wait", [0, 4])
 @pytest.mark.parametrize("seed", [90, 91, 92])
 @pytest.mark.parametrize("layout", ["items", "rows"])
-def test_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(models, layout, seed, wait):
+@pytest.mark.parametrize("mode", ["plain", "mtp", "asd", "dspark_asd"])
+def test_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(models, mode, layout, seed, wait):
     """Ten requests through four slots in small chunks, each ended by a stop sequence, an EOS token or its
-    length at a point of its own: mixed steps launched under the ones before them are kept (padding rows)
-    or taken back, and every update, step by step, is the plain schedule's."""
-    engine, specs = _stress_case(models["llama"], layout, seed, router_max_wait_tokens=wait)
+    length at a point of its own: mixed steps launched under (or, with MTP, right after) the ones before them are
+    kept (padding rows) or taken back, and every update, step by step, is the plain schedule's (with MTP: the
+    accept lengths and the ASD ledger too)."""
+    m = models["llama"]
+    engine, specs = _stress_case(m, layout, seed, router_max_wait_tokens=wait, **_mode_args(m, mode))
     plain, overlap = _run(engine(False), specs), _run(engine(True), specs)
     if layout == "items":  # CPU's layout: nothing kept past a finish, every update equal
         assert overlap.groups == plain.groups
     else:  # rows kept past a finish move the others: log-probs equal to CPU rounding there
         assert _without_logprobs(overlap) == _without_logprobs(plain)
         _assert_same_outputs(plain, overlap)
-    assert overlap.backend.mixed_early > 0
-    _assert_pools_whole(plain, overlap)
-
-
-@pytest.mark.parametrize("wait", [0, 4])
-@pytest.mark.parametrize("seed", [90, 91])
-@pytest.mark.parametrize("layout", ["items", "rows"])
-@pytest.mark.parametrize("mode", ["mtp", "asd", "dspark_asd"])
-def test_mtp_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(models, mode, layout, seed, wait):
-    """The same stress with MTP: mixed steps launched right after the commit before them and left in flight, and
-    the steps after them launched right after their commit, give the plain schedule's updates step by step
-    (tokens, log-probs, accept lengths, the ASD ledger)."""
-    m = models["llama"]
-    engine, specs = _stress_case(m, layout, seed, router_max_wait_tokens=wait, **_mode_args(m, mode))
-    plain, overlap = _run(engine(False), specs), _run(engine(True), specs)
-    if layout == "items":
-        assert overlap.groups == plain.groups
-    else:  # rows kept past a finish move the others: log-probs equal to CPU rounding there
-        assert _without_logprobs(overlap) == _without_logprobs(plain)
-        _assert_same_outputs(plain, overlap)
-    assert overlap.backend.mixed_left > 0
+    b = overlap.backend
+    assert (b.mixed_early if mode == "plain" else b.mixed_left) > 0
     _assert_pools_whole(plain, overlap)
 
 
