@@ -113,7 +113,7 @@ class ChunkedPrefillBackend(ModeBackend):
         if prefilling and decoding and self.mixed_rows is not None:
             self.last_step_prefilled = True
             if self._host_free(decoding):  # left in flight: the router's work runs under it
-                self._leave_mixed(decoding, prefilling)
+                self._leave_mixed(decoding, *self.chunk_plan(prefilling, self.mixed_budget))
                 self.mixed_left += 1
                 return StepResult([], prefilled=True, steps=0)  # counted at its commit
             reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
@@ -267,11 +267,16 @@ class ChunkedPrefillBackend(ModeBackend):
         ahead.update({r.req_idx: n for r, n in zip(cur.reqs, cur.chunk_lens)})
         return ahead, {cur.reqs[i - len(cur.decoding)].req_idx for i in cur.done_items}
 
-    def _ends_by_length(self, cur: MixedStep, host: Optional[HostStepResult]) -> bool:
-        """MTP: whether a decode request of ``cur`` reaches max_new_tokens at its commit (its accept length, read
-        from ``host``); the step after it is then laid out after that commit (plain decoding: ``_split_last``)."""
-        return host is not None and any(len(r.output_ids) + n >= r.params.max_new_tokens
-                                        for r, n in zip(cur.decoding, host.accept_len))
+    @staticmethod
+    def _ends_by_length(reqs: List[InferReq], gains: Dict[int, int]) -> bool:
+        """MTP: whether one of ``reqs`` reaches max_new_tokens at the commit that adds ``gains`` (by req_idx, its
+        accept length, read from the step's result); the step after it is then laid out after that commit (plain
+        decoding: ``_split_last``)."""
+        return any(len(r.output_ids) + gains.get(r.req_idx, 0) >= r.params.max_new_tokens for r in reqs)
+
+    def _slots_for_mixed(self, num_decoding: int, chunk_lens: List[int]) -> bool:
+        """Whether the pool can give a mixed step its slots: K + 1 per decoding request and its chunks' tokens."""
+        return self.mem_manager.available_size >= num_decoding * (self.mtp_step + 1) + sum(chunk_lens)
 
     def _stage_under_mixed(self, cur: MixedStep, running: List[InferReq],
                            host: Optional[HostStepResult] = None) -> Optional[MixedStep]:
@@ -280,9 +285,11 @@ class ChunkedPrefillBackend(ModeBackend):
         (one token further; with MTP, its accept lengths further, read from its result ``host`` after the wait) and
         the prompts ``cur`` finishes (their first token), less those; its chunks follow ``cur``'s. None: no prompt
         is left for it, or it may not run ahead."""
-        if self.mtp_step != 0 and (host is None or self._ends_by_length(cur, host)):
+        if self.mtp_step != 0 and host is None:
             return None
         ahead, done = self._gains(cur, host)
+        if self.mtp_step != 0 and self._ends_by_length(cur.decoding, ahead):
+            return None
         decoding = [r for r in running if (not r.in_prefill or r.req_idx in done) and r.finish_reason is None]
         prefilling = [r for r in running if r.in_prefill and r.req_idx not in done]
         if any(r.finish_reason is not None for r in running):
@@ -294,7 +301,7 @@ class ChunkedPrefillBackend(ModeBackend):
             return None
         plan = plan_chunks([r.prompt_len - r.kv_len - ahead.get(r.req_idx, 0) for r in prefilling], self.mixed_budget)
         reqs, lens = [prefilling[i] for i, _ in plan], [n for _, n in plan]
-        if self.mem_manager.available_size < len(decoding) * (self.mtp_step + 1) + sum(lens):
+        if not self._slots_for_mixed(len(decoding), lens):
             return None
         return self.stage_mixed(self.mixed_rows, decoding, reqs, lens, kv_ahead=ahead)
 
@@ -327,11 +334,11 @@ class ChunkedPrefillBackend(ModeBackend):
         it, staged (each decoding request one token further, or with MTP its accept length from ``host``, each
         prompt ``cur`` finishes at its end, with its first token; less those whose last token ``cur`` brings),
         should its commit finish no other request. None: prompts remain, or it may not run ahead."""
-        if self.mtp_step != 0 and (host is None or self._ends_by_length(cur, host)):
-            return None
-        if any(r.finish_reason is not None for r in running):
+        if self.mtp_step != 0 and host is None or any(r.finish_reason is not None for r in running):
             return None
         ahead, done = self._gains(cur, host)
+        if self.mtp_step != 0 and self._ends_by_length(cur.decoding, ahead):
+            return None
         if any(r.in_prefill and r.req_idx not in done for r in running):
             return None
         _, going_on = self._split_last(running)  # their last token comes in ``cur``: the plain step leaves them out
@@ -379,7 +386,7 @@ class ChunkedPrefillBackend(ModeBackend):
         if any(r.finish_reason is not None for r in running) or not decoding or not self._host_free(decoding):
             return 0
         if prefilling:
-            self._leave_mixed(decoding, prefilling)
+            self._leave_mixed(decoding, *self.chunk_plan(prefilling, self.mixed_budget))
             self.mixed_ahead += 1
             return 0
         if not self._may_leave(decoding):  # MTP: a request may finish by length in it
@@ -402,10 +409,9 @@ class ChunkedPrefillBackend(ModeBackend):
         host = self.decode_step.wait(cur.pending)
         gains = {r.req_idx: n for r, n in zip(cur.rows.reqs, host.accept_len)}
         step = None
-        ends = any(len(r.output_ids) + gains.get(r.req_idx, 0) >= r.params.max_new_tokens for r in decoding)
-        if not ends and self._host_free(decoding):
+        if not self._ends_by_length(decoding, gains) and self._host_free(decoding):
             reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
-            if self.mem_manager.available_size >= len(decoding) * (self.mtp_step + 1) + sum(lens):
+            if self._slots_for_mixed(len(decoding), lens):
                 step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens, kv_ahead=gains)
                 self._launch_early(step)
         updates = self.commit_decode(cur.rows, host)
@@ -431,17 +437,15 @@ class ChunkedPrefillBackend(ModeBackend):
         if not going or self.mixed_rows is None or not self._host_free(going):
             return
         reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
-        if self.mem_manager.available_size < len(going) * (self.mtp_step + 1) + sum(lens):
+        if not self._slots_for_mixed(len(going), lens):
             return
-        step = self.stage_mixed(self.mixed_rows, going, reqs, lens)
-        self.launch_mixed(step)
-        self._inflight = InFlightMixed(step)
+        self._leave_mixed(going, reqs, lens)
         self.last_step_prefilled = True
         self.mixed_left += 1
 
-    def _leave_mixed(self, decoding: List[InferReq], prefilling: List[InferReq]) -> None:
-        """Lay out and launch the mixed step the plain schedule runs now, and leave it in flight."""
-        reqs, lens = self.chunk_plan(prefilling, self.mixed_budget)
+    def _leave_mixed(self, decoding: List[InferReq], reqs: List[InferReq], lens: List[int]) -> None:
+        """Lay out and launch the mixed step the plain schedule runs now (``reqs``' chunks of ``lens`` tokens, the
+        chunk plan), and leave it in flight."""
         step = self.stage_mixed(self.mixed_rows, decoding, reqs, lens)
         self.launch_mixed(step)
         self._inflight = InFlightMixed(step)
