@@ -516,7 +516,7 @@ budgets)
     name=budgets${BUDGETS_MTP_MODE:+_$BUDGETS_MTP_MODE}_k${k}_c$conc${BUDGETS_NAME:-}
     arms=()  # BUDGETS_ARMS="w0=--router_max_wait_tokens 0;w4=--router_max_wait_tokens 4": servers in one run
     if [ -n "${BUDGETS_ARMS:-}" ]; then IFS=';' read -ra specs <<< "$BUDGETS_ARMS"; arms=(--arms "${specs[@]}"); fi
-    python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step "$k" --budgets "$budgets" --rounds 3 \
+    python benchmarks/bench_asd_budgets.py --data .data/test.jsonl --mtp_step "$k" --budgets "$budgets" --rounds "${BUDGETS_ROUNDS:-3}" \
         --concurrency "$conc" ${nq:+--num_questions "$nq"} --max_new_tokens "$EVAL_NEW_TOKENS" \
         ${BUDGETS_MTP_MODE:+--mtp_mode "$BUDGETS_MTP_MODE"} "${arms[@]}" \
         --server_args "${BUDGETS_SERVER_ARGS:-}" --out "$out/$name.json" > "$out/$name.log" 2>&1
