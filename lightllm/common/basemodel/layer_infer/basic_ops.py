@@ -1,9 +1,10 @@
 """Small tensor ops shared by the decoder layers, written to match Hugging Face numerics.
 
-rms_norm and apply_rotary run a fused Triton kernel on CUDA tensors (same rounding
-steps, see triton_kernel/fused_norm_rotary.py) and the PyTorch reference otherwise.
+rms_norm, add_rms_norm, apply_rotary and silu_and_mul run a fused Triton kernel on CUDA tensors
+(same rounding steps, see triton_kernel/fused_norm_rotary.py and silu_and_mul.py) and the PyTorch
+reference otherwise.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -36,6 +37,19 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     x_fp32 = x.float()
     variance = x_fp32.pow(2).mean(-1, keepdim=True)
     return weight * (x_fp32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x, y: [rows, dim] (a residual and what a sublayer adds to it). Returns (x + y, rms_norm(x + y)),
+    the sum rounded to x's dtype as torch's add rounds it; one launch on CUDA."""
+    if (x.dim() == 2 and x.shape == y.shape and weight.shape == x.shape[-1:]
+            and _triton_ok(x, y, weight)):
+        from lightllm.common.basemodel.triton_kernel.fused_norm_rotary import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, y, weight, eps)
+    total = x + y
+    return total, rms_norm(total, weight, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +96,15 @@ def rotary_and_cache_kv(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Ten
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [tokens, 2 * intermediate] -> [tokens, intermediate]."""
+    """gate_up: [tokens, 2 * intermediate] -> [tokens, intermediate]; one launch on CUDA."""
+    if gate_up.dim() == 2 and gate_up.shape[-1] % 2 == 0 and _triton_ok(gate_up):
+        from lightllm.common.basemodel.triton_kernel.silu_and_mul import silu_and_mul_triton
+
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_torch(gate_up)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """Reference: silu(gate) rounded to the dtype, times up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -2,13 +2,14 @@
 
 ``_rotary_cache_kernel`` also writes the rotated K and V of each new token to its KV-cache
 slot, so one launch replaces rotary on q, rotary on k and the two cache writes.
+``_add_rms_norm_kernel`` adds a layer's residual and normalizes the sum in one launch.
 
 The kernels reproduce the rounding steps of the PyTorch code in basic_ops.py:
 every intermediate that torch stores in the tensor dtype is cast to that dtype here
 as well. Launches pass enable_fp_fusion=False so that a multiply and an add are not
 contracted into one fma, which would round once instead of twice.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -17,6 +18,16 @@ import triton.language as tl
 NUM_WARPS_SMALL = 4
 NUM_WARPS_LARGE = 8
 LARGE_BLOCK = 2048  # rows at least this wide use NUM_WARPS_LARGE
+
+
+@triton.jit
+def _normed_row(x, w_ptr, cols, mask, inv_dim, eps, dtype):
+    # torch: mean = sum(x^2) * (1 / dim), then rsqrt(mean + eps), all fp32
+    variance = tl.sum(x * x, axis=0) * inv_dim
+    normed = (x * tl.math.rsqrt(variance + eps)).to(dtype)
+    # torch: weight * normed computes in fp32 and rounds once to the tensor dtype
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return (w * normed.to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -33,14 +44,29 @@ def _rms_norm_kernel(
     mask = cols < dim
     x_row = x_ptr + outer * stride_x_outer + inner * stride_x_inner
     x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    # torch: mean = sum(x^2) * (1 / dim), then rsqrt(mean + eps), all fp32
-    variance = tl.sum(x * x, axis=0) * inv_dim
-    normed = (x * tl.math.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
-    # torch: weight * normed computes in fp32 and rounds once to the tensor dtype
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    out = _normed_row(x, w_ptr, cols, mask, inv_dim, eps, out_ptr.dtype.element_ty)
     out_row = out_ptr + outer * stride_out_outer + inner * stride_out_inner
     tl.store(out_row + cols, out, mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr,
+    stride_x, stride_y, stride_sum, stride_out,
+    dim, inv_dim, eps,
+    BLOCK: tl.constexpr,
+):
+    # One program per row: sum = x + y rounded to the dtype (torch's add), then the norm of that sum.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (x + y).to(dtype)
+    tl.store(sum_ptr + row * stride_sum + cols, total, mask=mask)
+    out = _normed_row(total.to(tl.float32), w_ptr, cols, mask, inv_dim, eps, dtype)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
 @triton.jit
@@ -128,6 +154,21 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         BLOCK=block, num_warps=_num_warps(block), enable_fp_fusion=False,
     )
     return out
+
+
+def add_rms_norm_triton(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x, y: [rows, dim] with stride(-1) == 1; weight: [dim] contiguous. Returns (x + y, rms_norm(x + y))."""
+    rows, dim = x.shape
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    block = triton.next_power_of_2(dim)
+    _add_rms_norm_kernel[(rows,)](
+        x, y, weight, total, out,
+        x.stride(0), y.stride(0), total.stride(0), out.stride(0),
+        dim, 1.0 / dim, eps,
+        BLOCK=block, num_warps=_num_warps(block), enable_fp_fusion=False,
+    )
+    return total, out
 
 
 def apply_rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

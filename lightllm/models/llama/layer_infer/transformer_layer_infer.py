@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lightllm.common.basemodel.infer_struct import InferStateInfo
-from lightllm.common.basemodel.layer_infer.basic_ops import rms_norm, rotary_and_cache_kv, silu_and_mul
+from lightllm.common.basemodel.layer_infer.basic_ops import add_rms_norm, rms_norm, rotary_and_cache_kv, silu_and_mul
 from lightllm.common.basemodel.layer_weights.transformer_layer_weight import TransformerLayerWeight
 from lightllm.models.llama.layer_infer.attention_backends import LayerOps, LinearFn
 from lightllm.utils.dist_utils import TpComm
@@ -48,8 +48,9 @@ class LlamaTransformerLayerInfer:
     ) -> torch.Tensor:
         """hidden: [num_new_tokens, hidden] -> [num_new_tokens, hidden]."""
         eps = self.shape.rms_norm_eps
-        hidden = hidden + self._attention(rms_norm(hidden, weight.input_norm, eps), weight, infer_state)
-        return hidden + self._ffn(rms_norm(hidden, weight.post_attention_norm, eps), weight, infer_state.comm)
+        attn = self._attention(rms_norm(hidden, weight.input_norm, eps), weight, infer_state)
+        hidden, x = add_rms_norm(hidden, attn, weight.post_attention_norm, eps)  # hidden + attn, then its norm
+        return hidden + self._ffn(x, weight, infer_state.comm)
 
     def _qk_norm(
         self, q: torch.Tensor, k: torch.Tensor, weight: TransformerLayerWeight

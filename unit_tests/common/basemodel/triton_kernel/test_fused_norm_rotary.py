@@ -15,6 +15,7 @@ from unit_tests.triton_compile_util import compile_in_child
 
 from lightllm.common.basemodel.layer_infer import basic_ops
 from lightllm.common.basemodel.triton_kernel.fused_norm_rotary import (
+    add_rms_norm_triton,
     apply_rotary_triton,
     rms_norm_triton,
     rotary_cache_kv_triton,
@@ -221,6 +222,35 @@ def test_rms_norm_3d_qk_views_cuda(dtype):
             assert_within_one_ulp(out, ref)
 
 
+def check_add_rms_norm(shape, dtype, device):
+    """The residual's sum bit for bit as torch's add; its norm as rms_norm_triton of that sum (bit for bit)
+    and within the reference's tolerance; inputs untouched. y is a column slice (a row stride of its own)."""
+    x, weight = make_norm_inputs(shape, dtype, device)
+    y = make_norm_inputs((shape[0], shape[1] + 3), dtype, device, seed=4)[0][:, 3:]
+    x_before, y_before = x.clone(), y.clone()
+    total, out = add_rms_norm_triton(x, y, weight, EPS)
+    assert torch.equal(total, x + y)
+    assert torch.equal(out, rms_norm_triton(x + y, weight, EPS))
+    assert torch.equal(x, x_before) and torch.equal(y, y_before)
+    ref = ref_rms_norm(x + y, weight, EPS)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=4e-7, atol=0)
+    else:
+        assert_within_one_ulp(out, ref)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_add_rms_norm_cuda(shape, dtype):
+    check_add_rms_norm(shape, dtype, "cuda")
+    # the dispatcher takes the kernel on CUDA; on CPU tensors the torch code (x + y, then rms_norm)
+    x, weight = make_norm_inputs(shape, dtype, "cuda")
+    y = make_norm_inputs(shape, dtype, "cuda", seed=5)[0]
+    total, out = basic_ops.add_rms_norm(x, y, weight, EPS)
+    assert torch.equal(total, x + y) and torch.equal(out, basic_ops.rms_norm(x + y, weight, EPS))
+
+
 @needs_cuda
 def test_fallbacks_keep_torch_semantics_cuda():
     """Mixed dtypes take the torch path (type promotion), so results equal the torch code."""
@@ -313,6 +343,12 @@ def test_rms_norm_interpreter_fp32(shape):
 
 
 @needs_triton_cpu
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_add_rms_norm_interpreter_fp32(shape):
+    check_add_rms_norm(shape, torch.float32, "cpu")
+
+
+@needs_triton_cpu
 def test_rms_norm_interpreter_3d_view_fp32():
     q, _ = make_qkv_views(5, 16, 8, 128, torch.float32, "cpu")
     weight = make_norm_inputs((128,), torch.float32, "cpu")[1]
@@ -335,6 +371,9 @@ def test_cpu_dispatch_uses_torch_code():
     assert torch.equal(basic_ops.apply_rotary(q, cos, sin), basic_ops.apply_rotary_torch(q, cos, sin))
     x, weight = make_norm_inputs((4, 576), torch.bfloat16, "cpu")
     assert torch.equal(basic_ops.rms_norm(x, weight, EPS), basic_ops.rms_norm_torch(x, weight, EPS))
+    y = make_norm_inputs((4, 576), torch.bfloat16, "cpu", seed=5)[0]
+    total, out = basic_ops.add_rms_norm(x, y, weight, EPS)
+    assert torch.equal(total, x + y) and torch.equal(out, basic_ops.rms_norm_torch(x + y, weight, EPS))
 
 
 # ---------------------------------------------------------------- sm_90 compile
@@ -353,6 +392,7 @@ def compile_cases() -> dict:
     for name, ptr in TRITON_TYPES.items():
         for dim in NORM_DIMS:
             cases[f"rms_norm-{name}-{dim}"] = ("rms_norm", ptr, dim, None)
+            cases[f"add_rms_norm-{name}-{dim}"] = ("add_rms_norm", ptr, dim, None)
         for heads, head_dim in ROTARY_CASES:
             cases[f"rotary-{name}-{heads}x{head_dim}"] = ("rotary", ptr, head_dim, heads)
         for q_heads, kv_heads, head_dim in ROTARY_CACHE_CASES:
@@ -374,6 +414,12 @@ def _compile_all() -> dict:
             signature = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "stride_x_outer": "i64", "stride_x_inner": "i64",
                          "stride_out_outer": "i64", "stride_out_inner": "i64", "dim": "i32", "inv_dim": "fp32",
                          "eps": "fp32", "BLOCK": "constexpr"}
+            constexprs = {"BLOCK": triton.next_power_of_2(dim)}
+        elif kind == "add_rms_norm":
+            kernel = k._add_rms_norm_kernel
+            signature = {**{n: ptr for n in ("x_ptr", "y_ptr", "w_ptr", "sum_ptr", "out_ptr")},
+                         **{n: "i64" for n in ("stride_x", "stride_y", "stride_sum", "stride_out")},
+                         "dim": "i32", "inv_dim": "fp32", "eps": "fp32", "BLOCK": "constexpr"}
             constexprs = {"BLOCK": triton.next_power_of_2(dim)}
         elif kind == "rotary_cache":
             kernel = k._rotary_cache_kernel
