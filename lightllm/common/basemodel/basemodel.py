@@ -186,10 +186,14 @@ class TpPartBaseModel:
         infer_state = self._infer_state(model_input, self.parallel.comm(0))
         hidden = self.embed(infer_state.input_ids, infer_state.comm)  # [num_new_tokens, hidden]
         aux = []
+        delta = None  # each layer's last residual add, done in the next layer's first launch
         for i, (layer_infer, layer_weight) in enumerate(zip(self.layers_infer, self.trans_layers_weight)):
-            hidden = layer_infer.forward(hidden, layer_weight, infer_state)
+            hidden, delta = layer_infer.forward_deferred(hidden, delta, layer_weight, infer_state)
             if i in self.aux_layer_ids:
+                hidden, delta = hidden + delta, None
                 aux.append(hidden)
+        if delta is not None:
+            hidden = hidden + delta
         logits = self.compute_logits(hidden[infer_state.last_token_index], infer_state.comm)  # [batch, vocab]
         return ModelOutput(logits=logits, hidden_states=hidden, aux_hidden_states=self._cat_aux(aux))
 
@@ -214,15 +218,19 @@ class TpPartBaseModel:
                 states.append(self._infer_state(model_input, self.parallel.comm(i)))
                 hidden.append(self.embed(states[i].input_ids, states[i].comm))
         aux = [[] for _ in inputs]
+        delta = [None for _ in inputs]
         for layer, (layer_infer, layer_weight) in enumerate(zip(self.layers_infer, self.trans_layers_weight)):
             for i, infer_state in enumerate(states):
                 with _on_stream(streams[i]):
-                    hidden[i] = layer_infer.forward(hidden[i], layer_weight, infer_state)
+                    hidden[i], delta[i] = layer_infer.forward_deferred(hidden[i], delta[i], layer_weight, infer_state)
                     if layer in self.aux_layer_ids:
+                        hidden[i], delta[i] = hidden[i] + delta[i], None
                         aux[i].append(hidden[i])
         outs = []
         for i, infer_state in enumerate(states):
             with _on_stream(streams[i]):
+                if delta[i] is not None:
+                    hidden[i] = hidden[i] + delta[i]
                 logits = self.compute_logits(hidden[i][infer_state.last_token_index], infer_state.comm)
                 outs.append(ModelOutput(logits=logits, hidden_states=hidden[i], aux_hidden_states=self._cat_aux(aux[i])))
         if streams[0] is not None:

@@ -6,7 +6,7 @@ rows of every DP group with this rank's part of the intermediate dim and is summ
 all ranks. ``infer_state.comm`` does the collectives (identity on one rank).
 """
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +47,24 @@ class LlamaTransformerLayerInfer:
         self, hidden: torch.Tensor, weight: TransformerLayerWeight, infer_state: InferStateInfo
     ) -> torch.Tensor:
         """hidden: [num_new_tokens, hidden] -> [num_new_tokens, hidden]."""
+        hidden, delta = self.forward_deferred(hidden, None, weight, infer_state)
+        return hidden + delta
+
+    def forward_deferred(
+        self, hidden: torch.Tensor, delta: Optional[torch.Tensor], weight: TransformerLayerWeight,
+        infer_state: InferStateInfo,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its last residual add left to the caller: its input is hidden + delta (hidden when
+        delta is None) and it returns (h, d) whose sum is its output, so that the next layer adds d in its
+        input norm's launch. Each sum is rounded as torch's add rounds it: outputs equal ``forward``'s."""
         eps = self.shape.rms_norm_eps
-        attn = self._attention(rms_norm(hidden, weight.input_norm, eps), weight, infer_state)
-        hidden, x = add_rms_norm(hidden, attn, weight.post_attention_norm, eps)  # hidden + attn, then its norm
-        return hidden + self._ffn(x, weight, infer_state.comm)
+        if delta is None:
+            x = rms_norm(hidden, weight.input_norm, eps)
+        else:
+            hidden, x = add_rms_norm(hidden, delta, weight.input_norm, eps)
+        attn = self._attention(x, weight, infer_state)
+        hidden, x = add_rms_norm(hidden, attn, weight.post_attention_norm, eps)
+        return hidden, self._ffn(x, weight, infer_state.comm)
 
     def _qk_norm(
         self, q: torch.Tensor, k: torch.Tensor, weight: TransformerLayerWeight
