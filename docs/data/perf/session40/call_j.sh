@@ -4,7 +4,7 @@
 #   call_j.sh wait     whole tree, .dz, .whl, .smol_shape, the model assembled by two parts calls before:
 #                      test_mixed_steps_cuda.py (MTP mixed steps left in flight, token ids against one request
 #                      at a time), then eagle's budgets at --router_max_wait_tokens 0, 1, 2 and 4, WAIT_ROUNDS rounds
-#   call_j.sh fused    slimmed tree, .dz, .smol_shape (no model): the fused SwiGLU / residual-norm kernels' CUDA tests,
+#   call_j.sh fused    .smol_shape (dummy weights; else the model the parts calls left): the fused SwiGLU / residual-norm kernels' CUDA tests,
 #                      then decode steps (dummy weights, graphs) against patches/unfused_ffn.patch, FUSED_ROUNDS rounds
 #   call_j.sh mtpmix | mixed   as docs/data/perf/session39/call_i.sh (MIXED_ROUNDS: mixed's rounds)
 case ${1:?parts, wait, fused, mtpmix or mixed} in
@@ -29,6 +29,6 @@ fi
 bash $G data >/dev/null 2>&1
 timeout 150 python -m pytest -q -p no:cacheprovider unit_tests/server/router/model_infer/test_mixed_steps_cuda.py 2>&1 | tail -3
 BUDGETS_ROUNDS=${WAIT_ROUNDS:-2} BUDGETS_NAME=_wait \
-    BUDGETS_ARMS="w0=--router_max_wait_tokens 0;w1=--router_max_wait_tokens 1;w2=--router_max_wait_tokens 2;w4=--router_max_wait_tokens 4" \
+    BUDGETS_ARMS=${WAIT_ARMS:-"w0=--router_max_wait_tokens 0;w1=--router_max_wait_tokens 1;w2=--router_max_wait_tokens 2;w4=--router_max_wait_tokens 4"} \
     timeout ${WAIT_S:-420} bash $G budgets "$O/b" 3 64 1319 0,2.0625 2>&1 | grep -E "^== arm|^\| (w[0-9]|0|2.0625) " | cut -c1-220
 echo "total $(( $(date +%s) - S )) s"
