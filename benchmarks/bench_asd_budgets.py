@@ -35,6 +35,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from contextlib import ExitStack
@@ -115,6 +116,10 @@ class Wave:
     server_ttft_s: float = 0.0
     requests: int = 0
     arm: str = ""  # the server (--arms) that ran it; "" with one server
+    # steps that decoded and their decoded requests until the wave's last request was sent: the batch
+    # before the drain, when fewer requests are left than the concurrency (0: not measured)
+    steady_decoding_steps: int = 0
+    steady_decoding_reqs: int = 0
 
     @property
     def decoding_steps(self) -> int:
@@ -163,6 +168,28 @@ class BudgetRow:
     outside_server_ms: float = float("nan")
     server_queue_ms: float = float("nan")
     server_ttft_ms: float = float("nan")
+    mean_decode_batch_steady: float = float("nan")  # mean_decode_batch until the last request was sent
+
+
+class _Snapshot:
+    """/metrics of ``url`` taken on a thread of its own from ``start`` (the client thread that calls it goes on
+    sending at once); ``page`` waits for it."""
+
+    def __init__(self, url: str):
+        self.url, self._page, self._thread = url, None, None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._take, name="drain_snapshot", daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        self._page = scrape(self.url)
+
+    def page(self) -> MetricsPage:
+        if self._thread is None:
+            raise RuntimeError("the wave sent no request")
+        self._thread.join()
+        return self._page
 
 
 def round_orders(budgets: Sequence, rounds: int) -> List[list]:
@@ -216,7 +243,9 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
             _pooled(ws, "decode_s", "decode_steps", 1000), _pooled(ws, "decoding_reqs", "decoding_steps"),
             _median(step_ratios), _median(equal_ratios), equal_ratios,
             sum(n for _, n in equal) / b0_steps if b0_steps else float("nan"),
-            client_ms, e2e_ms, client_ms - e2e_ms, *(per_request_ms(n) for n in ("server_queue_s", "server_ttft_s"))))
+            client_ms, e2e_ms, client_ms - e2e_ms, *(per_request_ms(n) for n in ("server_queue_s", "server_ttft_s")),
+            mean_decode_batch_steady=(_pooled(ws, "steady_decoding_reqs", "steady_decoding_steps")
+                                      if any(w.steady_decoding_steps for w in ws) else float("nan"))))
     return rows
 
 
@@ -277,6 +306,7 @@ class ArmRow:
     mixed_steps_per_wave: float
     mean_decode_batch: float
     server_ttft_ms: float
+    mean_decode_batch_steady: float
 
 
 def summarize_arms(waves: Sequence[Wave], budgets: Sequence[float], arms: Sequence[str]) -> List[ArmRow]:
@@ -296,7 +326,7 @@ def summarize_arms(waves: Sequence[Wave], budgets: Sequence[float], arms: Sequen
             rows.append(ArmRow(arm, b, row.median_tok_s, _median(tok), tok, _median(eng), row.speedup_vs_b0, gain,
                                (row.speedup_vs_b0 - 1) / gain if gain else float("nan"),
                                statistics.mean(w.mixed_steps for w in ws) if ws else float("nan"),
-                               row.mean_decode_batch, row.server_ttft_ms))
+                               row.mean_decode_batch, row.server_ttft_ms, row.mean_decode_batch_steady))
     return rows
 
 
@@ -329,6 +359,7 @@ TABLE = (
     Column("engine_round_ratios", "per round", _ratios), Column("mean_batch", "mean batch", ".1f"),
     Column("ms_per_batch_step", "ms / batch step", ".2f"),
     Column("ms_per_decode_step", "ms / decode step", ".2f"), Column("mean_decode_batch", "decode batch", ".1f"),
+    Column("mean_decode_batch_steady", "decode batch before the drain", ".1f"),
     Column("decode_step_vs_b0", "decode step vs B = 0 (median of rounds)", ".3f", "x"),
     Column("step_cost_speedup_vs_b0", "speed-up at B = 0's step cost", ".3f", "x"),
     Column("step_ratio_equal_batch",
@@ -349,7 +380,7 @@ ARMS_TABLE = (
     Column("speedup_vs_b0", "ASD speed-up vs B = 0", ".3f", "x"), Column("tokens_per_step_gain", "tokens/step", "+.1%"),
     Column("gain_ratio", "tok/s gain / tokens/step gain", ".2f"),
     Column("mixed_steps_per_wave", "mixed steps / wave", ".0f"), Column("mean_decode_batch", "decode batch", ".1f"),
-    Column("server_ttft_ms", "TTFT ms", ".1f"),
+    Column("mean_decode_batch_steady", "before the drain", ".1f"), Column("server_ttft_ms", "TTFT ms", ".1f"),
 )
 
 
@@ -437,10 +468,12 @@ def main(argv=None) -> int:
                 before = scrape(server.url)
                 t0 = time.perf_counter()
                 desc = f"round {r}{' ' + arm if arm else ''} B={b:g}"
-                timed, _ = send_timed(server.url, bodies, args.concurrency, desc=desc)
+                drain = _Snapshot(server.url)
+                timed, _ = send_timed(server.url, bodies, args.concurrency, desc=desc, on_last_start=drain.start)
                 wall = time.perf_counter() - t0
                 res = [t.response for t in timed]
                 grown = scrape(server.url) - before
+                steady = drain.page() - before
                 engine_s, batch_steps, batch_reqs = (grown.value(n) for n in ENGINE_CLOCK)
                 decode_s, decode_steps, decode_reqs = (grown.value(n) for n in DECODE_CLOCK)
                 mixed_s, mixed_steps, mixed_reqs = (grown.value(n) for n in MIXED_CLOCK)
@@ -451,7 +484,9 @@ def main(argv=None) -> int:
                     [[t["id"] for t in x["tokens"]] for x in res] if b == BASELINE_BUDGET else None,
                     decode_s, int(decode_steps), int(decode_reqs), decode_clock_by_batch(grown),
                     mixed_s, int(mixed_steps), int(mixed_reqs), sum(t.latency_s for t in timed),
-                    *(grown.value(f"{n}_sum") for n in LATENCY_METRICS), len(timed), arm))
+                    *(grown.value(f"{n}_sum") for n in LATENCY_METRICS), len(timed), arm,
+                    *(int(steady.value(steps) + steady.value(mixed))
+                      for steps, mixed in zip(DECODE_CLOCK[1:], MIXED_CLOCK[1:]))))
             if args.out:  # after every round: a run cut short keeps its finished rounds
                 write_results(args.out, args, flags, waves)
     print_tables(waves, args.budgets, names)

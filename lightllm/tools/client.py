@@ -172,27 +172,31 @@ class _Connection:
             self.conn = None
 
 
-def _threaded(url: str, items: Sequence, concurrency: int, desc: Optional[str], call: Callable) -> List:
+def _threaded(url: str, items: Sequence, concurrency: int, desc: Optional[str], call: Callable,
+              on_last_start: Optional[Callable[[], None]] = None) -> List:
     """``call(connection, item)`` for every item on ``concurrency`` threads (a keep-alive
-    connection each); results in order."""
+    connection each); results in order. ``on_last_start``: called once, on the thread that is about to
+    send the last item (nothing is left to send from then on)."""
     from tqdm import tqdm
 
     local, opened, lock = threading.local(), [], threading.Lock()
     bar = tqdm(total=len(items), desc=desc, unit="req", disable=desc is None)
 
-    def one(item):
+    def one(index: int):
         conn = getattr(local, "conn", None)
         if conn is None:
             conn = local.conn = _Connection(url)
             with lock:
                 opened.append(conn)
-        out = call(conn, item)
+        if on_last_start is not None and index == len(items) - 1:
+            on_last_start()
+        out = call(conn, items[index])
         bar.update(1)
         return out
 
     try:
         with ThreadPoolExecutor(max(1, min(concurrency, len(items))), thread_name_prefix="client") as pool:
-            return list(pool.map(one, items))
+            return list(pool.map(one, range(len(items))))
     finally:
         bar.close()
         for conn in opened:
@@ -268,10 +272,12 @@ def _timed(conn: _Connection, body: Dict, stream: bool) -> Timed:
 
 
 def send_timed(url: str, bodies: Sequence[Dict], concurrency: int, stream: bool = False,
-               desc: Optional[str] = None) -> Tuple[List[Timed], float]:
-    """``/generate`` (or ``/generate_stream``) for every body; the timed responses in order and the wall time."""
+               desc: Optional[str] = None,
+               on_last_start: Optional[Callable[[], None]] = None) -> Tuple[List[Timed], float]:
+    """``/generate`` (or ``/generate_stream``) for every body; the timed responses in order and the wall time.
+    ``on_last_start``: as ``_threaded``'s (e.g. a /metrics snapshot where a wave's drain begins)."""
     t0 = time.perf_counter()
-    out = _threaded(url, bodies, concurrency, desc, lambda c, b: _timed(c, b, stream))
+    out = _threaded(url, bodies, concurrency, desc, lambda c, b: _timed(c, b, stream), on_last_start)
     return out, time.perf_counter() - t0
 
 

@@ -67,9 +67,22 @@ def test_summarize_pairs_each_wave_with_its_rounds_b0():
     assert b0.decode_step_vs_b0 == 1.0 and b2.decode_step_vs_b0 == pytest.approx(1.25)
     table = render_table([b0, b2], bench.TABLE, markdown=True)
     assert ("| 2 | 3 | 2.466 | +23.3% | 120.0 | 55.0 | 130.0 | 1.200x | 1.200, 1.100, 1.300 | "
-            "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 116.67 | 27.5 | 1.250x | 1.500x | - |") in table
+            "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 116.67 | 27.5 | - | 1.250x | 1.500x | - |") in table
     with pytest.raises(ValueError, match="B = 0"):
         bench.summarize([_wave(0, 2.0, 1.0, 1, 1)], [2.0])
+
+
+def test_decode_batch_before_the_drain_pools_over_waves():
+    """Steps and decoded requests until each wave's last request was sent, pooled over B's waves; NaN when no
+    wave measured them (saved before the field)."""
+    b0 = [_wave(r, 0.0, 10.0, 1000, 500) for r in (0, 1)]
+    b2 = [_wave(0, 2.0, 10.0, 1000, 500), _wave(1, 2.0, 10.0, 1000, 500)]
+    b2[0].steady_decoding_steps, b2[0].steady_decoding_reqs = 100, 6000  # 60 a step
+    b2[1].steady_decoding_steps, b2[1].steady_decoding_reqs = 300, 18600  # 62 a step
+    row0, row2 = bench.summarize(b0 + b2, [0.0, 2.0])
+    assert math.isnan(row0.mean_decode_batch_steady)
+    assert row2.mean_decode_batch_steady == pytest.approx(24600 / 400)
+    assert "| 61.5 |" in render_table([row2], bench.TABLE, markdown=True)
 
 
 def test_latency_split_pools_over_requests():
@@ -197,6 +210,9 @@ def test_real_run_on_cpu(tmp_path, capsys):
     assert all(w["batch_reqs"] <= 3 * w["batch_steps"] for w in waves)
     # the decode clock by batch size (exact counts on CPU) covers every decode step
     assert all(sum(n for _, _, n, _ in w["decode_by_batch"]) == w["decode_steps"] for w in waves)
+    # the /metrics snapshot at the last request's send: part of the wave's decoding steps (all three are sent at once)
+    assert all(0 <= w["steady_decoding_steps"] <= w["decode_steps"] + w["mixed_steps"] for w in waves)
+    assert all(w["steady_decoding_reqs"] <= 3 * w["steady_decoding_steps"] for w in waves)
     assert all(1 <= b <= 3 for w in waves for b, _, _, _ in w["decode_by_batch"])
     assert rows[0.0]["step_ratio_equal_batch"] == 1.0 and rows[8.0]["step_ratio_equal_batch"] > 0
     # every request's latency: the client's covers the server's receipt-to-last-output

@@ -192,6 +192,23 @@ def test_send_all_keeps_order_and_the_concurrency_bound(local_server):
         send_all(url, [{}], 1, path="/fail")
 
 
+def test_on_last_start_runs_once_before_the_last_send(local_server):
+    """The hook runs on the thread about to send the last body, after every other body was handed out."""
+    url, _ = local_server
+    started, at_hook = [], []
+
+    def call(conn, item):
+        started.append(item)
+        return item
+
+    assert client._threaded(url, list(range(12)), 3, None, call, on_last_start=lambda: at_hook.append(list(started))) \
+        == list(range(12))
+    [seen] = at_hook
+    assert 11 not in seen and len(seen) >= 12 - 3  # at most the other two threads' items still to start
+    timed, _ = send_timed(url, [generate_body("a", 4)], 1, on_last_start=lambda: at_hook.append("sent"))
+    assert at_hook[-1] == "sent" and len(timed) == 1
+
+
 def test_send_timed_plain_and_streamed(local_server):
     url, _ = local_server
     timed, wall = send_timed(url, [generate_body("a", 4), generate_body("b", 4)], 2)
