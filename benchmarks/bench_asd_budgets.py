@@ -15,7 +15,9 @@ client's timing), while ms / batch step shows whether the steps do cost the same
 
 The arms admit differently, so their decode batches differ and a longer decode step may only
 be a larger batch. /metrics also files decode steps by batch size, so ``step_ratio_equal_batch``
-compares like with like (EQUAL_BATCH_DEFINITION).
+compares like with like (EQUAL_BATCH_DEFINITION). A wave's decode batch falls at its end, when fewer
+requests are left than the concurrency: ``mean_decode_batch_steady`` counts the steps until the wave's
+last request is sent (a /metrics snapshot at that send), beside the whole wave's ``mean_decode_batch``.
 
 A server flag (a schedule, not a budget) needs a server per value: ``--arms NAME=FLAGS ...`` keeps one
 server per arm up for the whole run and sends each its waves in every round (arms rotated like the
