@@ -21,7 +21,8 @@ S=$(date +%s); O=${OUT:?}; G=scripts/device/gpu_session.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 if [ "$1" = fused ]; then
     timeout 150 python -m pytest -q -p no:cacheprovider unit_tests/common/basemodel/triton_kernel/test_silu_and_mul.py \
-        unit_tests/common/basemodel/triton_kernel/test_fused_norm_rotary.py 2>&1 | tail -3
+        unit_tests/common/basemodel/triton_kernel/test_fused_norm_rotary.py unit_tests/models/llama/test_fused_layer_ops.py \
+        2>&1 | tail -3
     STEPS_AB_ROUNDS=${FUSED_ROUNDS:-2} STEPS_AB_CASES="--batch 1;--batch 64;--batch 64 --mtp_step 3" timeout ${FUSED_S:-400} \
         bash $G steps_ab "$O/sab" unfused=docs/data/perf/session40/patches/unfused_ffn.patch 2>&1 | tail -14
     echo "total $(( $(date +%s) - S )) s"; exit 0
