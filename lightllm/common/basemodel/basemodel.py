@@ -185,17 +185,24 @@ class TpPartBaseModel:
     def forward(self, model_input: ModelInput) -> ModelOutput:
         infer_state = self._infer_state(model_input, self.parallel.comm(0))
         hidden = self.embed(infer_state.input_ids, infer_state.comm)  # [num_new_tokens, hidden]
-        aux = []
-        delta = None  # each layer's last residual add, done in the next layer's first launch
-        for i, (layer_infer, layer_weight) in enumerate(zip(self.layers_infer, self.trans_layers_weight)):
-            hidden, delta = layer_infer.forward_deferred(hidden, delta, layer_weight, infer_state)
-            if i in self.aux_layer_ids:
-                hidden, delta = hidden + delta, None
-                aux.append(hidden)
-        if delta is not None:
-            hidden = hidden + delta
+        hidden, aux = self.run_layers(self.layers_infer, self.trans_layers_weight, hidden, infer_state,
+                                      self.aux_layer_ids)
         logits = self.compute_logits(hidden[infer_state.last_token_index], infer_state.comm)  # [batch, vocab]
         return ModelOutput(logits=logits, hidden_states=hidden, aux_hidden_states=self._cat_aux(aux))
+
+    @staticmethod
+    def run_layers(layers_infer: Sequence, weights: Sequence, hidden: torch.Tensor, infer_state: InferStateInfo,
+                   aux_layer_ids: Sequence[int] = ()) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """Decoder layers in order over ``hidden``, each layer's last residual add done in the next layer's input
+        norm (``forward_deferred``). Returns the last layer's output and, in layer order, those of the layers in
+        ``aux_layer_ids`` (their add is done where they end)."""
+        aux, delta = [], None
+        for i, (layer_infer, layer_weight) in enumerate(zip(layers_infer, weights)):
+            hidden, delta = layer_infer.forward_deferred(hidden, delta, layer_weight, infer_state)
+            if i in aux_layer_ids:
+                hidden, delta = hidden + delta, None
+                aux.append(hidden)
+        return (hidden if delta is None else hidden + delta), aux
 
     def _cat_aux(self, aux: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """The asked layers' outputs side by side, in ``aux_layer_ids`` order (None if none asked)."""

@@ -159,10 +159,7 @@ class DSparkDraftModel:
         state = InferStateInfo.from_model_input(mi, self.mem_manager, t.req_manager, t.device)
         state.positions = pos.reshape(-1)  # each block row at its own position, all seeing the whole block
         t._fill_position_embeddings(state)
-        h, delta = t.embed(tokens), None
-        for layer_infer, lw in zip(self.layers_infer, w.layers):
-            h, delta = layer_infer.forward_deferred(h, delta, lw, state)
-        h = h + delta
+        h, _ = t.run_layers(self.layers_infer, w.layers, t.embed(tokens), state)
         f = h.view(m, bs, -1)
         prev, toks, normed = anchors.long(), [], []
         for i in range(1, self.mtp_step + 1):  # sequential: the Markov term reads the previous proposal

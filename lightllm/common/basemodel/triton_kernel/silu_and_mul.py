@@ -16,7 +16,6 @@ BLOCK_COLS = 1024  # output columns per program
 NUM_WARPS = 4
 
 
-
 @triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr, out_ptr,
