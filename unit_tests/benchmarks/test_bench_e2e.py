@@ -6,6 +6,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
+from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.tools.prompts import chat_prompt_texts
 from lightllm.tools.report import render_table
 
@@ -236,7 +237,7 @@ def test_serving_modes_are_server_flags():
     assert parser.parse_args(bench.serving_mode_flags("mtp_chunk4096")).batch_max_tokens == 4096
     eager = parser.parse_args(bench.serving_mode_flags("asd_usage_wait0"))
     assert (eager.router_max_wait_tokens, eager.mtp_asd_regret_budget) == (0, 2.0625)
-    assert parser.parse_args(usage).router_max_wait_tokens == 4  # the default groups arrivals
+    assert parser.parse_args(usage).router_max_wait_tokens == StartArgs.router_max_wait_tokens  # the engine's default
 
 
 def _server_count(tokenizer, text):

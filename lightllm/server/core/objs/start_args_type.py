@@ -23,8 +23,9 @@ class StartArgs:
     # of those, in a step that also decodes; None: batch_max_tokens (512 measured on the H200: ITL p99 / p50 3.9x
     # against 4.9-5.8x, but 0.77-0.87x tok/s; docs/decode_step.md, "Mixed steps")
     mixed_max_prefill_tokens: Optional[int] = None
-    # while requests decode, admit waiting ones after this many decode steps (docs/decode_step.md, "Grouped admission")
-    router_max_wait_tokens: int = 4
+    # while requests decode, admit waiting ones after this many decode steps (docs/decode_step.md, "Grouped admission";
+    # 1 since the forty-first session's sweep: mixed MTP steps left in flight made each admission cheap)
+    router_max_wait_tokens: int = 1
     # waiting requests join the step after the one launched ahead of the commit, so a finish never leaves the GPU
     # idle through admission (docs/decode_step.md, "Admission behind the step in flight")
     router_admit_behind_step: bool = False

@@ -79,7 +79,7 @@ def _run(model_dir: str, prompts, running: int, layout: str = "items", counters=
     return res, calls
 
 
-@pytest.mark.parametrize("wait", [0, 4])  # --router_max_wait_tokens: admission at every step, or grouped
+@pytest.mark.parametrize("wait", [0, 1, 4])  # --router_max_wait_tokens: admission at every step, or grouped
 @pytest.mark.parametrize("layout", ["items", "rows"])
 @pytest.mark.parametrize("mode", ["plain", "mtp", "asd0", "asd", "dspark_mtp", "dspark_asd0", "dspark_asd"])
 def test_mixed_steps_give_one_request_at_a_times_outputs(tiny, mode, layout, wait):

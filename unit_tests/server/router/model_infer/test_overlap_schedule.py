@@ -30,7 +30,12 @@ from unit_tests.server.router.engine_util import changed_hold_rows, hold_rows, m
 
 K = 2
 ASD_BUDGET = 3.0  # relaxes tokens with the eagle draft below
-COMMON = dict(max_req_total_len=64, running_max_req_size=4, batch_max_tokens=64, max_total_token_num=500)
+# The schedules these cases lay out (which step a finish or a join lands in) hold arrivals for this many decode steps
+# (--router_max_wait_tokens; the default until the forty-first session). The default's own schedule runs in the
+# parity cases' ``wait`` parameter here and in test_mixed_steps.py.
+GROUPED_WAIT = 4
+COMMON = dict(max_req_total_len=64, running_max_req_size=4, batch_max_tokens=64, max_total_token_num=500,
+              router_max_wait_tokens=GROUPED_WAIT)
 MAX_IDLE_STEPS = 100  # router steps without an update before a run is declared stuck
 STOP_NGRAM = 2  # tokens of each stop sequence
 UNPREDICTABLE = (FinishReason.STOP, FinishReason.EOS)  # finishes the engine learns at commit
@@ -285,7 +290,7 @@ def test_the_overlap_schedule_is_on_by_default_with_or_without_mtp(models, mode)
     assert on.backend.overlap_schedule and not off.backend.overlap_schedule
 
 
-@pytest.mark.parametrize("wait", [0, 4])  # --router_max_wait_tokens: admission at every step, or grouped
+@pytest.mark.parametrize("wait", [0, 1, 4])  # --router_max_wait_tokens: admission at every step, or grouped
 @pytest.mark.parametrize("kind,mode", PARITY_CASES)
 def test_overlap_gives_the_plain_schedules_outputs(models, kind, mode, wait):
     """Stop sequences and EOS mid-run, waiting requests joining: the same updates, step by
@@ -406,7 +411,7 @@ def test_a_kept_step_does_not_run_before_a_waiting_requests_prefill(models):
     specs.append(Spec(waiting, dict(max_new_tokens=8, ignore_eos=True)))
     watch = FinishWatch()
     # the waiting request joins at the next step (grouped admission would hold it: then nothing waits)
-    plain, overlap = _both(m["target"], specs, ladder, after_step=watch, router_max_wait_tokens=0, **COMMON)
+    plain, overlap = _both(m["target"], specs, ladder, after_step=watch, **dict(COMMON, router_max_wait_tokens=0))
     assert watch.seen == 1 and watch.kept == 0
     assert overlap.groups == plain.groups
 
@@ -500,7 +505,8 @@ def test_a_request_finished_by_an_aborts_flush_gets_one_final_update(models):
 # ---- 4. mixed steps launched ahead ----
 
 CHUNK_TOKENS = 4  # --batch_max_tokens: a prompt of many chunks runs in consecutive mixed steps
-MIX_ARGS = dict(max_req_total_len=64, running_max_req_size=8, batch_max_tokens=CHUNK_TOKENS, max_total_token_num=500)
+MIX_ARGS = dict(max_req_total_len=64, running_max_req_size=8, batch_max_tokens=CHUNK_TOKENS, max_total_token_num=500,
+                router_max_wait_tokens=GROUPED_WAIT)
 MIX_MAX_NEW = 16
 JOIN_AFTER_TOKENS = 5  # request 0's committed tokens when the late prompts are added
 
@@ -685,7 +691,7 @@ def _stress_case(m, layout: str, seed: int, **kw):
     return engine, specs
 
 
-@pytest.mark.parametrize("wait", [0, 4])
+@pytest.mark.parametrize("wait", [0, 1, 4])
 @pytest.mark.parametrize("seed", [90, 91, 92])
 @pytest.mark.parametrize("layout", ["items", "rows"])
 @pytest.mark.parametrize("mode", ["plain", "mtp", "asd", "dspark_asd"])
