@@ -18,6 +18,10 @@ be a larger batch. /metrics also files decode steps by batch size, so ``step_rat
 compares like with like (EQUAL_BATCH_DEFINITION). A wave's decode batch falls at its end, when fewer
 requests are left than the concurrency: ``mean_decode_batch_steady`` counts the steps until the wave's
 last request is sent (a /metrics snapshot at that send), beside the whole wave's ``mean_decode_batch``.
+The drain runs about as many steps for every budget (the slowest of the last requests sets it), so it dilutes
+ASD's gain; the speed-up is also taken before it (``speedup_vs_b0_steady``: the output tokens of the requests
+that finished before the last send, over the time from the wave's start to that send; the requests in flight
+then are left out of both arms alike).
 
 A server flag (a schedule, not a budget) needs a server per value: ``--arms NAME=FLAGS ...`` keeps one
 server per arm up for the whole run and sends each its waves in every round (arms rotated like the
@@ -56,6 +60,7 @@ from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
     MIXED_CLOCK,
     USAGE,
     AsdSetting,
+    Timed,
     auto_max_req_total_len,
     generate_body,
     model_dir_or_embedded,
@@ -122,6 +127,9 @@ class Wave:
     # before the drain, when fewer requests are left than the concurrency (0: not measured)
     steady_decoding_steps: int = 0
     steady_decoding_reqs: int = 0
+    # output tokens of the requests that finished before the last request was sent, and that window's seconds
+    steady_output_tokens: int = 0
+    steady_s: float = 0.0
 
     @property
     def decoding_steps(self) -> int:
@@ -139,6 +147,19 @@ class Wave:
     @property
     def engine_tokens_per_s(self) -> float:
         return self.output_tokens / self.engine_s
+
+    @property
+    def steady_tokens_per_s(self) -> Optional[float]:
+        """tok/s before the drain (None: not measured)."""
+        return self.steady_output_tokens / self.steady_s if self.steady_s > 0 else None
+
+
+def steady_window(timed: Sequence[Timed], t0: float) -> Tuple[int, float]:
+    """(output tokens of the requests done before the last request was sent, seconds from ``t0`` to that send):
+    a closed loop keeps its concurrency until then."""
+    last_sent = max(t.sent_s for t in timed)
+    tokens = sum(t.response["count_output_tokens"] for t in timed if t.done_s <= last_sent)
+    return tokens, last_sent - t0
 
 
 @dataclass
@@ -171,6 +192,8 @@ class BudgetRow:
     server_queue_ms: float = float("nan")
     server_ttft_ms: float = float("nan")
     mean_decode_batch_steady: float = float("nan")  # mean_decode_batch until the last request was sent
+    speedup_vs_b0_steady: float = float("nan")  # speedup_vs_b0 before the drain (Wave.steady_tokens_per_s)
+    steady_round_ratios: List[float] = field(default_factory=list)
 
 
 class _Snapshot:
@@ -227,6 +250,7 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
         rates = [w.tokens_per_s for w in ws]
         ratios = per_round(lambda w: w.tokens_per_s)
         engine_ratios = per_round(lambda w: w.engine_tokens_per_s)
+        steady_ratios = per_round(lambda w: w.steady_tokens_per_s)
         step_ratios = per_round(lambda w: ratio(1000 * w.decode_s, w.decode_steps))
         equal = [equal_batch_step_ratio(w, b0) for w, b0 in paired]
         equal_ratios = [r for r, _ in equal if r is not None]
@@ -247,7 +271,8 @@ def summarize(waves: Sequence[Wave], budgets: Sequence[float]) -> List[BudgetRow
             sum(n for _, n in equal) / b0_steps if b0_steps else float("nan"),
             client_ms, e2e_ms, client_ms - e2e_ms, *(per_request_ms(n) for n in ("server_queue_s", "server_ttft_s")),
             mean_decode_batch_steady=(_pooled(ws, "steady_decoding_reqs", "steady_decoding_steps")
-                                      if any(w.steady_decoding_steps for w in ws) else float("nan"))))
+                                      if any(w.steady_decoding_steps for w in ws) else float("nan")),
+            speedup_vs_b0_steady=_median(steady_ratios), steady_round_ratios=steady_ratios))
     return rows
 
 
@@ -309,6 +334,7 @@ class ArmRow:
     mean_decode_batch: float
     server_ttft_ms: float
     mean_decode_batch_steady: float
+    gain_ratio_steady: float  # gain_ratio before the drain (BudgetRow.speedup_vs_b0_steady)
 
 
 def summarize_arms(waves: Sequence[Wave], budgets: Sequence[float], arms: Sequence[str]) -> List[ArmRow]:
@@ -328,7 +354,8 @@ def summarize_arms(waves: Sequence[Wave], budgets: Sequence[float], arms: Sequen
             rows.append(ArmRow(arm, b, row.median_tok_s, _median(tok), tok, _median(eng), row.speedup_vs_b0, gain,
                                (row.speedup_vs_b0 - 1) / gain if gain else float("nan"),
                                statistics.mean(w.mixed_steps for w in ws) if ws else float("nan"),
-                               row.mean_decode_batch, row.server_ttft_ms, row.mean_decode_batch_steady))
+                               row.mean_decode_batch, row.server_ttft_ms, row.mean_decode_batch_steady,
+                               (row.speedup_vs_b0_steady - 1) / gain if gain else float("nan")))
     return rows
 
 
@@ -362,6 +389,8 @@ TABLE = (
     Column("ms_per_batch_step", "ms / batch step", ".2f"),
     Column("ms_per_decode_step", "ms / decode step", ".2f"), Column("mean_decode_batch", "decode batch", ".1f"),
     Column("mean_decode_batch_steady", "decode batch before the drain", ".1f"),
+    Column("speedup_vs_b0_steady", "speed-up before the drain (median of rounds)", ".3f", "x"),
+    Column("steady_round_ratios", "per round", _ratios),
     Column("decode_step_vs_b0", "decode step vs B = 0 (median of rounds)", ".3f", "x"),
     Column("step_cost_speedup_vs_b0", "speed-up at B = 0's step cost", ".3f", "x"),
     Column("step_ratio_equal_batch",
@@ -382,7 +411,8 @@ ARMS_TABLE = (
     Column("speedup_vs_b0", "ASD speed-up vs B = 0", ".3f", "x"), Column("tokens_per_step_gain", "tokens/step", "+.1%"),
     Column("gain_ratio", "tok/s gain / tokens/step gain", ".2f"),
     Column("mixed_steps_per_wave", "mixed steps / wave", ".0f"), Column("mean_decode_batch", "decode batch", ".1f"),
-    Column("mean_decode_batch_steady", "before the drain", ".1f"), Column("server_ttft_ms", "TTFT ms", ".1f"),
+    Column("mean_decode_batch_steady", "before the drain", ".1f"),
+    Column("gain_ratio_steady", "gain ratio before the drain", ".2f"), Column("server_ttft_ms", "TTFT ms", ".1f"),
 )
 
 
@@ -488,7 +518,7 @@ def main(argv=None) -> int:
                     mixed_s, int(mixed_steps), int(mixed_reqs), sum(t.latency_s for t in timed),
                     *(grown.value(f"{n}_sum") for n in LATENCY_METRICS), len(timed), arm,
                     *(int(steady.value(steps) + steady.value(mixed))
-                      for steps, mixed in zip(DECODE_CLOCK[1:], MIXED_CLOCK[1:]))))
+                      for steps, mixed in zip(DECODE_CLOCK[1:], MIXED_CLOCK[1:])), *steady_window(timed, t0)))
             if args.out:  # after every round: a run cut short keeps its finished rounds
                 write_results(args.out, args, flags, waves)
     print_tables(waves, args.budgets, names)

@@ -247,13 +247,18 @@ class Timed:
     latency_s: float
     ttft_s: Optional[float] = None  # streamed only
     streamed_tokens: Optional[int] = None  # streamed only: events that carried a token
+    sent_s: float = float("nan")  # time.perf_counter() when it was sent
+
+    @property
+    def done_s(self) -> float:
+        return self.sent_s + self.latency_s
 
 
 def _timed(conn: _Connection, body: Dict, stream: bool) -> Timed:
     t0 = time.perf_counter()
     if not stream:
         out = _post_json(conn, "/generate", body)
-        return Timed(out, time.perf_counter() - t0)
+        return Timed(out, time.perf_counter() - t0, sent_s=t0)
     ttft, tokens, last = None, 0, None
     r = conn.post("/generate_stream", body)
     if r.status != 200:
@@ -268,7 +273,7 @@ def _timed(conn: _Connection, body: Dict, stream: bool) -> Timed:
             ttft = time.perf_counter() - t0 if ttft is None else ttft
     if last is None or not last.get("finished"):
         raise RuntimeError(f"/generate_stream ended without a finished event (last: {last})")
-    return Timed(last, time.perf_counter() - t0, ttft, tokens)
+    return Timed(last, time.perf_counter() - t0, ttft, tokens, sent_s=t0)
 
 
 def send_timed(url: str, bodies: Sequence[Dict], concurrency: int, stream: bool = False,

@@ -67,7 +67,7 @@ def test_summarize_pairs_each_wave_with_its_rounds_b0():
     assert b0.decode_step_vs_b0 == 1.0 and b2.decode_step_vs_b0 == pytest.approx(1.25)
     table = render_table([b0, b2], bench.TABLE, markdown=True)
     assert ("| 2 | 3 | 2.466 | +23.3% | 120.0 | 55.0 | 130.0 | 1.200x | 1.200, 1.100, 1.300 | "
-            "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 116.67 | 27.5 | - | 1.250x | 1.500x | - |") in table
+            "1.100x | 1.200, 1.100, 1.040 | 27.5 | 116.67 | 116.67 | 27.5 | - | - | - | 1.250x | 1.500x | - |") in table
     with pytest.raises(ValueError, match="B = 0"):
         bench.summarize([_wave(0, 2.0, 1.0, 1, 1)], [2.0])
 
@@ -83,6 +83,30 @@ def test_decode_batch_before_the_drain_pools_over_waves():
     assert math.isnan(row0.mean_decode_batch_steady)
     assert row2.mean_decode_batch_steady == pytest.approx(24600 / 400)
     assert "| 61.5 |" in render_table([row2], bench.TABLE, markdown=True)
+
+
+def test_steady_window_counts_the_requests_done_before_the_last_send():
+    """A closed loop of two: requests 0 and 1 sent at 10.0; 0 done at 10.5, so 2 is sent; 1 done at 11.0, so 3 (the
+    last) is sent at 11.0; 2 and 3 finish after it. The window is 10.0 -> 11.0 (from the wave's t0 = 9.5: 1.5 s) and
+    holds the tokens of 0 and 1 (a request done at the send itself counts)."""
+    timed = [bench.Timed({"count_output_tokens": n}, latency, sent_s=sent)
+             for n, sent, latency in ((30, 10.0, 0.5), (40, 10.0, 1.0), (50, 10.5, 2.0), (60, 11.0, 0.7))]
+    assert bench.steady_window(timed, 9.5) == (70, pytest.approx(1.5))
+
+
+def test_speedup_before_the_drain_pairs_rounds():
+    """Round 0: B = 0 at 1000 tokens / 10 s, B = 2 at 1100 / 10 -> 1.1; round 1: 900 / 10 against 1080 / 10 -> 1.2;
+    median 1.15. A wave without the window (saved before it) gives no ratio."""
+    b0 = [_wave(r, 0.0, 12.0, 1100, 500) for r in (0, 1, 2)]
+    b2 = [_wave(r, 2.0, 12.0, 1200, 450) for r in (0, 1, 2)]
+    for w, (tokens, secs) in zip(b0 + b2, ((1000, 10.0), (900, 10.0), (0, 0.0), (1100, 10.0), (1080, 10.0), (0, 0.0))):
+        w.steady_output_tokens, w.steady_s = tokens, secs
+    row0, row2 = bench.summarize(b0 + b2, [0.0, 2.0])
+    assert row0.speedup_vs_b0_steady == 1.0 and row0.steady_round_ratios == [1.0, 1.0]
+    assert row2.steady_round_ratios == pytest.approx([1.1, 1.2]) and row2.speedup_vs_b0_steady == pytest.approx(1.15)
+    assert "| 1.150x | 1.100, 1.200 |" in render_table([row2], bench.TABLE, markdown=True)
+    (old,) = bench.summarize([_wave(0, 0.0, 1.0, 10, 5)], [0.0])
+    assert math.isnan(old.speedup_vs_b0_steady) and old.steady_round_ratios == []
 
 
 def test_latency_split_pools_over_requests():
@@ -172,6 +196,8 @@ def test_summarize_arms_pairs_each_arm_with_the_first_by_round():
         tokens, steps = (1000, 500) if budget == 0.0 else (1100, 500)
         w = _wave(rnd, budget, wall_s, tokens, steps)
         w.arm, w.mixed_steps = arm, mixed
+        # before the drain: B = 2 at 1.05x B = 0 in every round, so half the +10% tokens/step gain
+        w.steady_output_tokens, w.steady_s = (800 if budget == 0.0 else 840), wall_s / 2
         return w
 
     waves = [  # a: 100 / 110 tok/s, then 50 / 55; b: 125 / 137.5, then 100 / 110
@@ -184,7 +210,7 @@ def test_summarize_arms_pairs_each_arm_with_the_first_by_round():
     assert b2.round_ratios == pytest.approx([1.25, 2.0]) and b2.engine_vs_first_arm == 1.0
     for row in (a2, b2):
         assert row.speedup_vs_b0 == pytest.approx(1.1) and row.tokens_per_step_gain == pytest.approx(0.1)
-        assert row.gain_ratio == pytest.approx(1.0)
+        assert row.gain_ratio == pytest.approx(1.0) and row.gain_ratio_steady == pytest.approx(0.5)
     assert math.isnan(a0.gain_ratio)  # B = 0 gains no tokens per step
     assert b0.mixed_steps_per_wave == 15 and a0.mixed_steps_per_wave == 0
     assert b2.median_tok_s == pytest.approx((137.5 + 110) / 2)
@@ -213,6 +239,8 @@ def test_real_run_on_cpu(tmp_path, capsys):
     # the /metrics snapshot at the last request's send: part of the wave's decoding steps (all three are sent at once)
     assert all(0 <= w["steady_decoding_steps"] <= w["decode_steps"] + w["mixed_steps"] for w in waves)
     assert all(w["steady_decoding_reqs"] <= 3 * w["steady_decoding_steps"] for w in waves)
+    # the window before the drain: from the wave's start to the last send (its requests all started at once here)
+    assert all(0 < w["steady_s"] < w["wall_s"] and w["steady_output_tokens"] <= w["output_tokens"] for w in waves)
     assert all(1 <= b <= 3 for w in waves for b, _, _, _ in w["decode_by_batch"])
     assert rows[0.0]["step_ratio_equal_batch"] == 1.0 and rows[8.0]["step_ratio_equal_batch"] > 0
     # every request's latency: the client's covers the server's receipt-to-last-output
