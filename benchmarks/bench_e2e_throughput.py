@@ -726,7 +726,7 @@ def run_long_context(args) -> Dict[str, object]:
 SERVING_OUT = os.path.join("docs", "data", "perf", "serving.json")
 SMALL_CHUNK_TOKENS = 512  # the *_chunk512 arms: prompt tokens per step (inter-token latency against TTFT)
 WHOLE_PROMPT_CHUNK_TOKENS = 4096  # the *_chunk4096 arms: a long prompt in one step (this benchmark's base before)
-NO_WAIT_STEPS = 0  # the *_wait0 arms: --router_max_wait_tokens 0 (admit at every step; the default groups arrivals)
+NO_WAIT_STEPS = 0  # the *_wait0 arms: --router_max_wait_tokens 0 (admit at every step, not one decode step apart)
 SERVING_MODES = {"plain": MATRIX_MODES["plain"], "mtp": MATRIX_MODES["mtp3"], "asd_usage": MATRIX_MODES["asd_usage"],
                  "dspark": MATRIX_MODES["dspark3"], "dspark_asd_usage": MATRIX_MODES["dspark_asd_usage"],
                  "plain_no_overlap": MATRIX_MODES["plain_no_overlap"],
