@@ -109,6 +109,19 @@ def test_speedup_before_the_drain_pairs_rounds():
     assert math.isnan(old.speedup_vs_b0_steady) and old.steady_round_ratios == []
 
 
+def test_warm_waves_send_every_budget_at_full_concurrency():
+    """Two warm rounds over budgets 0 and 2 at concurrency 3: four waves of the first 4 * 3 = 12 prompts, each
+    body at its wave's budget; with fewer prompts than that, all of them."""
+    prompts = [f"q{i}" for i in range(20)]
+    waves = bench.warm_waves(prompts, [0.0, 2.0], 2, 3, 7)
+    assert [len(w) for w in waves] == [12] * 4
+    assert [w[0]["parameters"]["asd_regret_budget"] for w in waves] == [0.0, 2.0, 0.0, 2.0]
+    assert [b["inputs"] for b in waves[1]] == prompts[:12]
+    assert all(b["parameters"]["max_new_tokens"] == 7 for w in waves for b in w)
+    assert [len(w) for w in bench.warm_waves(prompts[:5], [0.0], 1, 3, 7)] == [5]
+    assert bench.warm_waves(prompts, [0.0, 2.0], 0, 3, 7) == []
+
+
 def test_latency_split_pools_over_requests():
     """Client latency, the server's e2e and what lies outside it, per request over both waves:
     (2.0 + 1.0) s over 30 requests = 100 ms; server (1.5 + 0.6) / 30 = 70 ms; outside 30 ms."""
