@@ -198,11 +198,20 @@ class TpPartBaseModel:
         ``aux_layer_ids`` (their add is done where they end)."""
         aux, delta = [], None
         for i, (layer_infer, layer_weight) in enumerate(zip(layers_infer, weights)):
-            hidden, delta = layer_infer.forward_deferred(hidden, delta, layer_weight, infer_state)
-            if i in aux_layer_ids:
-                hidden, delta = hidden + delta, None
-                aux.append(hidden)
-        return (hidden if delta is None else hidden + delta), aux
+            hidden, delta = TpPartBaseModel._layer_step(layer_infer, layer_weight, hidden, delta, infer_state,
+                                                        aux if i in aux_layer_ids else None)
+        return _settled(hidden, delta), aux
+
+    @staticmethod
+    def _layer_step(layer_infer, layer_weight, hidden: torch.Tensor, delta: Optional[torch.Tensor],
+                    infer_state: InferStateInfo, aux: Optional[List[torch.Tensor]]):
+        """One layer of ``run_layers``: (hidden, delta) after it; ``aux`` (a list: the layer's output is asked for)
+        gets the settled output, and the add is then done here."""
+        hidden, delta = layer_infer.forward_deferred(hidden, delta, layer_weight, infer_state)
+        if aux is None:
+            return hidden, delta
+        aux.append(hidden + delta)
+        return aux[-1], None
 
     def _cat_aux(self, aux: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """The asked layers' outputs side by side, in ``aux_layer_ids`` order (None if none asked)."""
@@ -229,15 +238,12 @@ class TpPartBaseModel:
         for layer, (layer_infer, layer_weight) in enumerate(zip(self.layers_infer, self.trans_layers_weight)):
             for i, infer_state in enumerate(states):
                 with _on_stream(streams[i]):
-                    hidden[i], delta[i] = layer_infer.forward_deferred(hidden[i], delta[i], layer_weight, infer_state)
-                    if layer in self.aux_layer_ids:
-                        hidden[i], delta[i] = hidden[i] + delta[i], None
-                        aux[i].append(hidden[i])
+                    hidden[i], delta[i] = self._layer_step(layer_infer, layer_weight, hidden[i], delta[i], infer_state,
+                                                           aux[i] if layer in self.aux_layer_ids else None)
         outs = []
         for i, infer_state in enumerate(states):
             with _on_stream(streams[i]):
-                if delta[i] is not None:
-                    hidden[i] = hidden[i] + delta[i]
+                hidden[i] = _settled(hidden[i], delta[i])
                 logits = self.compute_logits(hidden[i][infer_state.last_token_index], infer_state.comm)
                 outs.append(ModelOutput(logits=logits, hidden_states=hidden[i], aux_hidden_states=self._cat_aux(aux[i])))
         if streams[0] is not None:
@@ -304,6 +310,11 @@ class TpPartBaseModel:
 
 def _on_stream(stream):
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _settled(hidden: torch.Tensor, delta: Optional[torch.Tensor]) -> torch.Tensor:
+    """A deferred layer output (``forward_deferred``) with its last residual add done."""
+    return hidden if delta is None else hidden + delta
 
 
 def to_device(weight, device: torch.device):
