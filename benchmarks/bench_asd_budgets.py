@@ -372,11 +372,16 @@ def summarize_arms(waves: Sequence[Wave], budgets: Sequence[float], arms: Sequen
             row = by_budget[b]
             gain = row.tokens_per_step_gain
             rows.append(ArmRow(arm, b, row.median_tok_s, _median(tok), tok, _median(eng), row.speedup_vs_b0, gain,
-                               (row.speedup_vs_b0 - 1) / gain if gain else float("nan"),
+                               _gain_ratio(row.speedup_vs_b0, gain),
                                statistics.mean(w.mixed_steps for w in ws) if ws else float("nan"),
                                row.mean_decode_batch, row.server_ttft_ms, row.mean_decode_batch_steady,
-                               (row.speedup_vs_b0_steady - 1) / gain if gain else float("nan")))
+                               _gain_ratio(row.speedup_vs_b0_steady, gain)))
     return rows
+
+
+def _gain_ratio(speedup: float, tokens_per_step_gain: float) -> float:
+    """How much of the tokens/step gain a speed-up turns into tok/s (NaN without a gain)."""
+    return (speedup - 1) / tokens_per_step_gain if tokens_per_step_gain else float("nan")
 
 
 def parse_arms(specs: Optional[Sequence[str]]) -> List[Tuple[str, List[str]]]:
