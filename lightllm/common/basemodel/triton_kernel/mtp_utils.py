@@ -51,18 +51,10 @@ _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _fwd_kernel_mtp_verify(
-    req_to_next_token_ids,  # [max_req + 1, W] int64
-    req_to_next_token_ids_stride,
-    table_width,  # W
-    b_req_mtp_start_loc,  # [num_reqs] int32
-    new_next_token_ids,  # [batch] int64
-    b_req_idx,  # [batch] int32
-    mtp_accept_len,  # [num_reqs] int32, out
-    accepted_index,  # [batch] int32, out
-    batch_size,
-    BLOCK_SIZE: tl.constexpr,
-):
+def _request_rows(req_to_next_token_ids, req_to_next_token_ids_stride, table_width, b_req_mtp_start_loc,
+                  new_next_token_ids, b_req_idx, batch_size, BLOCK_SIZE: tl.constexpr):
+    """This program's request: its index, first row, rows, drafts (K) and slot, the lanes, which lanes hold a draft, the
+    drafts d_j and the target's tokens t_j (lanes past K: no draft)."""
     cur_req = tl.program_id(0)
     num_reqs = tl.num_programs(0)
     start = tl.load(b_req_mtp_start_loc + cur_req)
@@ -80,6 +72,25 @@ def _fwd_kernel_mtp_verify(
     )
     # [BLOCK_SIZE] t_j
     target = tl.load(new_next_token_ids + start + offs, mask=is_draft, other=_NO_DRAFT_TOKEN_ID_CONST)
+    return cur_req, start, num_rows, num_drafts, req_idx, offs, is_draft, draft, target
+
+
+@triton.jit
+def _fwd_kernel_mtp_verify(
+    req_to_next_token_ids,  # [max_req + 1, W] int64
+    req_to_next_token_ids_stride,
+    table_width,  # W
+    b_req_mtp_start_loc,  # [num_reqs] int32
+    new_next_token_ids,  # [batch] int64
+    b_req_idx,  # [batch] int32
+    mtp_accept_len,  # [num_reqs] int32, out
+    accepted_index,  # [batch] int32, out
+    batch_size,
+    BLOCK_SIZE: tl.constexpr,
+):
+    cur_req, start, num_rows, num_drafts, req_idx, offs, is_draft, draft, target = _request_rows(
+        req_to_next_token_ids, req_to_next_token_ids_stride, table_width, b_req_mtp_start_loc, new_next_token_ids,
+        b_req_idx, batch_size, BLOCK_SIZE)
     # The first mismatch stops; lanes past K always stop, so accept_len <= K + 1.
     stop = (~is_draft) | (draft != target)
     accepted = tl.min(tl.where(stop, offs, BLOCK_SIZE), axis=0)
@@ -110,23 +121,9 @@ def _fwd_kernel_mtp_asd_verify(
     BLOCK_SIZE: tl.constexpr,
     HAS_RELAXED_MASK: tl.constexpr,
 ):
-    cur_req = tl.program_id(0)
-    num_reqs = tl.num_programs(0)
-    start = tl.load(b_req_mtp_start_loc + cur_req)
-    end = tl.load(b_req_mtp_start_loc + cur_req + 1, mask=cur_req + 1 < num_reqs, other=batch_size)
-    num_rows = end - start
-    # K; a request with more rows than table columns only has W - 1 drafts.
-    num_drafts = tl.minimum(num_rows - 1, table_width - 1)
-    req_idx = tl.load(b_req_idx + start).to(tl.int64)
-    offs = tl.arange(0, BLOCK_SIZE)
-    is_draft = offs < num_drafts  # [BLOCK_SIZE]
-    draft = tl.load(  # [BLOCK_SIZE] d_j
-        req_to_next_token_ids + req_idx * req_to_next_token_ids_stride + offs + 1,
-        mask=is_draft,
-        other=_NO_DRAFT_TOKEN_ID_CONST,
-    )
-    # [BLOCK_SIZE] t_j
-    target = tl.load(new_next_token_ids + start + offs, mask=is_draft, other=_NO_DRAFT_TOKEN_ID_CONST)
+    cur_req, start, num_rows, num_drafts, req_idx, offs, is_draft, draft, target = _request_rows(
+        req_to_next_token_ids, req_to_next_token_ids_stride, table_width, b_req_mtp_start_loc, new_next_token_ids,
+        b_req_idx, batch_size, BLOCK_SIZE)
     # m == 0 or g == 0: strict identity, even on ties.
     strict = (block_max_mismatch == 0) | (local_regret_ratio == 0.0)
     mismatch = is_draft & (draft != target)  # [BLOCK_SIZE]
