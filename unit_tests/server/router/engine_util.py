@@ -42,3 +42,17 @@ def changed_hold_rows(backend, before: Dict[str, torch.Tensor]) -> List[str]:
     """Names of the tables whose HOLD row differs from ``before``."""
     after = hold_rows(backend)
     return [name for name in before if not torch.equal(before[name], after[name])]
+
+
+def mode_args(drafts: Dict[str, str], mode: str, k: int, asd_budget: float) -> dict:
+    """Engine arguments of ``mode``: plain, or [dspark_]mtp / asd0 / asd (eagle unless dspark_), K = ``k``, the
+    asd mode at ``asd_budget``; ``drafts``: each draft's directory by name (eagle, dspark)."""
+    if mode == "plain":
+        return {}
+    draft, _, mode = mode.rpartition("_")
+    draft = draft or "eagle"
+    mtp = dict(mtp_mode={"eagle": "eagle_with_att", "dspark": "dspark"}[draft], mtp_step=k,
+               mtp_draft_model_dir=[drafts[draft]])
+    if mode == "mtp":
+        return mtp
+    return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": asd_budget}[mode])

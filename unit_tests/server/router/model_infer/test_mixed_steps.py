@@ -14,7 +14,7 @@ import torch
 from lightllm.common.basemodel.cuda_graph import GraphLadder
 from lightllm.server.router.model_infer.step_rows import GATHER_INPUT, RowItem, StepRows, max_sampled_rows, step_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
-from unit_tests.server.router.engine_util import hf_greedy, make_engine
+from unit_tests.server.router.engine_util import hf_greedy, make_engine, mode_args
 
 K = 2
 ASD_BUDGET = 3.0  # relaxes some tokens with the tiny eagle draft
@@ -38,16 +38,7 @@ def tiny(tmp_path_factory):
 
 
 def _mode_args(drafts: dict, mode: str) -> dict:
-    """``mode``: plain, or [dspark_]mtp / asd0 / asd (eagle unless dspark_)."""
-    if mode == "plain":
-        return {}
-    draft, _, mode = mode.rpartition("_")
-    draft = draft or "eagle"
-    mtp = dict(mtp_mode={"eagle": "eagle_with_att", "dspark": "dspark"}[draft], mtp_step=K,
-               mtp_draft_model_dir=[drafts[draft]])
-    if mode == "mtp":
-        return mtp
-    return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": ASD_BUDGET}[mode])
+    return mode_args(drafts, mode, K, ASD_BUDGET)
 
 
 def _run(model_dir: str, prompts, running: int, layout: str = "items", counters=None, max_new=MAX_NEW, **kw):

@@ -26,7 +26,7 @@ from lightllm.server.router.manager import AddReq, BatchClock, StepTiming
 from lightllm.server.router.model_infer.infer_batch import FinishReason
 from lightllm.server.router.model_infer.step_rows import StepRows, max_sampled_rows, step_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
-from unit_tests.server.router.engine_util import changed_hold_rows, hold_rows, make_engine
+from unit_tests.server.router.engine_util import changed_hold_rows, hold_rows, make_engine, mode_args
 
 K = 2
 ASD_BUDGET = 3.0  # relaxes tokens with the eagle draft below
@@ -71,16 +71,7 @@ def models(tmp_path_factory):
 
 
 def _mode_args(m: dict, mode: str) -> dict:
-    """``mode``: plain, or [dspark_]mtp / asd0 / asd (eagle unless dspark_)."""
-    if mode == "plain":
-        return {}
-    draft, _, mode = mode.rpartition("_")
-    draft = draft or "eagle"
-    mtp = dict(mtp_mode={"eagle": "eagle_with_att", "dspark": "dspark"}[draft], mtp_step=K,
-               mtp_draft_model_dir=[m[draft]])
-    if mode == "mtp":
-        return mtp
-    return dict(mtp, mtp_asd_regret_budget={"asd0": 0.0, "asd": ASD_BUDGET}[mode])
+    return mode_args(m, mode, K, ASD_BUDGET)
 
 
 # ---- driving a router ----
