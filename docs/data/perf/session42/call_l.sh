@@ -2,9 +2,12 @@
 # Session 42's device calls (docs/gpu_ci.md), one verb each, in this order on one warm machine:
 #   call_l.sh att      slimmed tree, .mparts/part_aa, part_ab: as session41/call_k.sh att (the fused kernels' CUDA
 #                      tests, then the attention's decode and MTP-rows cases beside the bare read: issue 25's floor)
-#   call_l.sh attab    same carry: att, then bench_attention's decode and MTP-rows cases against kv_early.patch (V's
-#                      tile loaded beside K's, before the dot) and no_merge_diag.patch (a diagnostic, wrong output: no
-#                      counter and no merge, the split merge's cost), ATTAB_ROUNDS (2) rounds
+#   call_l.sh attab    same carry: bench_attention's decode and MTP-rows cases (with the bare read beside each: issue
+#                      25's floor) in the checkout and against kv_early.patch (V's tile loaded beside K's, before the
+#                      dot), rows_in_item.patch (the block's rows and their lengths' step in the work item: no load
+#                      between the item and the first keys) and no_merge_diag.patch (a diagnostic, wrong output: no
+#                      counter and no merge, the split merge's cost), ATTAB_ROUNDS (1) rounds; ATTAB_TESTS=1 first
+#                      runs the fused kernels' CUDA tests (call_k.sh att's)
 #   call_l.sh fused    slimmed tree, .mparts/part_ac, part_ad, .smol_shape: as call_k.sh fused (first time on an H200)
 #   call_l.sh mixprof  slimmed tree, .mparts/part_ac, part_ad, .smol_shape, .dz: profile_mixed_step.py (plain, dummy
 #                      weights, the serving-like mix: every fifth prompt 3000 tokens) at 256- and 2048-token chunks,
@@ -18,10 +21,13 @@
 V=${1:?att, attab, fused, mixprof, wait, dspark, mixed or batch1}
 case $V in
 att|fused) exec bash docs/data/perf/session41/call_k.sh "$@" ;;
-attab) bash docs/data/perf/session41/call_k.sh att
-       P=docs/data/perf/session42; S=$(date +%s)
-       ATTENTION_AB_ROUNDS=${ATTAB_ROUNDS:-2} timeout ${ATTAB_S:-300} bash scripts/device/gpu_session.sh attention_ab \
-           "${OUT:?}/attab" kv_early=$P/kv_early.patch no_merge=$P/no_merge_diag.patch 2>&1 | tail -40
+attab) source scripts/device/env.sh >/dev/null 2>&1; nvidia-smi --query-gpu=name --format=csv,noheader
+       P=docs/data/perf/session42; S=$(date +%s); T=unit_tests/common/basemodel/triton_kernel
+       [ -n "${ATTAB_TESTS:-}" ] && timeout 120 python -m pytest -q -p no:cacheprovider $T/test_silu_and_mul.py \
+           $T/test_fused_norm_rotary.py 2>&1 | tail -2
+       ATTENTION_AB_ROUNDS=${ATTAB_ROUNDS:-1} timeout ${ATTAB_S:-300} bash scripts/device/gpu_session.sh attention_ab \
+           "${OUT:?}/attab" kv_early=$P/kv_early.patch rows_item=$P/rows_in_item.patch no_merge=$P/no_merge_diag.patch \
+           2>&1 | tail -40
        echo "attab $(( $(date +%s) - S )) s"; exit 0 ;;
 wait) export WAIT_ROUNDS=${WAIT_ROUNDS:-3} WAIT_ARMS="w1=--router_max_wait_tokens 1;w4=--router_max_wait_tokens 4"
       exec bash docs/data/perf/session40/call_j.sh wait ;;
