@@ -58,6 +58,11 @@ def make_argument_parser() -> argparse.ArgumentParser:
                         "every stream waits for that step, so this bounds the inter-token latency while prompts "
                         "are prefilled; a step with nothing to decode takes up to --batch_max_tokens "
                         "(default: --batch_max_tokens).")
+    p.add_argument("--mixed_prefill_pace_steps", type=int, default=d.mixed_prefill_pace_steps,
+                   help="N > 0: a mixed step takes about 1/N of the prompt tokens left to prefill (at least 256, at "
+                        "most --mixed_max_prefill_tokens), so a long prompt is spread over about N steps that all "
+                        "cost alike instead of a few full ones; 0: every mixed step takes the whole budget "
+                        "(default: %(default)s).")
     p.add_argument("--router_max_wait_tokens", type=int, default=d.router_max_wait_tokens,
                    help="While requests are decoding, admit waiting requests only once this many decode steps "
                         "have run since the last admission (LightLLM's flag), so arrivals join in groups and "

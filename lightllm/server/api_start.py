@@ -48,6 +48,8 @@ def validate_start_args(args: StartArgs) -> StartArgs:
     if args.mixed_max_prefill_tokens is not None:
         _need(args.mixed_max_prefill_tokens >= 1, "--mixed_max_prefill_tokens",
               f"must be >= 1, got {args.mixed_max_prefill_tokens}")
+    _need(args.mixed_prefill_pace_steps >= 0, "--mixed_prefill_pace_steps",
+          f"must be >= 0, got {args.mixed_prefill_pace_steps}")
     _need(args.router_max_wait_tokens >= 0, "--router_max_wait_tokens",
           f"must be >= 0, got {args.router_max_wait_tokens}")
     for flag in ("graph_max_batch_size", "graph_split_batch_size", "graph_grow_step_size"):

@@ -20,6 +20,7 @@ from unit_tests.server.start_args_util import fake_model_dir
         ({"max_total_token_num": 100, "max_req_total_len": 200}, "--max_total_token_num"),
         ({"batch_max_tokens": 0}, "--batch_max_tokens"),
         ({"mixed_max_prefill_tokens": 0}, "--mixed_max_prefill_tokens"),
+        ({"mixed_prefill_pace_steps": -1}, "--mixed_prefill_pace_steps"),
         ({"model_dir": "/nonexistent/model"}, "--model_dir"),
     ],
 )

@@ -23,6 +23,9 @@ class StartArgs:
     # of those, in a step that also decodes; None: batch_max_tokens (512 measured on the H200: ITL p99 / p50 3.9x
     # against 4.9-5.8x, but 0.77-0.87x tok/s; docs/decode_step.md, "Mixed steps")
     mixed_max_prefill_tokens: Optional[int] = None
+    # > 0: a mixed step takes about 1 / N of the prompt tokens left to prefill (at least PACED_MIN_PREFILL_TOKENS, at
+    # most the budget above), so a long prompt's chunks spread over N steps instead of a few full ones (0: off)
+    mixed_prefill_pace_steps: int = 0
     # while requests decode, admit waiting ones after this many decode steps (docs/decode_step.md, "Grouped admission";
     # 1 since the forty-first session's sweep: mixed MTP steps left in flight made each admission cheap)
     router_max_wait_tokens: int = 1

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from lightllm.common.basemodel.cuda_graph import GraphLadder
+from lightllm.server.router.model_infer.mode_backend.chunked_prefill import impl as chunked_prefill_impl
+from lightllm.server.router.model_infer.mode_backend.chunked_prefill.impl import PACED_MIN_PREFILL_TOKENS, paced_budget
 from lightllm.server.router.model_infer.step_rows import GATHER_INPUT, RowItem, StepRows, max_sampled_rows, step_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import hf_greedy, make_engine, mode_args
@@ -41,11 +43,15 @@ def _mode_args(drafts: dict, mode: str) -> dict:
     return mode_args(drafts, mode, K, ASD_BUDGET)
 
 
-def _run(model_dir: str, prompts, running: int, layout: str = "items", counters=None, max_new=MAX_NEW, **kw):
+def _run(model_dir: str, prompts, running: int, layout: str = "items", counters=None, max_new=MAX_NEW,
+         pace_min=None, **kw):
     """``layout`` rows: CUDA's padded rows layout (its eager body) instead of CPU's items. ``counters``: a dict
-    filled with the backend's step counters of those names. ``max_new``: each prompt's max_new_tokens."""
+    filled with the backend's step counters of those names. ``max_new``: each prompt's max_new_tokens.
+    ``pace_min``: the paced mixed steps' fewest prompt tokens (the tiny prompts are far below the default)."""
     eng = make_engine(model_dir, running_max_req_size=running, batch_max_tokens=CHUNK, **COMMON, **kw)
     b = eng.backend
+    if pace_min is not None:
+        b.pace_min_tokens = pace_min
     if layout == "rows":
         ladder = step_ladder(CHUNK, running * (b.mtp_step + 1) + CHUNK)
         b.mixed_rows = StepRows(b.model, b.req_to_next_token_ids, ladder, False, b.rows_draft,
@@ -95,6 +101,48 @@ def test_mixed_steps_give_one_request_at_a_times_outputs(tiny, mode, layout, wai
             assert b.token_ids == hf_greedy(m.hf, prompt, n)
     if mode.endswith("asd"):
         assert sum(r.asd_relaxed_token_num for r in mixed) > 0  # the budget was used
+
+
+PACE_STEPS = 4
+
+
+def test_paced_budget_by_hand():
+    """About 1 / N of the tokens left, at least the floor, at most the budget; N = 0: the budget."""
+    assert paced_budget([3000], 8, 2048) == 375
+    assert paced_budget([1000, 2001], 8, 2048) == 376  # rounded up
+    assert paced_budget([100], 8, 2048) == PACED_MIN_PREFILL_TOKENS == 256
+    assert paced_budget([30000], 8, 2048) == 2048
+    assert paced_budget([3000], 0, 2048) == 2048
+    assert paced_budget([9], 4, 8, floor=1) == 3
+
+
+@pytest.mark.parametrize("layout", ["items", "rows"])
+@pytest.mark.parametrize("mode", ["plain", "mtp", "asd", "dspark_asd"])
+def test_paced_mixed_steps_spread_prompts_and_keep_outputs(tiny, mode, layout, monkeypatch):
+    """--mixed_prefill_pace_steps: each mixed step takes the paced budget of the prompt tokens left (the floor
+    lowered to 1 for the tiny prompts), fewer than the whole budget while little is left; every request's
+    outputs stay one request at a time's."""
+    m, drafts = tiny
+    prompts = random_prompts(m.vocab_size, len(MAX_NEW), PROMPT_LENS, seed=7)
+    kw = _mode_args(drafts, mode)
+    alone, _ = _run(m.model_dir, prompts, 1, **kw)
+    budgets = []
+
+    def spy(remaining, pace_steps, budget, floor):
+        out = paced_budget(remaining, pace_steps, budget, floor)
+        budgets.append((sum(remaining), out))
+        return out
+
+    monkeypatch.setattr(chunked_prefill_impl, "paced_budget", spy)
+    paced, calls = _run(m.model_dir, prompts, 3, layout, pace_min=1, mixed_prefill_pace_steps=PACE_STEPS, **kw)
+    for a, b in zip(alone, paced):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=LOGPROB_TOL)
+        assert b.accept_lens == a.accept_lens
+    assert calls and budgets
+    assert all(budget == min(CHUNK, max(1, -(-left // PACE_STEPS))) for left, budget in budgets)
+    assert any(budget < min(CHUNK, left) for left, budget in budgets)  # paced: fewer tokens than it could take
+    assert max(t for _, t in calls) <= CHUNK
 
 
 EARLY_COUNTERS = ("mixed_early", "mixed_staged", "mixed_ahead", "decode_early")
