@@ -17,7 +17,7 @@
 #   call_l.sh dspark   same carry: dspark's budgets, B = 0 and usage, DSPARK_ROUNDS (3) rounds
 #   call_l.sh mixed    same carry: the serving mix at --mixed_max_prefill_tokens 384 beside the default, MIXED_ROUNDS (2)
 #   call_l.sh pace     same carry: the serving mix (plain, dummy weights) at --mixed_prefill_pace_steps 4 and 16 beside
-#                      the default, PACE_ROUNDS (2) rounds, then with PACE_ASD=1 (the model's parts carried before)
+#                      the default (PACE_ARMS: others), PACE_ROUNDS (2) rounds, then with PACE_ASD=1 (the model's parts carried before)
 #                      ASD usage on the real model at 16 beside the default (one round): short requests' ITL p99 / p50
 #                      and tok/s (issue 26)
 #   call_l.sh batch1   same carry: gpu_session.sh batch1_line (issue 30: dspark's batch-1 usage line against eagle)
@@ -53,7 +53,7 @@ mixprof) m=$(bash $G shape_model_dir)
                  --batch_max_tokens $c --trace_steps 20 --out "$O/mixprof_$c.json" > "$O/mixprof_$c.log" 2>&1
              echo "== chunks $c rc $?"; grep -E "^engine steps|^traced|^ +[0-9.]+ us" "$O/mixprof_$c.log" | head -36
          done ;;
-pace) SERVING_AB_ROUNDS=${PACE_ROUNDS:-2} SERVING_AB_ARMS="p4=--mixed_prefill_pace_steps 4;p16=--mixed_prefill_pace_steps 16" \
+pace) SERVING_AB_ROUNDS=${PACE_ROUNDS:-2} SERVING_AB_ARMS=${PACE_ARMS:-"p4=--mixed_prefill_pace_steps 4;p16=--mixed_prefill_pace_steps 16"} \
           timeout ${PACE_S:-330} bash $G serving_ab "$O/pace" 2>&1 | tail -14
       [ -n "${PACE_ASD:-}" ] && SERVING_AB_ROUNDS=1 SERVING_AB_REAL=1 SERVING_MODES=asd_usage SERVING_AB_ARMS="p16=--mixed_prefill_pace_steps 16" \
           timeout ${PACE_ASD_S:-200} bash $G serving_ab "$O/pace_asd" 2>&1 | tail -8 ;;
