@@ -24,6 +24,8 @@ from lightllm.models.dspark.train_module import random_dspark_draft
 from lightllm.server.core.objs.sampling_params import SamplingParams
 from lightllm.server.router.manager import AddReq, BatchClock, StepTiming
 from lightllm.server.router.model_infer.infer_batch import FinishReason
+from lightllm.server.router.model_infer.mode_backend.chunked_prefill import impl as chunked_prefill_impl
+from lightllm.server.router.model_infer.mode_backend.chunked_prefill.impl import paced_budget
 from lightllm.server.router.model_infer.step_rows import StepRows, max_sampled_rows, step_ladder
 from unit_tests.models.tiny_checkpoints import random_prompts, tiny_model
 from unit_tests.server.router.engine_util import changed_hold_rows, hold_rows, make_engine, mode_args
@@ -701,6 +703,44 @@ def test_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(m
         _assert_same_outputs(plain, overlap)
     b = overlap.backend
     assert (b.mixed_early if mode == "plain" else b.mixed_left) > 0
+    _assert_pools_whole(plain, overlap)
+
+
+PACE_STEPS = 8  # the stress prompts (up to 30 tokens, 4 a step) pace below the budget
+
+
+@pytest.mark.parametrize("seed", [90, 91])
+@pytest.mark.parametrize("layout", ["items", "rows"])
+@pytest.mark.parametrize("mode", ["plain", "mtp", "asd"])
+def test_paced_mixed_steps_under_finishes_and_joins_give_the_plain_schedules_updates(models, mode, layout, seed,
+                                                                                     monkeypatch):
+    """--mixed_prefill_pace_steps (the floor lowered to 1 token for the tiny prompts): mixed steps staged under the
+    ones before them are paced from the tokens those leave, so the overlap schedule's updates are still the plain
+    schedule's, step by step, and some steps take fewer prompt tokens than the budget allows."""
+    m = models["llama"]
+    engine, specs = _stress_case(m, layout, seed, router_max_wait_tokens=0, mixed_prefill_pace_steps=PACE_STEPS,
+                                 **_mode_args(m, mode))
+    paced_steps = []
+
+    def spy(remaining, pace_steps, budget, floor):
+        out = paced_budget(remaining, pace_steps, budget, floor)
+        paced_steps.append(out < min(budget, sum(remaining)))
+        return out
+
+    monkeypatch.setattr(chunked_prefill_impl, "paced_budget", spy)
+
+    def paced(overlap: bool):
+        eng = engine(overlap)
+        eng.backend.pace_min_tokens = 1
+        return eng
+
+    plain, overlap = _run(paced(False), specs), _run(paced(True), specs)
+    if layout == "items":
+        assert overlap.groups == plain.groups
+    else:
+        assert _without_logprobs(overlap) == _without_logprobs(plain)
+        _assert_same_outputs(plain, overlap)
+    assert any(paced_steps)
     _assert_pools_whole(plain, overlap)
 
 
