@@ -197,21 +197,24 @@ def _unified_attention_kernel(
             req_idx = tl.load(item + SPLIT_FIELDS + 1)
         else:
             req_idx = tl.load(row_req_idx_ptr + first_row)
-        seq = tl.load(row_seq_start_ptr + first_row)
-        first_len = tl.load(row_seq_len_ptr + first_row)
-
         offs_m = tl.arange(0, BLOCK_M)
         q_off = offs_m // GROUP  # the tile row's query row inside the block
         head = kv_head * GROUP + offs_m % GROUP
         row = first_row + q_off
         in_rows = (q_off < BLOCK_Q) & (row < num_rows)
         row_c = tl.where(in_rows, row, first_row)
-        valid = in_rows & (tl.load(row_seq_start_ptr + row_c) == seq)
-        row_len = tl.where(valid, tl.load(row_seq_len_ptr + row_c), first_len)  # other tile rows copy the first row
-        lo = tl.min(row_len, 0)  # keys every row of the block sees
         if LENGTH_SPLITS:
             hi = tl.load(item + SPLIT_FIELDS + 2)  # the plan's: the loop's bounds need no row's length
+        if LENGTH_SPLITS and BLOCK_Q == 1:  # one row a block: its length is the item's keys, no load before the keys
+            valid = in_rows
+            row_len = tl.zeros_like(row_c) + hi
         else:
+            seq = tl.load(row_seq_start_ptr + first_row)
+            first_len = tl.load(row_seq_len_ptr + first_row)
+            valid = in_rows & (tl.load(row_seq_start_ptr + row_c) == seq)
+            row_len = tl.where(valid, tl.load(row_seq_len_ptr + row_c), first_len)  # other tile rows copy the first row
+        lo = tl.min(row_len, 0)  # keys every row of the block sees
+        if not LENGTH_SPLITS:
             hi = tl.max(row_len, 0)  # keys some row of the block sees
 
         if DYNAMIC_SPLITS:
