@@ -3,8 +3,8 @@
 #   call_l.sh att      slimmed tree, .mparts/part_aa, part_ab: as session41/call_k.sh att (the fused kernels' CUDA
 #                      tests, then the attention's decode and MTP-rows cases beside the bare read: issue 25's floor)
 #   call_l.sh attab    same carry: bench_attention's decode and MTP-rows cases (with the bare read beside each: issue
-#                      25's floor) in the checkout and against rows_in_item.patch (the block's rows and their lengths' step in the work item: no load
-#                      between the item and the first keys) and no_merge_diag.patch (a diagnostic, wrong output: no
+#                      25's floor) in the checkout and against one_row_loads_old.patch (one-row blocks reading their
+#                      row tables before the first keys, as before this session's kernel change) and no_merge_diag.patch (a diagnostic, wrong output: no
 #                      counter and no merge, the split merge's cost), ATTAB_ROUNDS (1) rounds; ATTAB_TESTS=1 first
 #                      runs the fused kernels' CUDA tests (call_k.sh att's)
 #   call_l.sh fused    slimmed tree, .mparts/part_ac, part_ad, .smol_shape: as call_k.sh fused (first time on an H200)
@@ -29,7 +29,7 @@ attab) source scripts/device/env.sh >/dev/null 2>&1; nvidia-smi --query-gpu=name
        [ -n "${ATTAB_TESTS:-}" ] && timeout 120 python -m pytest -q -p no:cacheprovider $T/test_silu_and_mul.py \
            $T/test_fused_norm_rotary.py 2>&1 | tail -2
        ATTENTION_AB_ROUNDS=${ATTAB_ROUNDS:-1} timeout ${ATTAB_S:-300} bash scripts/device/gpu_session.sh attention_ab \
-           "${OUT:?}/attab" rows_item=$P/rows_in_item.patch no_merge=$P/no_merge_diag.patch \
+           "${OUT:?}/attab" old_rows=$P/one_row_loads_old.patch no_merge=$P/no_merge_diag.patch \
            2>&1 | tail -40
        echo "attab $(( $(date +%s) - S )) s"; exit 0 ;;
 wait) export WAIT_ROUNDS=${WAIT_ROUNDS:-3} WAIT_ARMS="w1=--router_max_wait_tokens 1;w4=--router_max_wait_tokens 4"
