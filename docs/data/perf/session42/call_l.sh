@@ -2,11 +2,12 @@
 # Session 42's device calls (docs/gpu_ci.md), one verb each, in this order on one warm machine:
 #   call_l.sh att      slimmed tree, .mparts/part_aa, part_ab: as session41/call_k.sh att (the fused kernels' CUDA
 #                      tests, then the attention's decode and MTP-rows cases beside the bare read: issue 25's floor)
-#   call_l.sh attab    same carry: bench_attention's decode and MTP-rows cases (with the bare read beside each: issue
-#                      25's floor) in the checkout and against one_row_loads_old.patch (one-row blocks reading their
-#                      row tables before the first keys, as before this session's kernel change) and no_merge_diag.patch (a diagnostic, wrong output: no
-#                      counter and no merge, the split merge's cost), ATTAB_ROUNDS (1) rounds; ATTAB_TESTS=1 first
-#                      runs the fused kernels' CUDA tests (call_k.sh att's)
+#   call_l.sh attab    slimmed tree (the model's parts only to stage them for later calls): the attention's CUDA
+#                      tests (ATTAB_TESTS=0: not), then bench_attention's decode and MTP-rows cases (the bare read
+#                      beside each: issue 25's floor) in the checkout and against one_row_loads_old.patch (one-row
+#                      blocks read their row tables before the first keys, as before this session's kernel change)
+#                      and no_merge_diag.patch (a diagnostic, wrong output: no counter and no merge, the split
+#                      merge's cost), ATTAB_ROUNDS (1) rounds
 #   call_l.sh fused    slimmed tree, .mparts/part_ac, part_ad, .smol_shape: as call_k.sh fused (first time on an H200)
 #   call_l.sh mixprof  slimmed tree, .mparts/part_ac, part_ad, .smol_shape, .dz: profile_mixed_step.py (plain, dummy
 #                      weights, the serving-like mix: every fifth prompt 3000 tokens) at 256- and 2048-token chunks,
@@ -17,17 +18,18 @@
 #   call_l.sh dspark   same carry: dspark's budgets, B = 0 and usage, DSPARK_ROUNDS (3) rounds
 #   call_l.sh mixed    same carry: the serving mix at --mixed_max_prefill_tokens 384 beside the default, MIXED_ROUNDS (2)
 #   call_l.sh pace     same carry: the serving mix (plain, dummy weights) at --mixed_prefill_pace_steps 4 and 16 beside
-#                      the default (PACE_ARMS: others), PACE_ROUNDS (2) rounds, then with PACE_ASD=1 (the model's parts carried before)
-#                      ASD usage on the real model at 16 beside the default (one round): short requests' ITL p99 / p50
-#                      and tok/s (issue 26)
+#                      the default (PACE_ARMS: others), PACE_ROUNDS (2) rounds, then with PACE_ASD=1 (the model's
+#                      parts carried before) ASD usage on the real model at 16 beside the default (one round): short
+#                      requests' ITL p99 / p50 and tok/s (issue 26)
 #   call_l.sh batch1   same carry: gpu_session.sh batch1_line (issue 30: dspark's batch-1 usage line against eagle)
 V=${1:?att, attab, fused, mixprof, wait, dspark, mixed, pace or batch1}
 case $V in
 att|fused) exec bash docs/data/perf/session41/call_k.sh "$@" ;;
 attab) source scripts/device/env.sh >/dev/null 2>&1; nvidia-smi --query-gpu=name --format=csv,noheader
-       P=docs/data/perf/session42; S=$(date +%s); T=unit_tests/common/basemodel/triton_kernel
-       [ -n "${ATTAB_TESTS:-}" ] && timeout 120 python -m pytest -q -p no:cacheprovider $T/test_silu_and_mul.py \
-           $T/test_fused_norm_rotary.py 2>&1 | tail -2
+       P=docs/data/perf/session42; S=$(date +%s)
+       [ "${ATTAB_TESTS:-1}" = 1 ] && timeout 150 python -m pytest -q -p no:cacheprovider \
+           unit_tests/models/llama/triton_kernel/test_unified_attention.py unit_tests/models/llama/test_attention_backends.py \
+           2>&1 | tail -2
        ATTENTION_AB_ROUNDS=${ATTAB_ROUNDS:-1} timeout ${ATTAB_S:-300} bash scripts/device/gpu_session.sh attention_ab \
            "${OUT:?}/attab" old_rows=$P/one_row_loads_old.patch no_merge=$P/no_merge_diag.patch \
            2>&1 | tail -40
