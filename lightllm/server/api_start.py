@@ -98,6 +98,7 @@ def validate_start_args(args: StartArgs) -> StartArgs:
     )
     _validate_dspark(resolved)
     _validate_heads(resolved)
+    _validate_weights(resolved)
     k = resolved.mtp_step
     if resolved.max_total_token_num is not None:
         _need(resolved.max_total_token_num >= resolved.max_req_total_len + k, "--max_total_token_num",
@@ -139,6 +140,17 @@ def _validate_dspark(args: StartArgs) -> None:
     _need(args.mtp_step <= cfg.max_mtp_step, "--mtp_step",
           f"must be <= block_size - 1 = {cfg.max_mtp_step} for the dspark draft {d!r}, got {args.mtp_step}")
     _need(args.tp == 1 and args.dp == 1, "--tp", f"--mtp_mode dspark runs on one rank (--tp 1 --dp 1), got --tp {args.tp}")
+
+
+def _validate_weights(args: StartArgs) -> None:
+    """The model dir (unless --load_format dummy) and every draft dir hold their weights."""
+    from lightllm.common.basemodel.layer_weights.hf_load_utils import missing_weights
+
+    dirs = [] if args.load_format == "dummy" else [("--model_dir", args.resolved_model_dir)]
+    dirs += [("--mtp_draft_model_dir", d) for d in args.mtp_draft_model_dir or []]
+    for flag, d in dirs:
+        why = missing_weights(d)
+        _need(why is None, flag, f"{d!r} {why}")
 
 
 def _resolve_draft_dirs(args: StartArgs, model_dir: str):

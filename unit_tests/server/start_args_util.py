@@ -3,8 +3,9 @@ import os
 
 
 def fake_model_dir(tmp_path, name="model") -> str:
-    """A dir that passes the start-up checks (a config.json); never loaded."""
+    """A dir that passes the start-up checks (a config.json, a weights file); never loaded."""
     d = tmp_path / name
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (d / "model.safetensors").touch()
     return os.fspath(d)

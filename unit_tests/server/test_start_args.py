@@ -92,3 +92,51 @@ def test_http_flags_parse_into_start_args_with_public_server_defaults():
     for flag in ("--timeout_keep_alive", "--timeout_request_header", "--timeout_request_body",
                  "--timeout_graceful_shutdown", "--limit_concurrency", "--backlog"):
         assert flag in help_text
+
+
+def _no_weights_dir(tmp_path, name, files=()):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    for f, text in files:
+        (d / f).write_text(text)
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "files,needle",
+    [
+        ((), "holds no model.safetensors or model.safetensors.index.json"),
+        ((("pytorch_model.bin", ""),), "(it has pytorch_model.bin: only safetensors checkpoints load)"),
+        ((("model.safetensors.index.json", '{"weight_map": {"w": "model-00001-of-00002.safetensors"}}'),),
+         "model.safetensors.index.json names missing files: model-00001-of-00002.safetensors"),
+        ((("model.safetensors.index.json", "{not json"),), "unreadable model.safetensors.index.json: JSONDecodeError"),
+    ],
+)
+def test_a_model_dir_without_its_weights_is_a_start_up_error(tmp_path, files, needle):
+    d = _no_weights_dir(tmp_path, "model", files)
+    with pytest.raises(StartArgsError) as e:
+        validate_start_args(StartArgs(model_dir=d))
+    assert str(e.value).startswith("--model_dir:") and needle in str(e.value), str(e.value)
+    # dummy weights need only the shape
+    assert validate_start_args(StartArgs(model_dir=d, load_format="dummy")).resolved_model_dir == d
+
+
+def test_a_draft_dir_without_its_weights_is_a_start_up_error(tmp_path):
+    draft = _no_weights_dir(tmp_path, "draft")
+    with pytest.raises(StartArgsError, match="^--mtp_draft_model_dir: .*holds no model.safetensors"):
+        validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), mtp_mode="eagle_with_att", mtp_step=3,
+                                      mtp_draft_model_dir=[draft]))
+    # the draft loads real weights beside a dummy target too
+    with pytest.raises(StartArgsError, match="^--mtp_draft_model_dir:"):
+        validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), load_format="dummy",
+                                      mtp_mode="eagle_with_att", mtp_step=3, mtp_draft_model_dir=[draft]))
+
+
+def test_cli_model_dir_without_weights_is_one_line(tmp_path):
+    d = _no_weights_dir(tmp_path, "model")
+    p = subprocess.run([sys.executable, "-m", "lightllm.server.api_server", "--model_dir", d], capture_output=True,
+                       text=True, cwd=REPO_ROOT, timeout=120)
+    assert p.returncode != 0
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --model_dir:") and "holds no model.safetensors" in lines[0], p.stderr

@@ -1,7 +1,7 @@
 """Read a Hugging Face safetensors checkpoint (single file or sharded) into a flat dict."""
 import json
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from safetensors import safe_open
@@ -21,6 +21,22 @@ def list_safetensors_files(model_dir: str) -> List[str]:
     if os.path.isfile(single_path):
         return [single_path]
     raise FileNotFoundError(f"no {SINGLE_FILE_NAME} or {SHARD_INDEX_NAME} in {model_dir}")
+
+
+def missing_weights(model_dir: str) -> Optional[str]:
+    """Why ``model_dir`` holds no loadable checkpoint, or None when every file it needs is there."""
+    try:
+        paths = list_safetensors_files(model_dir)
+    except FileNotFoundError:
+        other = sorted(n for n in os.listdir(model_dir) if n.endswith((".bin", ".pt", ".pth", ".gguf")))
+        hint = f" (it has {', '.join(other[:3])}: only safetensors checkpoints load)" if other else ""
+        return f"holds no {SINGLE_FILE_NAME} or {SHARD_INDEX_NAME}{hint}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable {SHARD_INDEX_NAME}: {type(e).__name__}: {e}"
+    absent = [os.path.basename(p) for p in paths if not os.path.isfile(p)]
+    if absent:
+        return f"{SHARD_INDEX_NAME} names missing files: {', '.join(absent[:3])}"
+    return None
 
 
 def load_hf_state_dict(model_dir: str, dtype: torch.dtype, device: torch.device) -> Dict[str, torch.Tensor]:
