@@ -111,6 +111,10 @@ def _no_weights_dir(tmp_path, name, files=()):
         ((("model.safetensors.index.json", '{"weight_map": {"w": "model-00001-of-00002.safetensors"}}'),),
          "model.safetensors.index.json names missing files: model-00001-of-00002.safetensors"),
         ((("model.safetensors.index.json", "{not json"),), "unreadable model.safetensors.index.json: JSONDecodeError"),
+        ((("model.safetensors", "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n"),),
+         "model.safetensors is a Git LFS pointer, not the weights (fetch them: git lfs pull)"),
+        ((("model.safetensors", ""),), "model.safetensors is not a safetensors file (0 bytes)"),
+        ((("model.safetensors", "\x40\x00\x00\x00\x00\x00\x00\x00{}"),), "model.safetensors is not a safetensors file"),
     ],
 )
 def test_a_model_dir_without_its_weights_is_a_start_up_error(tmp_path, files, needle):

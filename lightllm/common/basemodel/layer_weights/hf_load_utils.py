@@ -8,6 +8,10 @@ from safetensors import safe_open
 
 SINGLE_FILE_NAME = "model.safetensors"
 SHARD_INDEX_NAME = "model.safetensors.index.json"
+# A safetensors file starts with its JSON header's length (little-endian u64), then the header
+HEADER_LEN_BYTES = 8
+# What a Git LFS pointer (a clone without `git lfs pull`) starts with
+LFS_POINTER_PREFIX = b"version https://git-lfs"
 
 
 def list_safetensors_files(model_dir: str) -> List[str]:
@@ -36,6 +40,25 @@ def missing_weights(model_dir: str) -> Optional[str]:
     absent = [os.path.basename(p) for p in paths if not os.path.isfile(p)]
     if absent:
         return f"{SHARD_INDEX_NAME} names missing files: {', '.join(absent[:3])}"
+    for path in paths:
+        why = _header_problem(path)
+        if why is not None:
+            return f"{os.path.basename(path)} {why}"
+    return None
+
+
+def _header_problem(path: str) -> Optional[str]:
+    """Why ``path`` is not a safetensors file (its first bytes only), or None."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(max(HEADER_LEN_BYTES + 1, len(LFS_POINTER_PREFIX)))
+    if head.startswith(LFS_POINTER_PREFIX):
+        return "is a Git LFS pointer, not the weights (fetch them: git lfs pull)"
+    if len(head) <= HEADER_LEN_BYTES:
+        return f"is not a safetensors file ({size} bytes)"
+    header_len = int.from_bytes(head[:HEADER_LEN_BYTES], "little")
+    if head[HEADER_LEN_BYTES:HEADER_LEN_BYTES + 1] != b"{" or HEADER_LEN_BYTES + header_len > size:
+        return f"is not a safetensors file (no header in its first bytes; {size} bytes)"
     return None
 
 
