@@ -12,6 +12,9 @@ SHARD_INDEX_NAME = "model.safetensors.index.json"
 HEADER_LEN_BYTES = 8
 # What a Git LFS pointer (a clone without `git lfs pull`) starts with
 LFS_POINTER_PREFIX = b"version https://git-lfs"
+# Checkpoint files of other formats that a start-up error names (at most NAMED_FILES of them, as for missing shards)
+OTHER_CHECKPOINT_SUFFIXES = (".bin", ".pt", ".pth", ".gguf")
+NAMED_FILES = 3
 
 
 def list_safetensors_files(model_dir: str) -> List[str]:
@@ -32,14 +35,14 @@ def missing_weights(model_dir: str) -> Optional[str]:
     try:
         paths = list_safetensors_files(model_dir)
     except FileNotFoundError:
-        other = sorted(n for n in os.listdir(model_dir) if n.endswith((".bin", ".pt", ".pth", ".gguf")))
-        hint = f" (it has {', '.join(other[:3])}: only safetensors checkpoints load)" if other else ""
+        other = sorted(n for n in os.listdir(model_dir) if n.endswith(OTHER_CHECKPOINT_SUFFIXES))
+        hint = f" (it has {', '.join(other[:NAMED_FILES])}: only safetensors checkpoints load)" if other else ""
         return f"holds no {SINGLE_FILE_NAME} or {SHARD_INDEX_NAME}{hint}"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"unreadable {SHARD_INDEX_NAME}: {type(e).__name__}: {e}"
     absent = [os.path.basename(p) for p in paths if not os.path.isfile(p)]
     if absent:
-        return f"{SHARD_INDEX_NAME} names missing files: {', '.join(absent[:3])}"
+        return f"{SHARD_INDEX_NAME} names missing files: {', '.join(absent[:NAMED_FILES])}"
     for path in paths:
         why = _header_problem(path)
         if why is not None:
