@@ -55,6 +55,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
+from lightllm.common.constants import HTTP_IMPLEMENTATIONS  # noqa: E402
 from lightllm.server.core.objs.messages import (  # noqa: E402 (after the path set-up)
     AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats)
 from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
@@ -507,7 +508,7 @@ def _log_server_closes(log) -> None:
     request was in flight on it then (a client would see a ReadError)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    from lightllm.server.httpserver.serving import HeaderDeadlineProtocol
+    from lightllm.server.httpserver.serving import HeaderDeadline, HttpToolsProtocol
 
     def wrap(cls, name: str, what: str) -> None:
         original = getattr(cls, name)
@@ -521,8 +522,10 @@ def _log_server_closes(log) -> None:
 
         setattr(cls, name, closing)
 
-    wrap(HeaderDeadlineProtocol, "_header_deadline_passed", "header deadline")
-    wrap(H11Protocol, "timeout_keep_alive_handler", "keep-alive timeout")
+    wrap(HeaderDeadline, "_header_deadline_passed", "header deadline")
+    for protocol in (H11Protocol, HttpToolsProtocol):
+        if protocol is not None:
+            wrap(protocol, "timeout_keep_alive_handler", "keep-alive timeout")
 
 
 def serve_main(config_path: str) -> None:
@@ -546,7 +549,7 @@ def serve_main(config_path: str) -> None:
                    max_req_total_len=cfg["max_req_total_len"], running_max_req_size=cfg["running_max_req_size"],
                    mtp_mode="eagle_with_att" if cfg["tokens_per_step"] > 1 else None,
                    mtp_step=max(0, cfg["tokens_per_step"] - 1))
-    for flag in ("timeout_request_header", "timeout_keep_alive"):
+    for flag in ("timeout_request_header", "timeout_keep_alive", "http"):
         if cfg.get(flag):
             args = replace(args, **{flag: cfg[flag]})
     sock = bind_socket(args.host, args.port, args.backlog)
@@ -619,7 +622,7 @@ def serve_main(config_path: str) -> None:
     factory = server.config.get_loop_factory()
     loop_name = "asyncio" if factory is None else getattr(factory, "__module__", None) or repr(factory)
     with open(cfg["ready_path"], "w") as f:
-        json.dump({"worker_pid": proc.pid, "loop": loop_name}, f)
+        json.dump({"worker_pid": proc.pid, "loop": loop_name, "http": server.config.http.__name__}, f)
     log.info("bench HTTP process on port %d, fake worker pid %d", args.port, proc.pid)
     try:
         asyncio_run(serve(), loop_factory=server.config.get_loop_factory())
@@ -667,6 +670,7 @@ class HttpStack:
     port: int
     worker_pid: int
     loop: str
+    http: str  # the server's HTTP protocol class
     tmp: str
     log_path: str
 
@@ -676,17 +680,17 @@ class HttpStack:
 
 
 def start_stack(args, workload: Workload, profile: bool, tmp: str, name: str) -> HttpStack:
-    from lightllm.utils.embedded_model import get_default_model_dir
     from lightllm.utils.server_launcher import free_port
 
     port = free_port()
-    cfg = {"model_dir": get_default_model_dir(), "port": port, "max_req_total_len": workload.max_req_total_len,
+    cfg = {"model_dir": args.model_dir, "port": port, "max_req_total_len": workload.max_req_total_len,
            "running_max_req_size": args.running_max_req_size, "step_ms": args.step_ms,
            "tokens_per_step": args.tokens_per_step, "token_ids": workload.token_ids,
            "worker_record_path": os.path.join(tmp, f"{name}.worker.json"),
            "probe_path": os.path.join(tmp, f"{name}.probe.json"),
            "ready_path": os.path.join(tmp, f"{name}.ready.json"),
            "timeout_request_header": args.timeout_request_header, "timeout_keep_alive": args.timeout_keep_alive,
+           "http": args.http,
            "profile": profile, "profile_cpu_clock": args.profile_clock == "cpu",
            "pstats_path": os.path.abspath(args.profile_pstats) if profile and args.profile_pstats else None}
     cfg_path = os.path.join(tmp, f"{name}.config.json")
@@ -716,7 +720,7 @@ def start_stack(args, workload: Workload, profile: bool, tmp: str, name: str) ->
         time.sleep(0.1)
     with open(cfg["ready_path"]) as f:
         ready = json.load(f)
-    return HttpStack(proc, port, ready["worker_pid"], ready["loop"], tmp, log_path)
+    return HttpStack(proc, port, ready["worker_pid"], ready["loop"], ready["http"], tmp, log_path)
 
 
 def _wait_file(path: str, proc: Optional[subprocess.Popen], timeout: float) -> dict:
@@ -939,6 +943,7 @@ def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False)
     row = summarize(arm, args, client, worker, probe, cpu)
     row.update(percentiles("client_loop_lag_ms", [x for _, x in client_lag], (50, 99, 100), scale=1e3))
     row["loop"] = stack.loop
+    row["http"] = stack.http
     row["profiled"] = profile
     return row
 
@@ -1078,6 +1083,10 @@ def parse_args(argv=None):
                    help="requests of the profiled run (it runs a few times slower)")
     p.add_argument("--client_procs", type=int, default=default_client_procs(),
                    help="client processes of the stream arm (default: cores / 4, 1..4)")
+    p.add_argument("--http", choices=HTTP_IMPLEMENTATIONS, default=None,
+                   help="the server's --http (default: its default, auto)")
+    p.add_argument("--model_dir", default=None,
+                   help="the tokenizer and config the HTTP process loads (default: the embedded model's)")
     p.add_argument("--gsm8k", default=None, help="GSM8K test.jsonl (default: the shared copy; else a built-in prompt)")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--keep_tmp", default=None, help="keep the processes' logs and records in this folder")
@@ -1098,9 +1107,10 @@ def main(argv=None) -> None:
     for a in arms:
         if a not in ARMS:
             raise SystemExit(f"--arms: unknown arm {a!r} (valid: {', '.join(ARMS)})")
-    from lightllm.utils.embedded_model import get_default_model_dir
-
-    workload = build_workload(get_default_model_dir(), args.num_requests, args.max_new_tokens, args.gsm8k)
+    if args.model_dir is None:
+        from lightllm.utils.embedded_model import get_default_model_dir
+        args.model_dir = get_default_model_dir()
+    workload = build_workload(args.model_dir, args.num_requests, args.max_new_tokens, args.gsm8k)
     rows = []
     keep = args.keep_tmp is not None
     if keep:

@@ -19,3 +19,5 @@ def canonical_data_type(name: str) -> str:
     return DATA_TYPE_ALIASES.get(name, name)
 # --load_format; dummy: random weights for the model dir's config.json (vLLM's name)
 LOAD_FORMATS = ("auto", "dummy")
+# HTTP/1.1 parsers of the server (uvicorn's --http): auto takes httptools when it is installed
+HTTP_IMPLEMENTATIONS = ("auto", "h11", "httptools")

@@ -1,7 +1,8 @@
 """Every server flag, with help text (LightLLM names), in groups; `--help` shows every default."""
 import argparse
 
-from lightllm.common.constants import DATA_TYPE_ALIASES, DATA_TYPES, LOAD_FORMATS, canonical_data_type
+from lightllm.common.constants import (DATA_TYPE_ALIASES, DATA_TYPES, HTTP_IMPLEMENTATIONS, LOAD_FORMATS,
+                                       canonical_data_type)
 from lightllm.server.core.objs.start_args_type import MTP_MODES, StartArgs
 
 
@@ -153,6 +154,10 @@ def make_argument_parser() -> argparse.ArgumentParser:
                            "(uvicorn's limit_concurrency).")
     http.add_argument("--backlog", type=int, default=d.backlog,
                       help="Connections the kernel queues before the server accepts them.")
+    http.add_argument("--http", type=str, default=d.http, choices=HTTP_IMPLEMENTATIONS,
+                      help="The HTTP/1.1 parser (uvicorn's --http): httptools (C, uvicorn[standard]'s) streams a "
+                           "token for less of the HTTP process's time than h11 (pure Python); auto takes httptools "
+                           "when it is installed.")
     p = top.add_argument_group("parallel hosts", "Ranks spread over several hosts (docs/parallel.md).")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="Hosts the --tp ranks are spread over.")
     p.add_argument("--node_rank", type=int, default=d.node_rank,

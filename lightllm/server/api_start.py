@@ -1,6 +1,7 @@
 """Validate StartArgs, start the model worker process(es), serve HTTP."""
 import atexit
 import dataclasses
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -9,7 +10,8 @@ import signal
 import sys
 from typing import List, Optional, Sequence
 
-from lightllm.common.constants import DATA_TYPE_ALIASES, DATA_TYPES, LOAD_FORMATS, MAX_MTP_STEP, canonical_data_type
+from lightllm.common.constants import (DATA_TYPE_ALIASES, DATA_TYPES, HTTP_IMPLEMENTATIONS, LOAD_FORMATS, MAX_MTP_STEP,
+                                       canonical_data_type)
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.utils.signals import signal_handlers
 
@@ -185,6 +187,10 @@ def _validate_asd(args: StartArgs) -> None:
             _need(flags[flag] is None, flag, "needs --mtp_asd_regret_budget (ASD is off without a budget)")
 
 
+def httptools_installed() -> bool:
+    return importlib.util.find_spec("httptools") is not None
+
+
 HTTP_TIMEOUT_FLAGS = ("timeout_keep_alive", "timeout_request_header", "timeout_request_body",
                       "timeout_graceful_shutdown")
 
@@ -197,6 +203,9 @@ def _validate_http(args: StartArgs) -> None:
     for flag in ("limit_concurrency", "backlog"):
         v = getattr(args, flag)
         _need(not isinstance(v, bool) and isinstance(v, int) and v >= 1, f"--{flag}", f"must be an integer >= 1, got {v!r}")
+    _need(args.http in HTTP_IMPLEMENTATIONS, "--http", f"must be one of {', '.join(HTTP_IMPLEMENTATIONS)}, got {args.http!r}")
+    _need(args.http != "httptools" or httptools_installed(), "--http",
+          "httptools is not installed (pip install httptools, or --http h11)")
 
 
 def _validate_parallel(args: StartArgs) -> None:

@@ -68,6 +68,7 @@ def test_cli_bad_flag_exits_without_traceback(tmp_path, argv, needle):
         ({"timeout_graceful_shutdown": float("nan")}, "--timeout_graceful_shutdown"),
         ({"limit_concurrency": 0}, "--limit_concurrency"),
         ({"backlog": 0}, "--backlog"),
+        ({"http": "httptool"}, "--http"),
     ],
 )
 def test_bad_http_flag_is_a_clear_error(tmp_path, kwargs, flag):
@@ -92,6 +93,22 @@ def test_http_flags_parse_into_start_args_with_public_server_defaults():
     for flag in ("--timeout_keep_alive", "--timeout_request_header", "--timeout_request_body",
                  "--timeout_graceful_shutdown", "--limit_concurrency", "--backlog"):
         assert flag in help_text
+
+
+def test_http_parser_flag(tmp_path, monkeypatch):
+    from lightllm.server import api_start
+    from lightllm.server.api_cli import make_argument_parser
+
+    assert StartArgs().http == "auto"
+    assert make_argument_parser().parse_args(["--http", "h11"]).http == "h11"
+    with pytest.raises(SystemExit):  # argparse's own error for a value outside the choices
+        make_argument_parser().parse_args(["--http", "uvloop"])
+    assert validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), http="h11")).http == "h11"
+    # without httptools installed: auto falls back to h11, asking for httptools is a start-up error
+    monkeypatch.setattr(api_start, "httptools_installed", lambda: False)
+    assert validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path))).http == "auto"
+    with pytest.raises(StartArgsError, match=r"^--http: httptools is not installed \(pip install httptools, or --http h11\)$"):
+        validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), http="httptools"))
 
 
 def _no_weights_dir(tmp_path, name, files=()):

@@ -22,6 +22,12 @@ from typing import Callable, List, Optional
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:  # uvicorn[standard]'s C parser; h11 (pure Python) serves without it
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:
+    HttpToolsProtocol = None
+
+from lightllm.common.constants import HTTP_IMPLEMENTATIONS
 from lightllm.utils.gc_freeze import freeze_start_up_objects
 from lightllm.utils.signals import signal_handlers
 
@@ -34,6 +40,9 @@ SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The signal count (first = 1) at which shutdown stops waiting for requests / for anything
 HURRY_SIGNAL_COUNT = 2
 FORCE_SIGNAL_COUNT = 3
+# Bytes a connection may send without completing a request's headers (h11's default
+# max_incomplete_event_size, which uvicorn keeps); past it the request gets a 400
+MAX_INCOMPLETE_EVENT_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -45,17 +54,18 @@ class ConnectionLimits:
     timeout_graceful_shutdown: float
     limit_concurrency: int
     backlog: int
+    http: str = "auto"  # the HTTP/1.1 parser (HTTP_IMPLEMENTATIONS)
 
     @classmethod
     def of(cls, args) -> "ConnectionLimits":
         return cls(args.timeout_keep_alive, args.timeout_request_header, args.timeout_graceful_shutdown,
-                   args.limit_concurrency, args.backlog)
+                   args.limit_concurrency, args.backlog, args.http)
 
 
-class HeaderDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for a request's headers: a connection that has not
-    sent a request's full headers ``header_timeout_s`` after it opened, or after its previous
-    response, is closed (idle connections that never send anything; slowloris). uvicorn's
+class HeaderDeadline:
+    """A deadline for a request's headers, mixed into one of uvicorn's HTTP protocols: a connection
+    that has not sent a request's full headers ``header_timeout_s`` after it opened, or after its
+    previous response, is closed (idle connections that never send anything; slowloris). uvicorn's
     keep-alive timeout still closes an idle kept-alive connection first."""
 
     header_timeout_s: float = 30.0  # set per server by header_deadline_protocol()
@@ -68,18 +78,6 @@ class HeaderDeadlineProtocol(H11Protocol):
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._cancel_header_deadline()
         super().connection_lost(exc)
-
-    def handle_events(self) -> None:
-        cycle = self.cycle
-        super().handle_events()
-        if self.cycle is not cycle:  # a new request's headers arrived
-            self._cancel_header_deadline()
-
-    def on_response_complete(self) -> None:
-        # armed first: the call below may start a pipelined request, which cancels it
-        if not self.transport.is_closing():
-            self._arm_header_deadline()
-        super().on_response_complete()
 
     def _arm_header_deadline(self) -> None:
         self._cancel_header_deadline()
@@ -96,9 +94,69 @@ class HeaderDeadlineProtocol(H11Protocol):
             self.transport.close()
 
 
-def header_deadline_protocol(header_timeout_s: float) -> type:
-    """A HeaderDeadlineProtocol class with this deadline (uvicorn builds one protocol per connection)."""
-    return type("HeaderDeadlineProtocol", (HeaderDeadlineProtocol,), {"header_timeout_s": header_timeout_s})
+class HeaderDeadlineProtocol(HeaderDeadline, H11Protocol):
+    """uvicorn's h11 protocol (pure Python) with the header deadline."""
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a new request's headers arrived
+            self._cancel_header_deadline()
+
+    def on_response_complete(self) -> None:
+        # armed first: the call below may start a pipelined request, which cancels it
+        if not self.transport.is_closing():
+            self._arm_header_deadline()
+        super().on_response_complete()
+
+
+class HttpToolsHeaderDeadlineProtocol(HeaderDeadline, HttpToolsProtocol or object):
+    """uvicorn's httptools protocol (a C parser, as ``uvicorn[standard]`` serves) with the header
+    deadline: it parses and frames a streamed token for less of the event loop's time than h11.
+    httptools buffers headers without bound, so as h11 it answers 400 once more than
+    MAX_INCOMPLETE_EVENT_BYTES arrived without completing the headers (or a piece of the body)."""
+
+    _incomplete_bytes = 0  # received since the parser last completed the headers or a body piece
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return
+        self._incomplete_bytes += len(data)
+        super().data_received(data)
+        if self._incomplete_bytes > MAX_INCOMPLETE_EVENT_BYTES and not self.transport.is_closing():
+            self.send_400_response("Request headers too large.")
+
+    def on_headers_complete(self) -> None:
+        self._incomplete_bytes = 0
+        self._cancel_header_deadline()
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._incomplete_bytes = 0
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._incomplete_bytes = 0
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        # a pipelined request (its headers already in) starts in the call below: no deadline then
+        waiting = bool(self.pipeline)
+        super().on_response_complete()
+        if not waiting and not self.transport.is_closing():
+            self._arm_header_deadline()
+
+
+def header_deadline_protocol(header_timeout_s: float, http: str = "auto") -> type:
+    """The HTTP protocol class with this header deadline (uvicorn builds one per connection):
+    httptools' when ``http`` is "httptools", or "auto" and httptools is installed; else h11's."""
+    if http not in HTTP_IMPLEMENTATIONS:
+        raise ValueError(f"http: {http!r} is not one of {', '.join(HTTP_IMPLEMENTATIONS)}")
+    if http == "httptools" and HttpToolsProtocol is None:
+        raise ValueError("http: httptools is not installed (pip install httptools)")
+    use_httptools = http == "httptools" or (http == "auto" and HttpToolsProtocol is not None)
+    base = HttpToolsHeaderDeadlineProtocol if use_httptools else HeaderDeadlineProtocol
+    return type(base.__name__, (base,), {"header_timeout_s": header_timeout_s})
 
 
 class GracefulServer(uvicorn.Server):
@@ -145,7 +203,7 @@ def uvicorn_config(app, host: str, port: int, limits: ConnectionLimits) -> uvico
         host=host,
         port=port,
         log_level="warning",
-        http=header_deadline_protocol(limits.timeout_request_header),
+        http=header_deadline_protocol(limits.timeout_request_header, limits.http),
         timeout_keep_alive=limits.timeout_keep_alive,
         limit_concurrency=limits.limit_concurrency,
         backlog=limits.backlog,

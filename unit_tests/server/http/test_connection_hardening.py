@@ -33,7 +33,9 @@ import pytest
 from lightllm.server.api_http import MAX_REQUEST_BODY_BYTES, create_app
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.server.httpserver.manager import HttpServerManager
-from lightllm.server.httpserver.serving import SHUTDOWN_FAIL_GRACE_S, make_server
+from lightllm.server.httpserver.serving import (MAX_INCOMPLETE_EVENT_BYTES, SHUTDOWN_FAIL_GRACE_S, HeaderDeadlineProtocol,
+                                                HttpToolsProtocol,
+                                                HttpToolsHeaderDeadlineProtocol, header_deadline_protocol, make_server)
 from lightllm.server.router.manager import GaugePublisher, StepTiming, WorkerReady
 from lightllm.utils.embedded_model import get_default_model_dir
 from lightllm.utils.server_launcher import free_port, launch_server, scrape, sse_data, strict_json
@@ -52,6 +54,8 @@ EXIT_MARGIN_S = SHUTDOWN_FAIL_GRACE_S + 6.0
 CHAT_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 SHORT_PROMPT = CHAT_PROMPT.format("What is the capital of France?")  # 17 tokens
 TOKEN_IDS = list(range(300, 340))  # what the scripted worker generates
+# The HTTP parsers (--http) the connection tests run under: h11 always, httptools where installed
+HTTP_PARSERS = ["h11"] + (["httptools"] if HttpToolsProtocol is not None else [])
 
 
 def _raise_open_file_limit(wanted: int) -> int:
@@ -151,9 +155,10 @@ def _post(url: str, path: str, body: dict, timeout: float = 30) -> httpx.Respons
     return httpx.post(url + path, json=body, timeout=timeout)
 
 
-def test_idle_and_slow_header_connections_are_closed():
+@pytest.mark.parametrize("http", HTTP_PARSERS)
+def test_idle_and_slow_header_connections_are_closed(http):
     """Before: no header timeout; an idle connection (or one trickling its headers) stayed open for ever."""
-    with hardened() as h:
+    with hardened(http=http) as h:
         idle = _connect(h.url)
         slow = _connect(h.url)
         t0 = time.monotonic()
@@ -176,9 +181,10 @@ def test_idle_and_slow_header_connections_are_closed():
         assert KEEP_ALIVE_S - 0.1 < time.monotonic() - t0 < KEEP_ALIVE_S + TIMEOUT_SLACK_S
 
 
-def test_stalled_and_trickled_bodies_get_408():
+@pytest.mark.parametrize("http", HTTP_PARSERS)
+def test_stalled_and_trickled_bodies_get_408(http):
     """Before: no body timeout; a client that sent part of its body held the request (and shutdown) for ever."""
-    with hardened() as h:
+    with hardened(http=http) as h:
         stalled = _partial_post(h.url)
         trickled = _partial_post(h.url, path="/v1/completions", sent=b'{"prompt": "')
         t0 = time.monotonic()
@@ -197,10 +203,11 @@ def test_stalled_and_trickled_bodies_get_408():
         assert httpx.get(h.url + "/health").status_code == 200
 
 
-def test_connections_past_the_limit_get_503():
+@pytest.mark.parametrize("http", HTTP_PARSERS)
+def test_connections_past_the_limit_get_503(http):
     """Before: no connection limit."""
     limit = 4
-    with hardened(limit_concurrency=limit) as h:
+    with hardened(limit_concurrency=limit, http=http) as h:
         idle = [_connect(h.url) for _ in range(limit)]
         time.sleep(0.1)
         assert httpx.get(h.url + "/health").status_code == 503
@@ -208,6 +215,72 @@ def test_connections_past_the_limit_get_503():
             s.close()
         time.sleep(0.2)
         assert httpx.get(h.url + "/health").status_code == 200
+
+
+def test_http_flag_picks_the_parser():
+    assert issubclass(header_deadline_protocol(1.0, "h11"), HeaderDeadlineProtocol)
+    auto = header_deadline_protocol(2.0, "auto")
+    assert auto.header_timeout_s == 2.0
+    if HttpToolsProtocol is None:
+        assert issubclass(auto, HeaderDeadlineProtocol)
+        with pytest.raises(ValueError, match="httptools is not installed"):
+            header_deadline_protocol(1.0, "httptools")
+    else:
+        assert issubclass(auto, HttpToolsHeaderDeadlineProtocol)
+        assert issubclass(header_deadline_protocol(1.0, "httptools"), HttpToolsProtocol)
+    with pytest.raises(ValueError, match="not one of auto, h11, httptools"):
+        header_deadline_protocol(1.0, "uvloop")
+
+
+@pytest.mark.parametrize("http", HTTP_PARSERS)
+def test_oversized_headers_get_400(http):
+    """At most 16 KiB of headers (h11's bound, kept for httptools, which has none): a client that
+    keeps sending one header line gets a 400 and its connection is closed; others are served."""
+    with hardened(http=http) as h:
+        s = _connect(h.url)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\nX-Long: ")
+        sent = 0
+        try:
+            while sent < 4 * MAX_INCOMPLETE_EVENT_BYTES:
+                s.sendall(b"a" * 1024)
+                sent += 1024
+        except OSError:  # closed by the server already
+            pass
+        reply = _read_until_closed(s, 5)
+        assert _status(reply) == 400, reply
+        ok = _connect(h.url)
+        ok.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\nX-Fine: " + b"a" * 4096 + b"\r\nConnection: close\r\n\r\n")
+        assert _status(_read_until_closed(ok, 5)) == 200
+
+
+def _responses(raw: bytes) -> List[dict]:
+    """The JSON bodies of the HTTP responses (with Content-Length) one after another in ``raw``."""
+    bodies = []
+    while raw:
+        head, rest = raw.split(b"\r\n\r\n", 1)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        bodies.append(json.loads(rest[:length]))
+        raw = rest[length:]
+    return bodies
+
+
+@pytest.mark.parametrize("http", HTTP_PARSERS)
+def test_pipelined_requests_outlive_the_header_deadline(http):
+    """Requests sent back to back on one connection (HTTP/1.1 pipelining) are both answered, in order,
+    though the first takes longer than the header deadline: the second's headers are in, so its wait
+    behind the first is no idle connection."""
+    tokens = 30
+    script = Script(TOKEN_IDS, interval_s=2 * HEADER_TIMEOUT_S / tokens)  # each request: ~2 header deadlines
+    with hardened(script, http=http) as h:
+        body = json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": tokens}}).encode()
+        request = (b"POST /generate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        s = _connect(h.url)
+        s.sendall(request + request.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n", 1))
+        raw = _read_until_closed(s, 4 * 2 * HEADER_TIMEOUT_S + TIMEOUT_SLACK_S)
+        assert not raw.endswith(b"<still open>"), raw
+        assert [r["count_output_tokens"] for r in _responses(raw)] == [tokens, tokens], raw
 
 
 def test_content_type_must_be_json_and_generate_refuses_stream():
