@@ -17,8 +17,11 @@ front) m=$(bash $G shape_model_dir)
                timeout ${FRONT_S:-100} python benchmarks/bench_http_frontend.py --model_dir "$m" --http $h --arms stream \
                    --step_ms ${FRONT_STEP_MS:-2.1} --num_requests 1024 --max_new_tokens 256 --gsm8k .data/test.jsonl \
                    --out "$O/front_${h}_r$r.json" > "$O/front_${h}_r$r.log" 2>&1
-               echo "== round $r | --http $h | rc $?"; grep -A3 "^arm " "$O/front_${h}_r$r.log" | tail -3
-               grep "HTTP process" "$O/front_${h}_r$r.log" | head -1
+               echo "== round $r | --http $h | rc $?"
+               python -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(r['http'], ' '.join(
+                   f'{k} {r[k]:.2f}' for k in ('output_tok_s', 'itl_ms_p50', 'itl_ms_p99', 'tokens_per_chunk',
+                   'http_cpu_us_per_token', 'http_main_cpu_us_per_token', 'loop_lag_ms_p99', 'egress_ms_p50')))" \
+                   "$O/front_${h}_r$r.json"
            done
        done ;;
 serve) SERVING_AB_ROUNDS=${SERVE_ROUNDS:-1} SERVING_AB_ARMS="h11=--http h11" \
