@@ -37,6 +37,10 @@ def make_argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", type=str, default=d.host, help="Address to listen on (0.0.0.0: every interface).")
     p.add_argument("--port", type=int, default=d.port,
                    help="HTTP port; taken before the model starts (a port in use fails at once).")
+    p.add_argument("--stream_interval", type=int, default=d.stream_interval,
+                   help="SGLang's flag: a streamed response sends a chunk once this many tokens arrived since "
+                        "its last one (the first tokens and the end at once). 1: every decode step. Larger "
+                        "values cost the HTTP process less per token, and each chunk carries more tokens.")
     p.add_argument("--disable_log_requests", action="store_true", default=d.disable_log_requests,
                    help="No log line per request (method, route, status, prompt and output tokens, ms).")
     p.add_argument("--disable_log_stats", action="store_true", default=d.disable_log_stats,
@@ -155,9 +159,9 @@ def make_argument_parser() -> argparse.ArgumentParser:
     http.add_argument("--backlog", type=int, default=d.backlog,
                       help="Connections the kernel queues before the server accepts them.")
     http.add_argument("--http", type=str, default=d.http, choices=HTTP_IMPLEMENTATIONS,
-                      help="The HTTP/1.1 parser (uvicorn's --http): httptools (C, uvicorn[standard]'s) streams a "
-                           "token for less of the HTTP process's time than h11 (pure Python); auto takes httptools "
-                           "when it is installed.")
+                      help="The HTTP/1.1 parser (uvicorn's --http): httptools (C, uvicorn[standard]'s) or h11 "
+                           "(pure Python); auto takes httptools when it is installed, as uvicorn does. Both keep "
+                           "the header deadline and a 16 KiB header bound.")
     p = top.add_argument_group("parallel hosts", "Ranks spread over several hosts (docs/parallel.md).")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="Hosts the --tp ranks are spread over.")
     p.add_argument("--node_rank", type=int, default=d.node_rank,

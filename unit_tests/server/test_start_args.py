@@ -69,6 +69,8 @@ def test_cli_bad_flag_exits_without_traceback(tmp_path, argv, needle):
         ({"limit_concurrency": 0}, "--limit_concurrency"),
         ({"backlog": 0}, "--backlog"),
         ({"http": "httptool"}, "--http"),
+        ({"stream_interval": 0}, "--stream_interval"),
+        ({"stream_interval": 2.5}, "--stream_interval"),
     ],
 )
 def test_bad_http_flag_is_a_clear_error(tmp_path, kwargs, flag):
@@ -100,6 +102,7 @@ def test_http_parser_flag(tmp_path, monkeypatch):
     from lightllm.server.api_cli import make_argument_parser
 
     assert StartArgs().http == "auto"
+    assert StartArgs().stream_interval == 1 and make_argument_parser().parse_args(["--stream_interval", "4"]).stream_interval == 4
     assert make_argument_parser().parse_args(["--http", "h11"]).http == "h11"
     with pytest.raises(SystemExit):  # argparse's own error for a value outside the choices
         make_argument_parser().parse_args(["--http", "uvloop"])

@@ -49,6 +49,40 @@ SHUTTING_DOWN = object()
 POLL = object()
 # Texts of single tokens kept (log-prob entries and stream token events decode one token each)
 TOKEN_TEXT_CACHE_SIZE = 1 << 18
+# Put in a request's queue when its held updates (HeldUpdates) are due: the task takes them all at once
+HELD_DUE = object()
+
+
+@dataclass
+class HeldUpdates:
+    """A request's worker updates kept off its task until they are due, so that the event loop wakes
+    the task (and a stream writes a chunk) once for several steps: at the end only (a caller that
+    reads only the final result), or once ``min_tokens`` tokens are held (--stream_interval). The
+    first tokens are due at once (time to first token), and so is the last update."""
+
+    min_tokens: Optional[int]  # None: due only at the end
+    updates: List[ReqStepUpdate] = field(default_factory=list)
+    tokens: int = 0  # tokens in updates
+    signaled: bool = False  # HELD_DUE is in the queue
+    sent_tokens: bool = False  # tokens were due before (the first ones are due at once)
+
+    def add(self, u: ReqStepUpdate) -> bool:
+        """Keep ``u``; True when the updates kept are now due (and were not signaled yet)."""
+        self.updates.append(u)
+        self.tokens += len(u.token_ids)
+        due = (u.finish_reason is not None or u.error is not None
+               or (self.min_tokens is not None and self.tokens > 0
+                   and (not self.sent_tokens or self.tokens >= self.min_tokens)))
+        if not due or self.signaled:
+            return False
+        self.signaled = True
+        return True
+
+    def take(self) -> List[ReqStepUpdate]:
+        taken, self.updates = self.updates, []
+        self.sent_tokens = self.sent_tokens or self.tokens > 0
+        self.tokens, self.signaled = 0, False
+        return taken
 
 
 class ClientDisconnected(Exception):
@@ -195,9 +229,9 @@ class HttpServerManager:
         self._ids = itertools.count(1)
         self._streams: Dict[int, asyncio.Queue] = {}
         self._clocks: Dict[int, RequestClock] = {}  # the serving latencies of the requests in flight
-        # Requests whose caller reads only the final result: their updates wait here until the last
-        # (one wake-up of the request's task, not one per step)
-        self._held: Dict[int, List] = {}
+        # Requests whose updates wait here until they are due (HeldUpdates): callers that read only
+        # the final result, and streams under --stream_interval (one wake-up of the task for several steps)
+        self._held: Dict[int, HeldUpdates] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._reader: Optional[threading.Thread] = None
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
@@ -243,10 +277,10 @@ class HttpServerManager:
             if q is None:
                 continue
             held = self._held.get(u.req_id)
-            if held is not None and u.finish_reason is None and u.error is None:
-                held.append(u)
-            else:
+            if held is None:
                 q.put_nowait(u)
+            elif held.add(u):
+                q.put_nowait(HELD_DUE)
 
     def worker_alive(self) -> bool:
         return self.worker is None or self.worker.is_alive()
@@ -400,6 +434,8 @@ class HttpServerManager:
         """Yield the growing result after each worker update; the last one has finish_reason set.
         ``final_only``: the caller reads only the last result; without stop strings (which end a
         request as soon as its text shows one) the updates are then taken together at the end.
+        Otherwise, with --stream_interval N > 1, a result comes once N tokens arrived since the last
+        one (the first tokens and the end at once), as SGLang's flag streams.
 
         ``is_disconnected`` (an async callable) is polled every DISCONNECT_POLL_S (at each POLL),
         also while tokens flow: when it says so the request is aborted and ClientDisconnected
@@ -416,7 +452,9 @@ class HttpServerManager:
         self._streams[req_id] = q
         self._clocks[req_id] = clock = RequestClock(self.metrics, time.monotonic() if arrival is None else arrival)
         if final_only and not params.stop_sequences:
-            self._held[req_id] = []
+            self._held[req_id] = HeldUpdates(min_tokens=None)
+        elif not final_only and self.args.stream_interval > 1:
+            self._held[req_id] = HeldUpdates(min_tokens=self.args.stream_interval)
         res = ReqResult(prompt_tokens=len(prompt_ids))
         detok = IncrementalDetokenizer(self.detokenizer_vocab)
         finished = False
@@ -440,10 +478,13 @@ class HttpServerManager:
                     if not self.worker_alive():
                         raise self._worker_died()
                     continue
-                held = self._held.get(req_id)
-                if held:
-                    self._held[req_id] = []
-                steps = (held or []) + [u]
+                if u is HELD_DUE:
+                    steps = self._held[req_id].take()
+                    if not steps:
+                        continue
+                    u = steps[-1]
+                else:
+                    steps = [u]
                 # Behind the worker (a loaded loop): every update already here makes one result, so a
                 # stream writes one chunk of several steps' tokens rather than a burst of chunks.
                 while u.finish_reason is None and u.error is None and not q.empty():

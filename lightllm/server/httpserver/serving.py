@@ -112,7 +112,7 @@ class HeaderDeadlineProtocol(HeaderDeadline, H11Protocol):
 
 class HttpToolsHeaderDeadlineProtocol(HeaderDeadline, HttpToolsProtocol or object):
     """uvicorn's httptools protocol (a C parser, as ``uvicorn[standard]`` serves) with the header
-    deadline: it parses and frames a streamed token for less of the event loop's time than h11.
+    deadline.
     httptools buffers headers without bound, so as h11 it answers 400 once more than
     MAX_INCOMPLETE_EVENT_BYTES arrived without completing the headers (or a piece of the body)."""
 

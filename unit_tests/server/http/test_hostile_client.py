@@ -353,11 +353,12 @@ class ScriptedApp:
 
 
 @contextmanager
-def scripted(script: Script):
-    """The real app over a ScriptedWorker, served by uvicorn on a free port in a thread."""
+def scripted(script: Script, **args):
+    """The real app over a ScriptedWorker, served by uvicorn on a free port in a thread; ``args``:
+    StartArgs fields."""
     worker = ScriptedWorker(script)
     args = dataclasses.replace(StartArgs(), resolved_model_dir=get_default_model_dir(),
-                               max_req_total_len=MAX_REQ_TOTAL_LEN)
+                               max_req_total_len=MAX_REQ_TOTAL_LEN, **args)
     ready = WorkerReady(vocab_size=49152, max_total_token_num=4096, device="cpu", data_type="float32")
     manager = HttpServerManager(args, worker.in_q, worker.out_q, ready, worker=worker)
     exit_codes: List[int] = []
