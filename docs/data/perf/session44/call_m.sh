@@ -35,12 +35,12 @@ interval|switch)
            rm -rf /tmp/switch_tree && cp -r . /tmp/switch_tree && git -C /tmp/switch_tree apply "$PWD/$P/switch_interval.patch"
            trees="$PWD:checkout /tmp/switch_tree:switch"; sis=1
        else
-           trees="$PWD:checkout"; sis="1 2 4"
+           trees="$PWD:checkout"; sis="1 2 4 1c8"  # 1c8: N = 1 with 8 client processes (is the client's loop the tail?)
        fi
        for tree in $trees; do for si in $sis; do
-           name=${tree#*:}_si$si
+           name=${tree#*:}_si$si; procs=4; [ "${si#*c}" != "$si" ] && procs=${si#*c}
            (cd ${tree%%:*} && timeout ${FRONT_S:-100} python benchmarks/bench_http_frontend.py --model_dir "$m" \
-               --stream_interval $si --arms stream --step_ms ${FRONT_STEP_MS:-2.1} --num_requests 1024 \
+               --stream_interval ${si%c*} --client_procs $procs --arms stream --step_ms ${FRONT_STEP_MS:-2.1} --num_requests 1024 \
                --max_new_tokens 256 --gsm8k "$OLDPWD/.data/test.jsonl" --out "$O/front_$name.json" > "$O/front_$name.log" 2>&1)
            echo "== $name | rc $?"
            python -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(' '.join(
