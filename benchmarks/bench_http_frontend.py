@@ -58,7 +58,10 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
 from lightllm.common.constants import HTTP_IMPLEMENTATIONS  # noqa: E402
 from lightllm.server.core.objs.messages import (  # noqa: E402 (after the path set-up)
     AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats)
+from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402
 from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
+
+DEFAULT_STREAM_INTERVAL = StartArgs().stream_interval
 
 DEFAULT_OUT = os.path.join("docs", "data", "perf", "http_frontend.json")
 ARMS = ("generate", "stream")
@@ -538,7 +541,6 @@ def serve_main(config_path: str) -> None:
 
     from lightllm.server.api_http import create_app
     from lightllm.server.api_start import (LOG_FORMAT, WORKER_IGNORED_SIGNALS, WorkerProcesses, _signals_ignored)
-    from lightllm.server.core.objs.start_args_type import StartArgs
     from lightllm.server.httpserver.manager import HttpServerManager
     from lightllm.server.httpserver.serving import bind_socket, make_server
     from uvicorn.server import asyncio_run
@@ -944,6 +946,7 @@ def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False)
     row.update(percentiles("client_loop_lag_ms", [x for _, x in client_lag], (50, 99, 100), scale=1e3))
     row["loop"] = stack.loop
     row["http"] = stack.http
+    row["stream_interval"] = args.stream_interval or DEFAULT_STREAM_INTERVAL
     row["profiled"] = profile
     return row
 
