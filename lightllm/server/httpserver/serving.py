@@ -110,6 +110,7 @@ class HeaderDeadlineProtocol(HeaderDeadline, H11Protocol):
         super().on_response_complete()
 
 
+# without httptools this class has no parser base and header_deadline_protocol() never picks it
 class HttpToolsHeaderDeadlineProtocol(HeaderDeadline, HttpToolsProtocol or object):
     """uvicorn's httptools protocol (a C parser, as ``uvicorn[standard]`` serves) with the header
     deadline.
