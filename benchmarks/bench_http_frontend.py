@@ -542,7 +542,7 @@ def serve_main(config_path: str) -> None:
     from lightllm.server.api_http import create_app
     from lightllm.server.api_start import (LOG_FORMAT, WORKER_IGNORED_SIGNALS, WorkerProcesses, _signals_ignored)
     from lightllm.server.httpserver.manager import HttpServerManager
-    from lightllm.server.httpserver.serving import bind_socket, make_server
+    from lightllm.server.httpserver.serving import bind_socket, make_server, tune_http_process
     from uvicorn.server import asyncio_run
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -584,6 +584,7 @@ def serve_main(config_path: str) -> None:
     _log_server_closes(log)
     manager = TimedManager(args, TimedInQueue(in_q, probe), TimedOutQueue(out_q, probe), ready, worker=workers)
     app = create_app(manager)
+    tune_http_process()  # as serve_http does
     server = make_server(app, manager, args)
     def begin(*_):
         probe.note_threads()

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -40,6 +41,10 @@ SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The signal count (first = 1) at which shutdown stops waiting for requests / for anything
 HURRY_SIGNAL_COUNT = 2
 FORCE_SIGNAL_COUNT = 3
+# How long the HTTP process's event loop may keep the GIL once another thread waits for it (Python's
+# default: 5 ms). The worker-reader thread then hands each step's updates to a busy loop within about
+# this long: at the default they waited ~5 ms p50 (benchmarks/bench_gil_handoff.py)
+HTTP_SWITCH_INTERVAL_S = 0.0005
 # Bytes a connection may send without completing a request's headers (h11's default
 # max_incomplete_event_size, which uvicorn keeps); past it the request gets a 400
 MAX_INCOMPLETE_EVENT_BYTES = 16 * 1024
@@ -237,9 +242,15 @@ def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
+def tune_http_process() -> None:
+    """Process-wide settings of the HTTP server's process (call once, before serving)."""
+    sys.setswitchinterval(HTTP_SWITCH_INTERVAL_S)
+
+
 def serve_http(app, manager, args, sock: Optional[socket.socket] = None) -> GracefulServer:
     """Serve ``app`` (over ``manager``) until a shutdown signal, on ``sock`` (bind_socket's) or
     else a socket uvicorn binds; returns once it is shut down."""
+    tune_http_process()
     server = make_server(app, manager, args)
     server.run(sockets=None if sock is None else [sock])
     return server
