@@ -7,8 +7,8 @@
 #   call_m.sh serve   the serving mix (plain, dummy weights) with --http h11 beside the default, SERVE_ROUNDS (1)
 #   call_m.sh interval  the front end (as front) at --stream_interval 1, 2 and 4, then the serving mix at 2 beside the
 #                     default (1; INTERVAL_ARMS for more), INTERVAL_ROUNDS (1): the client's ITL p99 / p50, tok/s (issue 26)
-#   call_m.sh switch  the front end and the serving mix in the checkout against switch_interval.patch (the HTTP
-#                     process's GIL switch interval 0.5 ms instead of 5: updates waited ~5 ms p50 for the loop's GIL)
+#   call_m.sh switch  the front end and the serving mix in the checkout (the HTTP process's GIL switch interval
+#                     0.5 ms, since this session) against switch_python_default.patch (Python's 5 ms)
 V=${1:?front, serve, interval or switch}
 P=docs/data/perf/session44
 source scripts/device/env.sh >/dev/null 2>&1
@@ -31,9 +31,9 @@ front) m=$(bash $G shape_model_dir)
        done ;;
 interval|switch)
        m=$(bash $G shape_model_dir)
-       if [ $V = switch ]; then  # the checkout against a copy with switch_interval.patch applied
-           rm -rf /tmp/switch_tree && cp -r . /tmp/switch_tree && git -C /tmp/switch_tree apply "$PWD/$P/switch_interval.patch"
-           trees="$PWD:checkout /tmp/switch_tree:switch"; sis=1
+       if [ $V = switch ]; then  # the checkout against a copy with switch_python_default.patch applied
+           rm -rf /tmp/switch_tree && cp -r . /tmp/switch_tree && git -C /tmp/switch_tree apply "$PWD/$P/switch_python_default.patch"
+           trees="$PWD:checkout /tmp/switch_tree:py5ms"; sis=1
        else
            trees="$PWD:checkout"; sis="1 2 4 1c8"  # 1c8: N = 1 with 8 client processes (is the client's loop the tail?)
        fi
@@ -50,7 +50,7 @@ interval|switch)
        rm -f "$O"/front_*.log
        if [ $V = switch ]; then
            SERVING_AB_ROUNDS=${SWITCH_ROUNDS:-1} timeout ${SWITCH_S:-300} bash $G serving_ab "$O/switch" \
-               switch=$P/switch_interval.patch 2>&1 | tail -8
+               py5ms=$P/switch_python_default.patch 2>&1 | tail -8
        else
            SERVING_AB_ROUNDS=${INTERVAL_ROUNDS:-1} SERVING_AB_ARMS=${INTERVAL_ARMS:-"si2=--stream_interval 2"} \
                timeout ${INTERVAL_S:-300} bash $G serving_ab "$O/interval" 2>&1 | tail -8
