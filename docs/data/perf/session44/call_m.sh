@@ -8,7 +8,8 @@
 #   call_m.sh interval  the front end (as front) at --stream_interval 1, 2 and 4, then the serving mix at 2 beside the
 #                     default (1; INTERVAL_ARMS for more), INTERVAL_ROUNDS (1): the client's ITL p99 / p50, tok/s (issue 26)
 #   call_m.sh switch  the front end and the serving mix in the checkout (the HTTP process's GIL switch interval
-#                     0.5 ms, since this session) against switch_python_default.patch (Python's 5 ms)
+#                     0.5 ms, since this session) against switch_python_default.patch (Python's 5 ms); the serving
+#                     mix also against switch_router.patch (0.5 ms in the router process too: its queue's feeder)
 V=${1:?front, serve, interval or switch}
 P=docs/data/perf/session44
 source scripts/device/env.sh >/dev/null 2>&1
@@ -49,8 +50,8 @@ interval|switch)
        done; done
        rm -f "$O"/front_*.log
        if [ $V = switch ]; then
-           SERVING_AB_ROUNDS=${SWITCH_ROUNDS:-1} timeout ${SWITCH_S:-300} bash $G serving_ab "$O/switch" \
-               py5ms=$P/switch_python_default.patch 2>&1 | tail -8
+           SERVING_AB_ROUNDS=${SWITCH_ROUNDS:-1} timeout ${SWITCH_S:-330} bash $G serving_ab "$O/switch" \
+               py5ms=$P/switch_python_default.patch router=$P/switch_router.patch 2>&1 | tail -10
        else
            SERVING_AB_ROUNDS=${INTERVAL_ROUNDS:-1} SERVING_AB_ARMS=${INTERVAL_ARMS:-"si2=--stream_interval 2"} \
                timeout ${INTERVAL_S:-300} bash $G serving_ab "$O/interval" 2>&1 | tail -8
