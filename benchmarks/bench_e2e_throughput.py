@@ -766,8 +766,11 @@ SERVING_DEFINITIONS = {
     "itl_router_ms": "/metrics delta of lightllm_inter_token_latency_seconds (the router's clock between two updates "
                      "of a request, every request), the quantile estimated linearly within its bucket",
     "http_cpu_share": "the HTTP process's user + system CPU seconds over the timed run / its wall time",
+    "update_delivery_ms": "/metrics delta of lightllm_update_delivery_seconds (the router's send of a step's updates "
+                          "to the HTTP process's event loop handling them, one per message), estimated as itl_router_ms",
 }
 ROUTER_ITL = "lightllm_inter_token_latency_seconds"
+UPDATE_DELIVERY = "lightllm_update_delivery_seconds"
 
 
 @dataclass(frozen=True)
@@ -898,12 +901,17 @@ def _fmt_ms(x: Optional[float]) -> str:
 
 def router_itl_fields(grown: Optional[MetricsPage], http_cpu_s: Optional[float], wall_s: float) -> Dict[str, Optional[float]]:
     """The same run seen by the server: the router's inter-token latency (its histogram's growth, every
-    request, estimated within buckets) and the HTTP process's CPU time per wall second (near 1: it is the
-    bottleneck, and the client's chunk gaps are its queueing, not the engine's steps)."""
-    p50, p99 = (None, None) if grown is None else (grown.quantile(ROUTER_ITL, q) for q in (0.5, 0.99))
-    return {"itl_router_ms_p50": None if p50 is None else 1e3 * p50,
-            "itl_router_ms_p99": None if p99 is None else 1e3 * p99,
+    request, estimated within buckets), the updates' way to the HTTP process's event loop, and that
+    process's CPU time per wall second (near 1: it is the bottleneck, and the client's chunk gaps are its
+    queueing, not the engine's steps)."""
+    def ms(name: str, q: float) -> Optional[float]:
+        v = None if grown is None else grown.quantile(name, q)
+        return None if v is None else 1e3 * v
+
+    p50, p99 = ms(ROUTER_ITL, 0.5), ms(ROUTER_ITL, 0.99)
+    return {"itl_router_ms_p50": p50, "itl_router_ms_p99": p99,
             "itl_router_p99_over_p50": ratio(p99, p50) if p50 and p99 is not None else None,
+            "update_delivery_ms_p50": ms(UPDATE_DELIVERY, 0.5), "update_delivery_ms_p99": ms(UPDATE_DELIVERY, 0.99),
             "http_cpu_share": None if http_cpu_s is None or wall_s <= 0 else http_cpu_s / wall_s}
 
 
@@ -1039,7 +1047,8 @@ def run_serving(args) -> Dict[str, object]:
               f"short ITL p50 / p99 {row['itl_short_ms_p50']:.2f} / {row['itl_short_ms_p99']:.2f} ms, "
               f"chunk gaps {row['chunk_gap_short_ms_p50']:.2f} / {row['chunk_gap_short_ms_p99']:.2f} ms, "
               f"router ITL p50 / p99 {_fmt_ms(row['itl_router_ms_p50'])} / {_fmt_ms(row['itl_router_ms_p99'])}, "
-              f"HTTP CPU {_fmt_ms(row['http_cpu_share'])} s/s", flush=True)
+              f"update delivery p50 / p99 {_fmt_ms(row['update_delivery_ms_p50'])} / "
+              f"{_fmt_ms(row['update_delivery_ms_p99'])} ms, HTTP CPU {_fmt_ms(row['http_cpu_share'])} s/s", flush=True)
         result = {"commit": _git_commit(), "args": vars(args), "meta": meta, "definitions": SERVING_DEFINITIONS,
                   "arms": rows}
         write_json(args.out, result)  # after every arm: a run cut short keeps its finished arms

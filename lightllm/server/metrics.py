@@ -28,6 +28,10 @@ INTER_TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.0
 REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                              120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 QUEUE_TIME_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2) + REQUEST_LATENCY_BUCKETS_S
+# A step's updates on their way to the HTTP process's event loop: sub-millisecond when nothing waits,
+# a GIL switch interval (5 ms by default) when a thread waits for a busy one
+UPDATE_DELIVERY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                             0.1, 0.25, 1.0)
 # Label of the decode clock by batch size: the CUDA graph ladder size the step's decoded requests
 # pad to (their exact count on CPU, or above the ladder), so at most the ladder's sizes or
 # --running_max_req_size values.
@@ -118,6 +122,12 @@ class ServerMetrics:
             "lightllm_request_queue_time_seconds",
             "Time from the router receiving a request to its admission into the running batch",
             buckets=QUEUE_TIME_BUCKETS_S, registry=r
+        )
+        self.update_delivery = LoopHistogram(
+            "lightllm_update_delivery_seconds",
+            "Time from the router sending a step's updates to the HTTP process's event loop handling them "
+            "(one observation per message; both on this host's monotonic clock)",
+            buckets=UPDATE_DELIVERY_BUCKETS_S, registry=r
         )
         self.e2e_latency = LoopHistogram(
             "lightllm_e2e_request_latency_seconds",

@@ -263,7 +263,9 @@ class HttpServerManager:
             self._loop.call_soon_threadsafe(self._dispatch, *msg, time.monotonic())
 
     def _dispatch(self, updates, stats, received: Optional[float] = None) -> None:
-        received = time.monotonic() if received is None else received
+        now = time.monotonic()
+        received = now if received is None else received
+        self.metrics.update_delivery.observe(max(now - stats.sent_at, 0.0))
         self.metrics.observe_worker(stats)
         if self.throughput is not None:
             self.throughput.observe(updates, stats)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from lightllm.server.metrics import (INTER_TOKEN_LATENCY_BUCKETS_S, QUEUE_TIME_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S,
-                                     TTFT_BUCKETS_S)
+                                     TTFT_BUCKETS_S, UPDATE_DELIVERY_BUCKETS_S)
 from lightllm.utils.server_launcher import SSE_DATA_PREFIX, launch_server, scrape
 
 HISTOGRAMS = {
@@ -18,6 +18,7 @@ HISTOGRAMS = {
     "queue": "lightllm_request_queue_time_seconds",
     "e2e": "lightllm_e2e_request_latency_seconds",
 }
+DELIVERY = "lightllm_update_delivery_seconds"
 # Two running requests at most: of four sent together, two wait in the queue
 RUNNING_MAX = 2
 CONCURRENT = 4
@@ -109,7 +110,8 @@ def _completion(c, n: int) -> tuple:
 
 
 def test_bucket_lists_ascend():
-    for buckets in (TTFT_BUCKETS_S, INTER_TOKEN_LATENCY_BUCKETS_S, QUEUE_TIME_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S):
+    for buckets in (TTFT_BUCKETS_S, INTER_TOKEN_LATENCY_BUCKETS_S, QUEUE_TIME_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S,
+                    UPDATE_DELIVERY_BUCKETS_S):
         assert list(buckets) == sorted(set(buckets)) and buckets[0] > 0
 
 
@@ -129,6 +131,11 @@ def test_one_streamed_request_against_the_client_clock(server):
     assert 0 < s["itl"] <= s["e2e"] - s["ttft"] + 0.05  # router clock vs HTTP clock: a little slack
     # loosely the same as the client saw (no other load: HTTP and JSON cost little next to the forwards)
     assert s["e2e"] >= 0.5 * t.wall and s["ttft"] >= 0.25 * t.first
+    # every step's message reached the event loop (8 steps gave tokens; gauge messages come on top), each
+    # within the request's life
+    delivered = grown.value(DELIVERY + "_count", 0.0)
+    assert delivered >= tokens
+    assert 0 <= grown.value(DELIVERY + "_sum", 0.0) <= delivered * s["e2e"]
 
 
 def test_histogram_counts_follow_requests_and_tokens(server):
