@@ -200,12 +200,9 @@ def _validate_http(args: StartArgs) -> None:
         v = getattr(args, flag)
         _need(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"--{flag}",
               f"must be a number of seconds > 0, got {v!r}")
-    for flag in ("limit_concurrency", "backlog"):
+    for flag in ("limit_concurrency", "backlog", "stream_interval"):
         v = getattr(args, flag)
         _need(not isinstance(v, bool) and isinstance(v, int) and v >= 1, f"--{flag}", f"must be an integer >= 1, got {v!r}")
-    v = args.stream_interval
-    _need(not isinstance(v, bool) and isinstance(v, int) and v >= 1, "--stream_interval",
-          f"must be an integer >= 1, got {v!r}")
     _need(args.http in HTTP_IMPLEMENTATIONS, "--http", f"must be one of {', '.join(HTTP_IMPLEMENTATIONS)}, got {args.http!r}")
     _need(args.http != "httptools" or httptools_installed(), "--http",
           "httptools is not installed (pip install httptools, or --http h11)")

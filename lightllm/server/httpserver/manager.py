@@ -480,10 +480,8 @@ class HttpServerManager:
                     if not self.worker_alive():
                         raise self._worker_died()
                     continue
-                if u is HELD_DUE:
+                if u is HELD_DUE:  # signaled only after an add(): never empty
                     steps = self._held[req_id].take()
-                    if not steps:
-                        continue
                     u = steps[-1]
                 else:
                     steps = [u]
