@@ -298,7 +298,9 @@ serving_ab)
         m=$(shape_model_dir) && base="--model_dir $m --load_format dummy"
     fi
     for round in $(seq "${SERVING_AB_ROUNDS:-2}"); do
-        for tree in "${trees[@]}"; do
+        # round r starts at arm r - 1: the first server a call starts runs slower (forty-fifth session)
+        n=${#trees[@]}; k=$(( (round - 1) % n ))
+        for tree in "${trees[@]:k}" "${trees[@]:0:k}"; do
             dir=${tree%%:*}; tag=${tree##*:}; json="$out/serving_${tag}_r$round.json"
             (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 300 python benchmarks/bench_e2e_throughput.py --serving \
                 --gsm8k "$data" --serving_modes ${SERVING_MODES:-plain} \
