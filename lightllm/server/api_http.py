@@ -265,8 +265,28 @@ def _asd_fields(res: ReqResult) -> Dict[str, Any]:
     }
 
 
+# One encoder for every event (json.dumps with allow_nan=False builds an encoder per call)
+_SSE_JSON = json.JSONEncoder(allow_nan=False)
+
+
 def _sse(obj: Dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
+    return f"data: {_SSE_JSON.encode(obj)}\n\n"
+
+
+class SseChunks:
+    """The events of one streamed OpenAI response, whose chunks all begin with the same fields
+    (``head``: id, object, created, model): those are encoded once, and each event encodes only its
+    ``choices`` and the fields after them. ``event(choices, rest)`` is
+    ``_sse({**head, "choices": choices, **rest})``, character for character."""
+
+    def __init__(self, head: Dict[str, Any]):
+        if not head:
+            raise ValueError("a chunk head needs at least one field")
+        self._prefix = f'data: {_SSE_JSON.encode(head)[:-1]}, "choices": '
+
+    def event(self, choices: List[Dict[str, Any]], rest: Optional[Dict[str, Any]] = None) -> str:
+        more = f", {_SSE_JSON.encode(rest)[1:-1]}" if rest else ""
+        return f"{self._prefix}{_SSE_JSON.encode(choices)}{more}}}\n\n"
 
 
 def _worker_failed_message(res: ReqResult) -> str:
@@ -775,14 +795,16 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # their aborts are sent
 
-    async def _updates(prompt_ids, choice_params: List[SamplingParams],
-                       arrival: float) -> AsyncIterator[Tuple[int, ReqResult]]:
+    def _updates(prompt_ids, choice_params: List[SamplingParams], arrival: float) -> AsyncIterator:
         """(choice index, its result so far) as the choices' updates arrive; each choice's last
-        one has finish_reason set and none of it comes after. Leaving early aborts them all."""
+        one has finish_reason set and none of it comes after. Leaving early aborts them all.
+        One choice: its results alone (manager.generate's, no (index, result) pairs)."""
         if len(choice_params) == 1:
-            async for res in manager.generate(prompt_ids, choice_params[0], arrival=arrival):
-                yield 0, res
-            return
+            return manager.generate(prompt_ids, choice_params[0], arrival=arrival)
+        return _choices_updates(prompt_ids, choice_params, arrival)
+
+    async def _choices_updates(prompt_ids, choice_params: List[SamplingParams],
+                               arrival: float) -> AsyncIterator[Tuple[int, ReqResult]]:
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, p: SamplingParams) -> None:
@@ -840,9 +862,8 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             c["logprobs"] = logprobs
             return c
 
-        def chunk(choices_: List[Dict[str, Any]]) -> Dict[str, Any]:
-            return {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                    "model": manager.model_name, "choices": choices_}
+        chunks = SseChunks({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
+                            "model": manager.model_name})
 
         def stream_error(message: str) -> str:
             return _sse({"error": {"message": message, "type": "server_error", "code": 500}})
@@ -872,7 +893,8 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             final: List[Optional[ReqResult]] = [None] * n
             try:
                 async with aclosing(_updates(prompt_ids, choice_params, arrival)) as updates:
-                    async for i, res in updates:
+                    async for item in updates:
+                        i, res = (0, item) if n == 1 else item
                         done = res.finish_reason is not None
                         if res.finish_reason == "error":
                             yield stream_error(_worker_failed_message(res))
@@ -888,18 +910,16 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                         if lp is not None and not chat:
                             text_offset[i] += sum(len(t) for t in lp["tokens"])
                         sent_tokens[i] = upto
-                        c = chunk([choice(i, delta, res.finish_reason, True, lp)])
-                        if include_usage:
-                            c["usage"] = None  # OpenAI: only the extra last chunk has usage
+                        rest = {"usage": None} if include_usage else {}  # OpenAI: only the extra last chunk has usage
                         if done:
-                            c.update(_asd_fields(res))
+                            rest.update(_asd_fields(res))
                             final[i] = res
                             _record(request, len(prompt_ids), sum(len(r.token_ids) for r in final if r is not None))
-                        yield _sse(c)
+                        yield chunks.event([choice(i, delta, res.finish_reason, True, lp)], rest)
             except Unavailable as e:
                 yield stream_error(str(e))
             if include_usage and all(r is not None for r in final):
-                yield _sse({**chunk([]), "usage": _usage(final)})
+                yield chunks.event([], {"usage": _usage(final)})
             yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -298,7 +298,7 @@ serving_ab)
         m=$(shape_model_dir) && base="--model_dir $m --load_format dummy"
     fi
     for round in $(seq "${SERVING_AB_ROUNDS:-2}"); do
-        # round r starts at arm r - 1: the first server a call starts runs slower (forty-fifth session)
+        # round r starts at arm r - 1, so that an arm's place in the call (a first server has run slower, and faster) cancels over rounds
         n=${#trees[@]}; k=$(( (round - 1) % n ))
         for tree in "${trees[@]:k}" "${trees[@]:0:k}"; do
             dir=${tree%%:*}; tag=${tree##*:}; json="$out/serving_${tag}_r$round.json"
