@@ -6,7 +6,8 @@
 #                     0.5 ms switch interval
 #   call_n.sh hot     the HTTP hot path (401d235) against hot_path_old.patch: the front end over even 2.1-ms fake
 #                     steps (HOT_ROUNDS, 1), then the serving mix at the default, one round: the event loop's
-#                     CPU per token, the client's ITL p99 / p50, the updates' delivery
+#                     CPU per token, the client's ITL p99 / p50, the updates' delivery (HOT_SERVE=0: the front
+#                     end only; HOT_REQS requests, 1024)
 V=${1:?sweep or hot}
 P=docs/data/perf/session45
 source scripts/device/env.sh >/dev/null 2>&1
@@ -23,7 +24,7 @@ hot)   m=$(bash $G shape_model_dir)
        for r in $(seq 1 ${HOT_ROUNDS:-1}); do for tree in "$PWD:checkout" "/tmp/old_tree:old"; do
            name=${tree#*:}_r$r
            (cd ${tree%%:*} && timeout ${FRONT_S:-100} python benchmarks/bench_http_frontend.py --model_dir "$m" \
-               --arms stream --step_ms 2.1 --num_requests 1024 --max_new_tokens 256 --gsm8k "$OLDPWD/.data/test.jsonl" \
+               --arms stream --step_ms 2.1 --num_requests ${HOT_REQS:-1024} --max_new_tokens 256 --gsm8k "$OLDPWD/.data/test.jsonl" \
                --out "$O/front_$name.json" > "$O/front_$name.log" 2>&1)
            echo "== $name | rc $?"
            python -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(' '.join(
@@ -31,7 +32,8 @@ hot)   m=$(bash $G shape_model_dir)
                'http_main_cpu_us_per_token', 'loop_lag_ms_p99', 'egress_out_q_ms_p50', 'egress_handover_ms_p50')))" "$O/front_$name.json"
        done; done
        rm -f "$O"/front_*.log
-       SERVING_AB_ROUNDS=1 timeout ${HOT_SERVE_S:-200} bash $G serving_ab "$O/hot" old=$P/hot_path_old.patch 2>&1 | tail -4
+       [ "${HOT_SERVE:-1}" = 1 ] && SERVING_AB_ROUNDS=1 timeout ${HOT_SERVE_S:-200} bash $G serving_ab "$O/hot" \
+           old=$P/hot_path_old.patch 2>&1 | tail -4
        rm -f "$O"/*/*.log ;;
 *) echo "unknown verb $V" >&2; exit 2 ;;
 esac
