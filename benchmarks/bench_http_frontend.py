@@ -55,7 +55,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
-from lightllm.common.constants import HTTP_IMPLEMENTATIONS  # noqa: E402
+from lightllm.common.constants import HTTP_IMPLEMENTATIONS, LOOP_IMPLEMENTATIONS  # noqa: E402
 from lightllm.server.core.objs.messages import (  # noqa: E402 (after the path set-up)
     AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats)
 from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402
@@ -551,7 +551,7 @@ def serve_main(config_path: str) -> None:
                    max_req_total_len=cfg["max_req_total_len"], running_max_req_size=cfg["running_max_req_size"],
                    mtp_mode="eagle_with_att" if cfg["tokens_per_step"] > 1 else None,
                    mtp_step=max(0, cfg["tokens_per_step"] - 1))
-    for flag in ("timeout_request_header", "timeout_keep_alive", "http", "stream_interval"):
+    for flag in ("timeout_request_header", "timeout_keep_alive", "http", "loop", "stream_interval"):
         if cfg.get(flag):
             args = replace(args, **{flag: cfg[flag]})
     sock = bind_socket(args.host, args.port, args.backlog)
@@ -693,7 +693,7 @@ def start_stack(args, workload: Workload, profile: bool, tmp: str, name: str) ->
            "probe_path": os.path.join(tmp, f"{name}.probe.json"),
            "ready_path": os.path.join(tmp, f"{name}.ready.json"),
            "timeout_request_header": args.timeout_request_header, "timeout_keep_alive": args.timeout_keep_alive,
-           "http": args.http, "stream_interval": args.stream_interval,
+           "http": args.http, "loop": args.loop, "stream_interval": args.stream_interval,
            "profile": profile, "profile_cpu_clock": args.profile_clock == "cpu",
            "pstats_path": os.path.abspath(args.profile_pstats) if profile and args.profile_pstats else None}
     cfg_path = os.path.join(tmp, f"{name}.config.json")
@@ -1089,6 +1089,8 @@ def parse_args(argv=None):
                    help="client processes of the stream arm (default: cores / 4, 1..4)")
     p.add_argument("--http", choices=HTTP_IMPLEMENTATIONS, default=None,
                    help="the server's --http (default: its default, auto)")
+    p.add_argument("--loop", choices=LOOP_IMPLEMENTATIONS, default=None,
+                   help="the server's --loop (default: its default, auto)")
     p.add_argument("--stream_interval", type=int, default=None,
                    help="the server's --stream_interval (default: its default, 1)")
     p.add_argument("--model_dir", default=None,

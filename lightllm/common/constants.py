@@ -21,3 +21,5 @@ def canonical_data_type(name: str) -> str:
 LOAD_FORMATS = ("auto", "dummy")
 # HTTP/1.1 parsers of the server (uvicorn's --http): auto takes httptools when it is installed
 HTTP_IMPLEMENTATIONS = ("auto", "h11", "httptools")
+# Event loops of the HTTP server (uvicorn's --loop): auto takes uvloop when it is installed
+LOOP_IMPLEMENTATIONS = ("auto", "asyncio", "uvloop")

@@ -2,7 +2,7 @@
 import argparse
 
 from lightllm.common.constants import (DATA_TYPE_ALIASES, DATA_TYPES, HTTP_IMPLEMENTATIONS, LOAD_FORMATS,
-                                       canonical_data_type)
+                                       LOOP_IMPLEMENTATIONS, canonical_data_type)
 from lightllm.server.core.objs.start_args_type import MTP_MODES, StartArgs
 
 
@@ -162,6 +162,9 @@ def make_argument_parser() -> argparse.ArgumentParser:
                       help="The HTTP/1.1 parser (uvicorn's --http): httptools (C, uvicorn[standard]'s) or h11 "
                            "(pure Python); auto takes httptools when it is installed, as uvicorn does. Both keep "
                            "the header deadline and a 16 KiB header bound.")
+    http.add_argument("--loop", type=str, default=d.loop, choices=LOOP_IMPLEMENTATIONS,
+                      help="The HTTP server's event loop (uvicorn's --loop): uvloop (C, uvicorn[standard]'s) or "
+                           "asyncio; auto takes uvloop when it is installed, as uvicorn does.")
     p = top.add_argument_group("parallel hosts", "Ranks spread over several hosts (docs/parallel.md).")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="Hosts the --tp ranks are spread over.")
     p.add_argument("--node_rank", type=int, default=d.node_rank,

@@ -10,8 +10,8 @@ import signal
 import sys
 from typing import List, Optional, Sequence
 
-from lightllm.common.constants import (DATA_TYPE_ALIASES, DATA_TYPES, HTTP_IMPLEMENTATIONS, LOAD_FORMATS, MAX_MTP_STEP,
-                                       canonical_data_type)
+from lightllm.common.constants import (DATA_TYPE_ALIASES, DATA_TYPES, HTTP_IMPLEMENTATIONS, LOAD_FORMATS,
+                                       LOOP_IMPLEMENTATIONS, MAX_MTP_STEP, canonical_data_type)
 from lightllm.server.core.objs.start_args_type import StartArgs
 from lightllm.utils.signals import signal_handlers
 
@@ -191,6 +191,10 @@ def httptools_installed() -> bool:
     return importlib.util.find_spec("httptools") is not None
 
 
+def uvloop_installed() -> bool:
+    return importlib.util.find_spec("uvloop") is not None
+
+
 HTTP_TIMEOUT_FLAGS = ("timeout_keep_alive", "timeout_request_header", "timeout_request_body",
                       "timeout_graceful_shutdown")
 
@@ -206,6 +210,8 @@ def _validate_http(args: StartArgs) -> None:
     _need(args.http in HTTP_IMPLEMENTATIONS, "--http", f"must be one of {', '.join(HTTP_IMPLEMENTATIONS)}, got {args.http!r}")
     _need(args.http != "httptools" or httptools_installed(), "--http",
           "httptools is not installed (pip install httptools, or --http h11)")
+    _need(args.loop in LOOP_IMPLEMENTATIONS, "--loop", f"must be one of {', '.join(LOOP_IMPLEMENTATIONS)}, got {args.loop!r}")
+    _need(args.loop != "uvloop" or uvloop_installed(), "--loop", "uvloop is not installed (pip install uvloop, or --loop asyncio)")
 
 
 def _validate_parallel(args: StartArgs) -> None:

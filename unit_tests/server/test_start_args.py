@@ -114,6 +114,23 @@ def test_http_parser_flag(tmp_path, monkeypatch):
         validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), http="httptools"))
 
 
+def test_event_loop_flag(tmp_path, monkeypatch):
+    from lightllm.server import api_start
+    from lightllm.server.api_cli import make_argument_parser
+
+    assert StartArgs().loop == "auto" and make_argument_parser().parse_args([]).loop == "auto"
+    assert make_argument_parser().parse_args(["--loop", "asyncio"]).loop == "asyncio"
+    with pytest.raises(SystemExit):  # argparse's own error for a value outside the choices
+        make_argument_parser().parse_args(["--loop", "trio"])
+    with pytest.raises(StartArgsError, match=r"^--loop: must be one of auto, asyncio, uvloop, got 'trio'$"):
+        validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), loop="trio"))
+    # without uvloop installed: auto falls back to asyncio, asking for uvloop is a start-up error
+    monkeypatch.setattr(api_start, "uvloop_installed", lambda: False)
+    assert validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path))).loop == "auto"
+    with pytest.raises(StartArgsError, match=r"^--loop: uvloop is not installed \(pip install uvloop, or --loop asyncio\)$"):
+        validate_start_args(StartArgs(model_dir=fake_model_dir(tmp_path), loop="uvloop"))
+
+
 def _no_weights_dir(tmp_path, name, files=()):
     d = tmp_path / name
     d.mkdir()

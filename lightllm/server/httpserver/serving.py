@@ -60,11 +60,12 @@ class ConnectionLimits:
     limit_concurrency: int
     backlog: int
     http: str = "auto"  # the HTTP/1.1 parser (HTTP_IMPLEMENTATIONS)
+    loop: str = "auto"  # the event loop (LOOP_IMPLEMENTATIONS)
 
     @classmethod
     def of(cls, args) -> "ConnectionLimits":
         return cls(args.timeout_keep_alive, args.timeout_request_header, args.timeout_graceful_shutdown,
-                   args.limit_concurrency, args.backlog, args.http)
+                   args.limit_concurrency, args.backlog, args.http, args.loop)
 
 
 class HeaderDeadline:
@@ -210,6 +211,7 @@ def uvicorn_config(app, host: str, port: int, limits: ConnectionLimits) -> uvico
         port=port,
         log_level="warning",
         http=header_deadline_protocol(limits.timeout_request_header, limits.http),
+        loop=limits.loop,
         timeout_keep_alive=limits.timeout_keep_alive,
         limit_concurrency=limits.limit_concurrency,
         backlog=limits.backlog,

@@ -11,6 +11,7 @@ Two kinds of server, as in test_hostile_client:
 Each docstring says what happened before the fix (main at 20dd731).
 """
 import dataclasses
+import importlib.util
 import json
 import os
 import queue
@@ -56,6 +57,8 @@ SHORT_PROMPT = CHAT_PROMPT.format("What is the capital of France?")  # 17 tokens
 TOKEN_IDS = list(range(300, 340))  # what the scripted worker generates
 # The HTTP parsers (--http) the connection tests run under: h11 always, httptools where installed
 HTTP_PARSERS = ["h11"] + (["httptools"] if HttpToolsProtocol is not None else [])
+# The event loops (--loop) the server is checked under: asyncio always, uvloop where installed
+EVENT_LOOPS = ["asyncio"] + (["uvloop"] if importlib.util.find_spec("uvloop") is not None else [])
 
 
 def _raise_open_file_limit(wanted: int) -> int:
@@ -215,6 +218,23 @@ def test_connections_past_the_limit_get_503(http):
             s.close()
         time.sleep(0.2)
         assert httpx.get(h.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("loop", EVENT_LOOPS)
+def test_loop_flag_picks_the_event_loop(loop):
+    """--loop: the server runs on the loop asked for, streams, and still closes a connection whose
+    headers do not come (the header deadline is a timer of that loop)."""
+    with hardened(loop=loop) as h:
+        assert type(h.server._loop).__module__.split(".")[0] == loop
+        with httpx.stream("POST", h.url + "/v1/completions", timeout=30,
+                          json={"prompt": "Q", "max_tokens": 8, "stream": True}) as r:
+            events = list(sse_data(r.iter_lines()))
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert [strict_json(e)["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
+        s = _connect(h.url)
+        t0 = time.monotonic()
+        assert _read_until_closed(s, HEADER_TIMEOUT_S + 5) == b""
+        assert time.monotonic() - t0 < HEADER_TIMEOUT_S + TIMEOUT_SLACK_S
 
 
 def test_http_flag_picks_the_parser():

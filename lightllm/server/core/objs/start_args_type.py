@@ -69,6 +69,7 @@ class StartArgs:
     limit_concurrency: int = 1024  # open connections (or running requests) past which new requests get 503
     backlog: int = 2048  # connections the kernel queues before they are accepted (listen backlog)
     http: str = "auto"  # HTTP/1.1 parser (uvicorn's --http): auto (httptools when installed), h11 or httptools
+    loop: str = "auto"  # the HTTP server's event loop (uvicorn's --loop): auto (uvloop when installed), asyncio or uvloop
     stream_interval: int = 1  # a stream sends a chunk once this many tokens arrived (SGLang's flag)
     # Logging (vLLM's flag names)
     disable_log_requests: bool = False  # no log line per request (method, route, status, tokens, ms)
