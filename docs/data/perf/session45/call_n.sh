@@ -4,7 +4,8 @@
 #                     and --mixed_max_prefill_tokens 256, SWEEP_ROUNDS (2) rounds in rotated order: the client's and
 #                     the router's short-request ITL p99 / p50 against tok/s (issue 26), since the HTTP process's
 #                     0.5 ms switch interval
-#   call_n.sh hot     the HTTP hot path (401d235) against hot_path_old.patch: the front end over even 2.1-ms fake
+#   call_n.sh hot     the HTTP hot path (401d235) on uvloop and on asyncio against hot_path_old.patch (uvloop):
+#                     the front end over even 2.1-ms fake
 #                     steps (HOT_ROUNDS, 1), then the serving mix at the default, one round: the event loop's
 #                     CPU per token, the client's ITL p99 / p50, the updates' delivery (HOT_SERVE=0: the front
 #                     end only; HOT_REQS requests, 1024)
@@ -21,13 +22,15 @@ sweep) SERVING_AB_ROUNDS=${SWEEP_ROUNDS:-2} \
        rm -f "$O"/*/*.log ;;
 hot)   m=$(bash $G shape_model_dir)
        rm -rf /tmp/old_tree && cp -r . /tmp/old_tree && git -C /tmp/old_tree apply "$PWD/$P/hot_path_old.patch"
-       for r in $(seq 1 ${HOT_ROUNDS:-1}); do for tree in "$PWD:checkout" "/tmp/old_tree:old"; do
-           name=${tree#*:}_r$r
-           (cd ${tree%%:*} && timeout ${FRONT_S:-100} python benchmarks/bench_http_frontend.py --model_dir "$m" \
+       # arms: the checkout on uvloop (the default once installed) and on asyncio, the old hot path (uvicorn's
+       # own auto loop: uvloop too, as .whl installs it)
+       for r in $(seq 1 ${HOT_ROUNDS:-1}); do for arm in "$PWD:checkout:" "$PWD:asyncio:--loop asyncio" "/tmp/old_tree:old:"; do
+           tree=${arm%:*}; flags=${arm##*:}; name=${tree#*:}_r$r
+           (cd ${tree%%:*} && timeout ${FRONT_S:-100} python benchmarks/bench_http_frontend.py --model_dir "$m" $flags \
                --arms stream --step_ms 2.1 --num_requests ${HOT_REQS:-1024} --max_new_tokens 256 --gsm8k "$OLDPWD/.data/test.jsonl" \
                --out "$O/front_$name.json" > "$O/front_$name.log" 2>&1)
            echo "== $name | rc $?"
-           python -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(' '.join(
+           python -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(r.get('loop'), ' '.join(
                f'{k} {r[k]:.2f}' for k in ('output_tok_s', 'itl_ms_p50', 'itl_ms_p99', 'tokens_per_chunk',
                'http_main_cpu_us_per_token', 'loop_lag_ms_p99', 'egress_out_q_ms_p50', 'egress_handover_ms_p50')))" "$O/front_$name.json"
        done; done
