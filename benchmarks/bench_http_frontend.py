@@ -71,6 +71,8 @@ DEFAULT_CONCURRENCY = 64
 DEFAULT_NUM_REQUESTS = 1024
 DEFAULT_MAX_NEW_TOKENS = 200
 WARMUP_MAX_NEW_TOKENS = 16
+DEFAULT_LONG_TOKENS = 3000  # --long_tokens: the serving mix's long prompts are 2000-4000 tokens
+LONG_START_STRIDE = 7  # long prompt j starts at question 7 j
 WARMUP_SEED_BASE = 1 << 40  # seeds of the warm-up requests (timed requests: their index)
 VOCAB_SIZE = 49152  # the embedded model's (its tokenizer serves the fake worker's ids)
 FAKE_KV_TOKENS = 1 << 20
@@ -645,7 +647,30 @@ class Workload:
     prompt_tokens_mean: float
 
 
-def build_workload(model_dir: str, n: int, max_new_tokens: int, gsm8k: Optional[str]) -> Workload:
+def is_long(i: int, long_fraction: float) -> bool:
+    """Whether request i has a long prompt: every 1 / long_fraction-th request, spread evenly."""
+    return math.floor((i + 1) * long_fraction) > math.floor(i * long_fraction)
+
+
+def long_prompt_text(tok, questions: Sequence[str], tokens: int, start: int) -> str:
+    """A chat prompt of GSM8K questions from ``start`` on (cyclic) that holds about ``tokens`` tokens: each long
+    prompt starts elsewhere, so none is the prompt encoder's cached chunks of another."""
+    from lightllm.tools.prompts import chat_prompt_texts
+
+    parts, n, i = [], 0, start
+    while n < tokens:
+        q = questions[i % len(questions)]
+        parts.append(q)
+        n += len(tok.encode(q, add_special_tokens=False)) + 1
+        i += 1
+    return chat_prompt_texts(tok, ["\n".join(parts)])[0]
+
+
+def build_workload(model_dir: str, n: int, max_new_tokens: int, gsm8k: Optional[str], long_fraction: float = 0.0,
+                   long_tokens: int = DEFAULT_LONG_TOKENS) -> Workload:
+    """GSM8K chat prompts; with ``long_fraction`` > 0 that share of them (evenly spread) long prompts of about
+    ``long_tokens`` tokens, as the serving benchmark's mix sends (the fake worker prefills any prompt in one step:
+    what the long ones add is the HTTP process's work on them)."""
     from transformers import AutoTokenizer
 
     from lightllm.tools.prompts import chat_prompt_texts, gsm8k_path, load_gsm8k, solve_turns, take_cyclic
@@ -661,7 +686,10 @@ def build_workload(model_dir: str, n: int, max_new_tokens: int, gsm8k: Optional[
         turns, answers = [FALLBACK_PROMPT], [FALLBACK_ANSWER]
     texts = chat_prompt_texts(tok, turns)
     prompts = take_cyclic(texts, n)
-    lens = [len(ids) for ids in tok(texts[:n], add_special_tokens=True)["input_ids"]]  # as the server counts
+    if long_fraction > 0:
+        prompts = [long_prompt_text(tok, turns, long_tokens, i * LONG_START_STRIDE) if is_long(i, long_fraction)
+                   else p for i, p in enumerate(prompts)]
+    lens = [len(ids) for ids in tok(prompts, add_special_tokens=True)["input_ids"]]  # as the server counts
     ids = tok.encode("\n\n".join(answers), add_special_tokens=False)
     need = max(lens) + max_new_tokens + 1
     return Workload(prompts, ids, -(-need // 64) * 64, sum(lens) / len(lens))
@@ -1089,6 +1117,9 @@ def parse_args(argv=None):
                    help="client processes of the stream arm (default: cores / 4, 1..4)")
     p.add_argument("--http", choices=HTTP_IMPLEMENTATIONS, default=None,
                    help="the server's --http (default: its default, auto)")
+    p.add_argument("--long_fraction", type=float, default=0.0,
+                   help="share of requests with a long prompt (the serving mix: 0.2), evenly spread")
+    p.add_argument("--long_tokens", type=int, default=DEFAULT_LONG_TOKENS, help="tokens of a long prompt (about)")
     p.add_argument("--loop", choices=LOOP_IMPLEMENTATIONS, default=None,
                    help="the server's --loop (default: its default, auto)")
     p.add_argument("--stream_interval", type=int, default=None,
@@ -1118,7 +1149,11 @@ def main(argv=None) -> None:
     if args.model_dir is None:
         from lightllm.utils.embedded_model import get_default_model_dir
         args.model_dir = get_default_model_dir()
-    workload = build_workload(args.model_dir, args.num_requests, args.max_new_tokens, args.gsm8k)
+    if not 0.0 <= args.long_fraction <= 1.0 or args.long_tokens < 1:
+        raise SystemExit(f"--long_fraction must be in [0, 1] and --long_tokens >= 1, got {args.long_fraction} "
+                         f"and {args.long_tokens}")
+    workload = build_workload(args.model_dir, args.num_requests, args.max_new_tokens, args.gsm8k, args.long_fraction,
+                              args.long_tokens)
     rows = []
     keep = args.keep_tmp is not None
     if keep:

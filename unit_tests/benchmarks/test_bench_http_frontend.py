@@ -228,3 +228,28 @@ def test_cpu_cores_by_thread_name():
     assert got["http_threads"] == {"MainThread": 0.5, "tokenize (pool)": pytest.approx(0.2),
                                    "other (not a Python thread)": pytest.approx(0.05)}
     assert bench.thread_group("tokenize_3") == "tokenize (pool)" and bench.thread_group("worker-reader") == "worker-reader"
+
+
+def test_long_prompts_are_spread_evenly_and_hold_about_the_tokens_asked(tmp_path):
+    """--long_fraction: that share of the requests, one every 1 / fraction, gets a prompt of about --long_tokens
+    tokens, each a different text; 0 leaves the GSM8K prompts as they were."""
+    assert [i for i in range(20) if bench.is_long(i, 0.25)] == [3, 7, 11, 15, 19]
+    assert not any(bench.is_long(i, 0.0) for i in range(50)) and all(bench.is_long(i, 1.0) for i in range(50))
+    from transformers import AutoTokenizer
+
+    from lightllm.utils.embedded_model import get_default_model_dir
+
+    model_dir = get_default_model_dir()
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Question {i}: how many apples are {i} plus {i}?",
+                                        "answer": f"{2 * i}\n#### {2 * i}"}) + "\n" for i in range(40)))
+    plain = bench.build_workload(model_dir, 10, 16, str(data))
+    mixed = bench.build_workload(model_dir, 10, 16, str(data), long_fraction=0.2, long_tokens=400)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    lens = [len(tok.encode(p)) for p in mixed.prompts]
+    longs = [i for i in range(10) if bench.is_long(i, 0.2)]
+    assert longs == [4, 9]
+    assert all(400 <= lens[i] < 480 for i in longs) and len({mixed.prompts[i] for i in longs}) == 2
+    assert [p for i, p in enumerate(mixed.prompts) if i not in longs] == [p for i, p in enumerate(plain.prompts)
+                                                                          if i not in longs]
+    assert mixed.max_req_total_len >= max(lens) + 16 + 1

@@ -8,7 +8,7 @@
 #                     the front end over even 2.1-ms fake
 #                     steps (HOT_ROUNDS, 1), then the serving mix at the default, one round: the event loop's
 #                     CPU per token, the client's ITL p99 / p50, the updates' delivery (HOT_SERVE=0: the front
-#                     end only; HOT_REQS requests, 1024)
+#                     end only; HOT_REQS requests, 1024; HOT_FLAGS more bench flags, e.g. --long_fraction 0.2)
 V=${1:?sweep or hot}
 P=docs/data/perf/session45
 source scripts/device/env.sh >/dev/null 2>&1
@@ -26,7 +26,7 @@ hot)   m=$(bash $G shape_model_dir)
        # own auto loop: uvloop too, as .whl installs it)
        for r in $(seq 1 ${HOT_ROUNDS:-1}); do for arm in "$PWD:checkout:" "$PWD:asyncio:--loop asyncio" "/tmp/old_tree:old:"; do
            tree=${arm%:*}; flags=${arm##*:}; name=${tree#*:}_r$r
-           (cd ${tree%%:*} && timeout ${FRONT_S:-100} python benchmarks/bench_http_frontend.py --model_dir "$m" $flags \
+           (cd ${tree%%:*} && timeout ${FRONT_S:-100} python benchmarks/bench_http_frontend.py --model_dir "$m" $flags ${HOT_FLAGS:-} \
                --arms stream --step_ms 2.1 --num_requests ${HOT_REQS:-1024} --max_new_tokens 256 --gsm8k "$OLDPWD/.data/test.jsonl" \
                --out "$O/front_$name.json" > "$O/front_$name.log" 2>&1)
            echo "== $name | rc $?"
