@@ -102,6 +102,7 @@ from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, fit_text
                                     load_gsm8k, load_prompt_file, take_cyclic)
 from lightllm.tools.report import Column, ratio, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
 from lightllm.utils.server_launcher import MetricsPage, process_cpu_seconds, scrape  # noqa: E402
+from lightllm.server.metrics import METRICS_PUBLISH_S  # noqa: E402
 import prefix_cache_workloads as pcw  # noqa: E402 (--prefix_cache's workloads and rows)
 
 DEFAULT_OUT = "bench_e2e_throughput.json"
@@ -765,7 +766,8 @@ SERVING_DEFINITIONS = {
     "prefill_steps": "/metrics delta: batch steps that were not decode steps (mixed steps included)",
     "itl_router_ms": "/metrics delta of lightllm_inter_token_latency_seconds (the router's clock between two updates "
                      "of a request, every request), the quantile estimated linearly within its bucket",
-    "http_cpu_share": "the HTTP process's user + system CPU seconds over the timed run / its wall time",
+    "http_cpu_share": "the HTTP process's user + system CPU seconds over the timed run / its wall time (with "
+                      "--httpserver_workers: process 0's only)",
     "update_delivery_ms": "/metrics delta of lightllm_update_delivery_seconds (the router's send of a step's updates "
                           "to the HTTP process's event loop handling them, one per message), estimated as itl_router_ms",
 }
@@ -1036,8 +1038,11 @@ def run_serving(args) -> Dict[str, object]:
                 t0 = time.perf_counter()
                 warm_up(server.url, warm_texts, warm_tokens, args.concurrency, requests=n_warm)
                 print(f"[{mode}] warm-up: {n_warm} requests in {time.perf_counter() - t0:.1f}s", flush=True)
+            settle_s = metrics_settle_s(flags)
+            time.sleep(settle_s)
             before, cpu0 = scrape(server.url), process_cpu_seconds(server.proc.pid)
             traces = send_streamed(server.url, bodies, args.concurrency, args.client_procs, mode)
+            time.sleep(settle_s)
             grown, cpu1 = scrape(server.url) - before, process_cpu_seconds(server.proc.pid)
         row = serving_row(mode, workload, traces, grown, None if cpu0 is None or cpu1 is None else cpu1 - cpu0)
         row["server_args"] = flags
@@ -1053,6 +1058,13 @@ def run_serving(args) -> Dict[str, object]:
                   "arms": rows}
         write_json(args.out, result)  # after every arm: a run cut short keeps its finished arms
     return result
+
+
+def metrics_settle_s(flags: Sequence[str]) -> float:
+    """How long to wait before scraping a server started with ``flags``: with several HTTP processes
+    (--httpserver_workers) a page holds the others' counts as of their last publish."""
+    n = int(flags[flags.index("--httpserver_workers") + 1]) if "--httpserver_workers" in flags else 1
+    return 2 * METRICS_PUBLISH_S if n > 1 else 0.0
 
 
 # --prefix_cache: the radix prompt cache, cache on vs off, one server per arm and round

@@ -165,6 +165,10 @@ def make_argument_parser() -> argparse.ArgumentParser:
     http.add_argument("--loop", type=str, default=d.loop, choices=LOOP_IMPLEMENTATIONS,
                       help="The HTTP server's event loop (uvicorn's --loop): uvloop (C, uvicorn[standard]'s) or "
                            "asyncio; auto takes uvloop when it is installed, as uvicorn does.")
+    http.add_argument("--httpserver_workers", type=int, default=d.httpserver_workers,
+                      help="HTTP server processes sharing the port (LightLLM's flag): each parses, tokenizes, "
+                           "detokenizes and streams its own connections, so a busy server's streams do not wait "
+                           "for one event loop. /metrics adds up every process's counts.")
     p = top.add_argument_group("parallel hosts", "Ranks spread over several hosts (docs/parallel.md).")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="Hosts the --tp ranks are spread over.")
     p.add_argument("--node_rank", type=int, default=d.node_rank,

@@ -25,7 +25,7 @@ from lightllm.server.core.objs.sampling_params import (MAX_SEED, MAX_TOP_LOGPROB
                                                        is_utf8_text, quote)
 from lightllm.server.httpserver.manager import (ClientDisconnected, HttpServerManager, ReqResult, ShuttingDown,
                                                 Unavailable)
-from lightllm.server.metrics import THROUGHPUT_LOG_INTERVAL_S
+from lightllm.server.metrics import METRICS_PUBLISH_S, THROUGHPUT_LOG_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ CLIENT_CLOSED_REQUEST = 499
 # Worker watchdog: how often it looks, how long failed requests get to send their 503
 WORKER_WATCH_INTERVAL_S = 0.5
 WORKER_DEATH_GRACE_S = 0.5
+# --httpserver_workers: how long process 0 then waits for the others to fail their requests and exit
+PEERS_WORKER_DEATH_WAIT_S = 2.0
 WORKER_DIED_EXIT_CODE = 1  # the API server's exit status when the model worker died
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's newer names for roles the chat templates know by their older ones
@@ -538,6 +540,8 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         logger.error("the model worker exited (code %s): failing %d waiting requests, exiting with code %d",
                      manager.worker_exit_code(), failed, WORKER_DIED_EXIT_CODE)
         await asyncio.sleep(WORKER_DEATH_GRACE_S)  # the failed requests send their 503
+        if manager.peers is not None:  # and those of the other HTTP processes (WorkerExited told them)
+            await asyncio.to_thread(manager.peers.join, PEERS_WORKER_DEATH_WAIT_S)
         manager.stop_worker()
         exit_process(WORKER_DIED_EXIT_CODE)
 
@@ -548,15 +552,26 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             if line is not None:
                 logger.info("%s", line)
 
+    async def publish_metrics():
+        while True:
+            await asyncio.sleep(METRICS_PUBLISH_S)
+            manager.shared_metrics.publish()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         manager.start(asyncio.get_running_loop())
         tasks = [asyncio.create_task(watch_worker())]
         if manager.throughput is not None:
             tasks.append(asyncio.create_task(log_throughput()))
+        if manager.shared_metrics is not None:
+            tasks.append(asyncio.create_task(publish_metrics()))
         yield
         for task in tasks:
             task.cancel()
+        if manager.shared_metrics is not None:
+            manager.shared_metrics.publish()  # this process's last counts stay on the others' pages
+        if manager.peers is not None:  # the other HTTP processes finish their requests before the worker stops
+            await asyncio.to_thread(manager.peers.join)
         manager.shutdown()
 
     app = FastAPI(title="lightllm", lifespan=lifespan)
@@ -621,7 +636,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
     @app.get("/metrics")
     async def metrics():
-        return Response(content=manager.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(content=manager.render_metrics(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():

@@ -6,8 +6,10 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from typing import List, Optional, Sequence
 
 from lightllm.common.constants import (DATA_TYPE_ALIASES, DATA_TYPES, HTTP_IMPLEMENTATIONS, LOAD_FORMATS,
@@ -27,6 +29,8 @@ WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # File descriptors kept free beyond --limit_concurrency connections (model files, pipes, logs)
 SPARE_FILE_DESCRIPTORS = 256
+# Most HTTP server processes (--httpserver_workers): each holds a tokenizer and a queue the router feeds
+MAX_HTTPSERVER_WORKERS = 64
 
 
 class StartArgsError(ValueError):
@@ -204,9 +208,11 @@ def _validate_http(args: StartArgs) -> None:
         v = getattr(args, flag)
         _need(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"--{flag}",
               f"must be a number of seconds > 0, got {v!r}")
-    for flag in ("limit_concurrency", "backlog", "stream_interval"):
+    for flag in ("limit_concurrency", "backlog", "stream_interval", "httpserver_workers"):
         v = getattr(args, flag)
         _need(not isinstance(v, bool) and isinstance(v, int) and v >= 1, f"--{flag}", f"must be an integer >= 1, got {v!r}")
+    _need(args.httpserver_workers <= MAX_HTTPSERVER_WORKERS, "--httpserver_workers",
+          f"must be <= {MAX_HTTPSERVER_WORKERS}, got {args.httpserver_workers}")
     _need(args.http in HTTP_IMPLEMENTATIONS, "--http", f"must be one of {', '.join(HTTP_IMPLEMENTATIONS)}, got {args.http!r}")
     _need(args.http != "httptools" or httptools_installed(), "--http",
           "httptools is not installed (pip install httptools, or --http h11)")
@@ -263,10 +269,12 @@ def resolve_device_and_dtype(args: StartArgs):
 
 
 class WorkerProcesses:
-    """This node's rank processes (router + model worker each), in rank order."""
+    """This node's rank processes (router + model worker each), in rank order, and on node 0 the
+    queues rank 0 sends updates on (one per HTTP process)."""
 
-    def __init__(self, procs: List[mp.Process]):
+    def __init__(self, procs: List[mp.Process], update_queues: Sequence = ()):
         self.procs = procs
+        self.update_queues = list(update_queues)
 
     def is_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -330,7 +338,10 @@ def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[
                                f"found {found}")
     ctx = mp.get_context("spawn")
     is_driver_node = ranks[0] == 0
-    in_q, out_q = (ctx.Queue(), ctx.Queue()) if is_driver_node else (None, None)
+    # the requests' queue, and one updates' queue per HTTP process (--httpserver_workers)
+    in_q = ctx.Queue() if is_driver_node else None
+    out_qs = [ctx.Queue() for _ in range(args.httpserver_workers)] if is_driver_node else [None]
+    out_q = out_qs[0]
     if in_q is not None:
         # Our exit never waits to flush requests into the pipe of a worker that is gone
         # (a full pipe would block it for ever); the workers' own side: router_worker_main.
@@ -338,11 +349,11 @@ def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[
     procs = []
     with _signals_ignored(WORKER_IGNORED_SIGNALS):
         for rank in ranks:
-            queues = (in_q, out_q) if rank == 0 else (None, None)
+            queues = (in_q, out_qs if len(out_qs) > 1 else out_q) if rank == 0 else (None, None)
             proc = ctx.Process(target=_router_worker, args=(args, device, dtype, *queues, rank), daemon=True)
             proc.start()
             procs.append(proc)
-    workers = WorkerProcesses(procs)
+    workers = WorkerProcesses(procs, out_qs)
     # They ignore SIGTERM, which is how multiprocessing ends daemon children at exit (it would then
     # wait for them for ever): on any exit, kill what is left first (atexit runs this before it).
     atexit.register(workers.kill)
@@ -404,20 +415,62 @@ def _launch_subprocesses(args: StartArgs) -> None:
     from lightllm.server.httpserver.serving import serve_http
 
     _raise_open_file_limit(args.limit_concurrency + SPARE_FILE_DESCRIPTORS)
-    manager = HttpServerManager(args, in_q, out_q, ready, worker=workers)
+    peers = metrics_dir = None
+    if args.httpserver_workers > 1:
+        from lightllm.server.httpserver.peers import PEER_EXIT_MARGIN_S, HttpPeers
+        from lightllm.server.httpserver.serving import SHUTDOWN_FAIL_GRACE_S
+
+        metrics_dir = tempfile.mkdtemp(prefix="lightllm-metrics-")
+        peers = HttpPeers.start(_http_worker, args, sock, in_q, workers.update_queues[1:], ready, metrics_dir, workers,
+                                args.timeout_graceful_shutdown + SHUTDOWN_FAIL_GRACE_S + PEER_EXIT_MARGIN_S)
+    manager = HttpServerManager(args, in_q, out_q, ready, worker=workers, metrics_dir=metrics_dir)
+    manager.peers = peers
     app = create_app(manager)
     logging.getLogger(__name__).info(
-        "serving %s on http://%s:%d (device %s, %s, KV pool %d tokens, %d CUDA graphs)",
+        "serving %s on http://%s:%d (device %s, %s, KV pool %d tokens, %d CUDA graphs, %d HTTP processes)",
         args.resolved_model_dir, args.host, args.port, ready.device, ready.data_type, ready.max_total_token_num,
-        ready.cuda_graphs,
+        ready.cuda_graphs, args.httpserver_workers,
     )
     try:
-        serve_http(app, manager, args, sock)
+        serve_http(app, manager, args, sock, on_signal=None if peers is None else peers.forward)
     finally:
-        manager.shutdown()  # the app's shutdown did it already, unless uvicorn was forced out
+        if peers is not None:  # the app's shutdown did it already, unless uvicorn was forced out
+            peers.join()
+        manager.shutdown()  # likewise
         workers.stop()
         manager.close()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     logging.getLogger(__name__).info("shut down")
+    if peers is not None and peers.failed:
+        from lightllm.server.httpserver.peers import PEER_DIED_EXIT_CODE
+
+        sys.exit(PEER_DIED_EXIT_CODE)
+
+
+def _http_worker(args: StartArgs, index: int, sock, in_q, out_q, ready, metrics_dir: str) -> None:
+    """Entry of HTTP process ``index`` (1..N-1) of --httpserver_workers N (httpserver/peers.py)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT.replace("%(name)s", f"http[{index}] %(name)s"))
+    from lightllm.utils.process_lifetime import exit_with_parent
+
+    exit_with_parent()
+    logging.getLogger(__name__).info("HTTP process %d of %d: pid %d", index, args.httpserver_workers, os.getpid())
+    from lightllm.server.api_http import create_app
+    from lightllm.server.httpserver.manager import HttpServerManager
+    from lightllm.server.httpserver.peers import PEER_SHUTDOWN_SIGNAL, WorkerState
+    from lightllm.server.httpserver.serving import serve_http
+
+    _raise_open_file_limit(args.limit_concurrency + SPARE_FILE_DESCRIPTORS)
+    manager = HttpServerManager(args, in_q, out_q, ready, worker=WorkerState(), http_worker=index,
+                                metrics_dir=metrics_dir)
+    app = create_app(manager)
+    try:
+        serve_http(app, manager, args, sock, shutdown_signals=(PEER_SHUTDOWN_SIGNAL,))
+    finally:
+        manager.shutdown()
+        manager.close()
 
 
 def _raise_open_file_limit(wanted: int) -> None:

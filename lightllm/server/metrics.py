@@ -2,6 +2,7 @@
 line of the log (``ThroughputLog``)."""
 import itertools
 import math
+import os
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -9,12 +10,18 @@ from typing import List, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from lightllm.common.constants import MTP_TABLE_WIDTH
 
 # Seconds between two throughput lines while the server is busy (vLLM: 10, LightLLM: a few)
 THROUGHPUT_LOG_INTERVAL_S = 5.0
+# Seconds between two writes of an HTTP process's /metrics page for the others (--httpserver_workers)
+METRICS_PUBLISH_S = 0.5
+PAGE_SUFFIX = ".prom"
 # accept_len of one request in one verify step is 1..MTP_TABLE_WIDTH (drafts + 1)
 ACCEPT_LEN_BUCKETS = tuple(range(1, MTP_TABLE_WIDTH + 1))
 LATENCY_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -252,6 +259,79 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+class MergedPage:
+    """A collector that yields already merged metric families (``merge_metric_pages``)."""
+
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def merge_metric_pages(pages: Sequence[str]) -> bytes:
+    """One /metrics page of several HTTP processes' pages (--httpserver_workers), each sample the
+    sum of its values: every process counts its own requests, and only process 0 sets the worker's
+    series (gauges included), which the others leave at 0. ``_created`` takes the earliest, and the
+    mean committed tokens per step is the merged accept-length histogram's sum over its count."""
+    merged = {}  # family name -> (family, {(sample name, labels): value})
+    for page in pages:
+        for fam in text_string_to_metric_families(page):
+            _, values = merged.setdefault(fam.name, (fam, {}))
+            for sample in fam.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                old = values.get(key)
+                if old is None:
+                    values[key] = sample.value
+                else:
+                    values[key] = min(old, sample.value) if sample.name.endswith("_created") else old + sample.value
+    accept = merged.get("lightllm_mtp_accept_len")
+    if accept is not None and "lightllm_mtp_mean_tokens_per_step" in merged:
+        count = accept[1].get(("lightllm_mtp_accept_len_count", ()), 0.0)
+        total = accept[1].get(("lightllm_mtp_accept_len_sum", ()), 0.0)
+        merged["lightllm_mtp_mean_tokens_per_step"][1][("lightllm_mtp_mean_tokens_per_step", ())] = (
+            total / count if count else 0.0)
+    families = []
+    for fam, values in merged.values():
+        out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+        out.samples = [Sample(name, dict(labels), value) for (name, labels), value in values.items()]
+        families.append(out)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MergedPage(families))
+    return generate_latest(registry)
+
+
+class SharedMetricsPage:
+    """/metrics of several HTTP processes (--httpserver_workers): each writes its own page into a
+    directory they share (``publish``, every METRICS_PUBLISH_S and at exit), and any process
+    answers a scrape with its own page now merged with the others' last ones, so a page is at most
+    METRICS_PUBLISH_S behind for the other processes' requests (prometheus_client's multiprocess
+    mode shares values the same way, through files)."""
+
+    def __init__(self, metrics: "ServerMetrics", directory: str, index: int):
+        self.metrics = metrics
+        self.directory = directory
+        self.path = os.path.join(directory, f"http_{index}{PAGE_SUFFIX}")
+
+    def publish(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(self.metrics.render())
+        os.replace(tmp, self.path)  # readers see a whole page, old or new
+
+    def render(self) -> bytes:
+        pages = [self.metrics.render().decode()]
+        for name in sorted(os.listdir(self.directory)):
+            path = os.path.join(self.directory, name)
+            if name.endswith(PAGE_SUFFIX) and path != self.path:
+                try:
+                    with open(path) as f:
+                        pages.append(f.read())
+                except FileNotFoundError:  # replaced between listing and reading
+                    continue
+        return merge_metric_pages(pages)
+
+
 class RequestClock:
     """The serving latencies of one request, measured as vLLM v1 measures them (its
     ``IterationStats``), each against one clock only:
@@ -303,9 +383,10 @@ class ThroughputLog:
     tokens per request per decode step. Fed by the HTTP server's worker reader (``observe``,
     ``add_prompt``); ``line()`` is None while idle (nothing happened since the last line)."""
 
-    def __init__(self, kv_capacity_tokens: int, mtp: bool = False, clock=time.monotonic):
+    def __init__(self, kv_capacity_tokens: int, mtp: bool = False, clock=time.monotonic, source: str = ""):
         self.kv_capacity_tokens = kv_capacity_tokens
         self.mtp = mtp  # report MTP tokens/step (a server with --mtp_mode)
+        self.source = source  # whose requests the tokens are ("": all; --httpserver_workers: one process's)
         self._clock = clock
         self._since = clock()
         self._prompt_tokens = 0
@@ -334,7 +415,7 @@ class ThroughputLog:
             self._since = now
             return None
         kv_share = 100.0 * self._kv_used / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
-        text = (f"throughput: prompt {self._prompt_tokens / elapsed:.1f} tokens/s, "
+        text = (f"throughput{' of ' + self.source if self.source else ''}: prompt {self._prompt_tokens / elapsed:.1f} tokens/s, "
                 f"generation {self._generation_tokens / elapsed:.1f} tokens/s, running {self._running} reqs, "
                 f"waiting {self._waiting} reqs, KV {self._kv_used}/{self.kv_capacity_tokens} tokens "
                 f"({kv_share:.1f}%)")

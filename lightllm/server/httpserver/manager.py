@@ -16,11 +16,11 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
-from lightllm.server.core.objs.messages import AbortReq, AddReq, ReqStepUpdate
+from lightllm.server.core.objs.messages import AbortReq, AddReq, ReqStepUpdate, WorkerExited, first_request_id
 from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError
 from lightllm.server.httpserver.detokenize import REPLACEMENT_CHAR, DetokenizerVocab, IncrementalDetokenizer
 from lightllm.server.httpserver.prompt_encoder import PromptEncoder
-from lightllm.server.metrics import RequestClock, ServerMetrics, ThroughputLog
+from lightllm.server.metrics import RequestClock, ServerMetrics, SharedMetricsPage, ThroughputLog
 
 logger = logging.getLogger(__name__)
 
@@ -244,10 +244,20 @@ def visible_len_without_open_char(text: str, visible: int) -> int:
 
 
 class HttpServerManager:
-    def __init__(self, args, in_q, out_q, ready, worker=None):
+    """One HTTP process's side of the worker link. With --httpserver_workers N, process
+    ``http_worker`` (0..N-1) numbers its requests apart from the others' (first_request_id) and reads
+    its own update queue; process 0 owns the worker (stops it, reads its gauges) and the others learn
+    from it that the worker died (WorkerExited). ``metrics_dir``: where the processes share their
+    /metrics pages (None: one process)."""
+
+    def __init__(self, args, in_q, out_q, ready, worker=None, http_worker: int = 0, metrics_dir: Optional[str] = None):
         self.args = args
         self.in_q, self.out_q = in_q, out_q
         self.worker = worker
+        self.http_worker = http_worker
+        self.owns_worker = http_worker == 0
+        # the other HTTP processes (HttpPeers; process 0 only): shutdown waits for them before the worker stops
+        self.peers = None
         self.vocab_size = ready.vocab_size
         self.max_total_token_num = ready.max_total_token_num
         self.model_dir = args.resolved_model_dir
@@ -268,10 +278,13 @@ class HttpServerManager:
         if self.max_token_chars is None:
             logger.info("the tokenizer normalizes text: prompts are refused by their length only once tokenized")
         self.metrics = ServerMetrics()
+        self.shared_metrics = None if metrics_dir is None else SharedMetricsPage(self.metrics, metrics_dir, http_worker)
         # The periodic throughput line (None: --disable_log_stats)
-        self.throughput = None if args.disable_log_stats else ThroughputLog(self.max_total_token_num,
-                                                                            mtp=args.mtp_mode is not None)
-        self._ids = itertools.count(1)
+        n = args.httpserver_workers
+        source = f"HTTP worker {http_worker} of {n}" if n > 1 else ""
+        self.throughput = None if args.disable_log_stats else ThroughputLog(
+            self.max_total_token_num, mtp=args.mtp_mode is not None, source=source)
+        self._ids = itertools.count(first_request_id(http_worker, n), n)
         self._streams: Dict[int, InFlight] = {}  # the requests in flight, by id
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._reader: Optional[threading.Thread] = None
@@ -300,6 +313,9 @@ class HttpServerManager:
             msg = self.out_q.get()
             if msg is None:
                 return
+            if isinstance(msg, WorkerExited):  # from process 0: the worker is gone (the app's watch acts on it)
+                self.worker.exited(msg.exit_code)
+                continue
             # when the tokens reached this process (time to first token), not when the loop gets to them
             self._loop.call_soon_threadsafe(self._dispatch, *msg, time.monotonic())
 
@@ -307,7 +323,8 @@ class HttpServerManager:
         now = time.monotonic()
         received = now if received is None else received
         self.metrics.update_delivery.observe(max(now - stats.sent_at, 0.0))
-        self.metrics.observe_worker(stats)
+        if self.owns_worker:  # the worker's own series: one process reports them
+            self.metrics.observe_worker(stats)
         if self.throughput is not None:
             self.throughput.observe(updates, stats)
         streams = self._streams
@@ -637,13 +654,18 @@ class HttpServerManager:
             self._poll_timer.cancel()
             self._poll_timer = None
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        for q in (self.in_q, self.out_q):  # the worker's stop, our reader's
+        # the worker's stop (process 0 only: the others share its queue), our reader's
+        for q in (self.in_q, self.out_q) if self.owns_worker else (self.out_q,):
             try:
                 q.put(None)
             except (OSError, ValueError):  # a closed queue
                 pass
         if self._reader is not None:
             self._reader.join(READER_EXIT_TIMEOUT_S)
+
+    def render_metrics(self) -> bytes:
+        """The /metrics page: this process's, or with --httpserver_workers every process's merged."""
+        return self.metrics.render() if self.shared_metrics is None else self.shared_metrics.render()
 
     def close(self) -> None:
         """Close the worker queues (after the worker exited): exiting then never waits to flush

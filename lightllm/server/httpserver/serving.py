@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -175,10 +175,13 @@ class GracefulServer(uvicorn.Server):
     "leaked semaphore" warning at every shutdown), and the caller's own clean-up. Here ``run()``
     returns instead; ``signals`` lists what was received."""
 
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], on_hurry: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], on_hurry: Callable[[], None],
+                 shutdown_signals: Sequence[int] = SHUTDOWN_SIGNALS, on_signal: Optional[Callable[[int], None]] = None):
         super().__init__(config)
         self.on_shutdown = on_shutdown
         self.on_hurry = on_hurry
+        self.shutdown_signals = tuple(shutdown_signals)
+        self.on_signal = on_signal  # called with each shutdown signal received (passed on to other processes)
         self.signals: List[int] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -193,10 +196,12 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
     def capture_signals(self):
-        return signal_handlers(SHUTDOWN_SIGNALS, self.handle_exit)
+        return signal_handlers(self.shutdown_signals, self.handle_exit)
 
     def handle_exit(self, sig: int, frame) -> None:
         self.signals.append(sig)
+        if self.on_signal is not None:
+            self.on_signal(sig)
         self.should_exit = True
         if len(self.signals) == HURRY_SIGNAL_COUNT and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_hurry)
@@ -219,13 +224,14 @@ def uvicorn_config(app, host: str, port: int, limits: ConnectionLimits) -> uvico
     )
 
 
-def make_server(app, manager, args, port: Optional[int] = None) -> GracefulServer:
-    """The server of ``app`` over ``manager`` with ``args``' connection limits (on ``port``, else --port)."""
+def make_server(app, manager, args, port: Optional[int] = None, **signals) -> GracefulServer:
+    """The server of ``app`` over ``manager`` with ``args``' connection limits (on ``port``, else --port);
+    ``signals``: GracefulServer's ``shutdown_signals`` and ``on_signal``."""
     limits = ConnectionLimits.of(args)
     config = uvicorn_config(app, args.host, args.port if port is None else port, limits)
     freeze_start_up_objects()
     return GracefulServer(config, on_shutdown=lambda: manager.begin_shutdown(limits.timeout_graceful_shutdown),
-                          on_hurry=manager.hurry_shutdown)
+                          on_hurry=manager.hurry_shutdown, **signals)
 
 
 def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
@@ -249,10 +255,10 @@ def tune_http_process() -> None:
     sys.setswitchinterval(HTTP_SWITCH_INTERVAL_S)
 
 
-def serve_http(app, manager, args, sock: Optional[socket.socket] = None) -> GracefulServer:
+def serve_http(app, manager, args, sock: Optional[socket.socket] = None, **signals) -> GracefulServer:
     """Serve ``app`` (over ``manager``) until a shutdown signal, on ``sock`` (bind_socket's) or
-    else a socket uvicorn binds; returns once it is shut down."""
+    else a socket uvicorn binds; returns once it is shut down. ``signals``: as make_server's."""
     tune_http_process()
-    server = make_server(app, manager, args)
+    server = make_server(app, manager, args, **signals)
     server.run(sockets=None if sock is None else [sock])
     return server

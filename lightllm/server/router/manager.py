@@ -8,13 +8,9 @@ Failures stay with their requests: one the worker cannot serve, and every reques
 batch step that raised, finish with reason "error" and ``ReqStepUpdate.error`` saying why;
 the loop goes on. Worker processes end with the process that started them.
 """
-import ctypes
 import logging
 import multiprocessing
-import os
 import queue
-import signal
-import sys
 import threading
 import time
 import traceback
@@ -25,13 +21,18 @@ from lightllm.common.req_manager import ReqParamsError
 # the messages to and from the HTTP process (re-exported here for older imports)
 from lightllm.server.core.objs.messages import (  # noqa: F401
     AbortReq, AddReq, BatchClock, PromptCacheStats, ReqStepUpdate, StepTiming, StepUpdates, WorkerError, WorkerReady,
-    WorkerStats, decode_batch_bucket,
+    WorkerStats, decode_batch_bucket, updates_by_http_worker,
 )
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
 from lightllm.server.router.model_infer.mode_backend.base_backend import StepResult
 from lightllm.server.router.req_queue import ReqQueue
 from lightllm.utils.dist_utils import NUM_OVERLAP_MICROBATCHES, ParallelContext, init_parallel, single_rank_context
 from lightllm.utils.gc_freeze import freeze_start_up_objects
+# a worker process ends with its parent (re-exported here for older imports)
+from lightllm.utils.process_lifetime import (  # noqa: F401
+    ORPHAN_EXIT_CODE, PARENT_CHECK_INTERVAL_S, exit_orphan, exit_with_parent, set_parent_death_signal,
+    start_parent_watchdog,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,7 @@ IDLE_POLL_S = 0.05  # how long an idle router waits for a new request
 # A batch step that raises fails its requests and the router goes on; this many failed steps
 # in a row mean the worker itself is broken (a poisoned CUDA context): it raises and exits.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-PARENT_CHECK_INTERVAL_S = 0.5  # how often a worker process checks that its parent lives
 GAUGE_REFRESH_S = 0.25  # how often the driver re-sends its gauges while a step runs (when they changed)
-PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal this process gets when its parent dies
-ORPHAN_EXIT_CODE = 1  # exit status of a worker whose parent (the API server) died
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,8 @@ class GaugePublisher:
 
     def __init__(self, router: "RouterManager", out_q, refresh_s: float = GAUGE_REFRESH_S):
         self.router = router
-        self.out_q = out_q
+        # one queue per HTTP process (--httpserver_workers); the gauges go to the first
+        self.out_qs = list(out_q) if isinstance(out_q, (list, tuple)) else [out_q]
         self.refresh_s = refresh_s
         self._lock = threading.Lock()
         self._sent: Optional[Gauges] = None  # the gauges last sent
@@ -88,7 +87,14 @@ class GaugePublisher:
         """A step's updates with the gauges now and the step timing since the last send."""
         with self._lock:
             self._sent = self._gauges()
-            self.out_q.put((StepUpdates(updates), self._sent.stats(self.router.take_timing())))
+            stats = self._sent.stats(self.router.take_timing())
+            if len(self.out_qs) == 1:
+                self.out_qs[0].put((StepUpdates(updates), stats))
+                return
+            # every process its requests' updates; the first also the stats with none of its own
+            for i, part in enumerate(updates_by_http_worker(updates, len(self.out_qs))):
+                if part or i == 0:
+                    self.out_qs[i].put((StepUpdates(part), stats))
 
     def refresh(self, counts_only: bool = False) -> None:
         """The gauges alone, if they changed since the last send (``counts_only``: if the request
@@ -98,7 +104,7 @@ class GaugePublisher:
             if gauges.same_counts(self._sent) if counts_only else gauges == self._sent:
                 return
             self._sent = gauges
-            self.out_q.put(([], gauges.stats(StepTiming())))
+            self.out_qs[0].put(([], gauges.stats(StepTiming())))
 
     def before_step(self) -> None:
         """After admission, before the step runs: the new request counts."""
@@ -361,60 +367,16 @@ class MessageInbox:
         return msgs
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Linux: have the kernel send ``sig`` to this process when the thread that started it
-    exits (SIGKILL included). Returns False where prctl is unavailable."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def start_parent_watchdog(parent_alive: Callable[[], bool], on_death: Callable[[], None],
-                          interval_s: float = PARENT_CHECK_INTERVAL_S) -> threading.Thread:
-    """A daemon thread that calls ``on_death`` once ``parent_alive()`` turns False, checked
-    every ``interval_s`` whatever the main thread is doing (a long batch step included)."""
-
-    def watch() -> None:
-        while parent_alive():
-            time.sleep(interval_s)
-        on_death()
-
-    thread = threading.Thread(target=watch, name="parent-watchdog", daemon=True)
-    thread.start()
-    return thread
-
-
-def exit_orphan() -> None:
-    logger.error("the process that started this worker is gone: exiting")
-    os._exit(ORPHAN_EXIT_CODE)  # no atexit joins: nobody is left to read our queues
-
-
-def exit_with_parent() -> None:
-    """End this worker process when its parent (the API server or launcher) dies: a
-    parent-death signal where the kernel has one, and a watchdog thread everywhere."""
-    parent = multiprocessing.parent_process()
-    ppid = os.getppid()
-
-    def parent_alive() -> bool:
-        return os.getppid() == ppid and (parent is None or parent.is_alive())
-
-    set_parent_death_signal()
-    if not parent_alive():  # it died before the signal was armed
-        exit_orphan()
-    start_parent_watchdog(parent_alive, exit_orphan)
-
-
 def _format_error(rank: int, e: Exception) -> str:
     return f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
 
 
 def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0) -> None:
     """Process entry of one rank: join the ranks, build the backend, report readiness
-    (rank 0), then loop forever. ``in_q`` / ``out_q`` are None except on rank 0."""
+    (rank 0), then loop forever. ``in_q`` / ``out_q`` are None except on rank 0; ``out_q`` may be a
+    list, one queue per HTTP process (--httpserver_workers): start-up reports go to the first."""
+    out_qs = list(out_q) if isinstance(out_q, (list, tuple)) else [out_q]
+    out_q = out_qs[0]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s router[{rank}]: %(message)s")
     exit_with_parent()
     if device == "cpu":  # ranks share the host's cores
@@ -447,8 +409,9 @@ def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0
         out_q.put(WorkerReady(backend.vocab_size, backend.mem_manager.size, device, dtype, backend.captured_graphs()))
         # From here on, exiting never waits for the queue's feeder thread to flush into a pipe
         # whose reader may be dead (updates for a server that is gone are worthless).
-        out_q.cancel_join_thread()
-    serve_steps(router, parallel, in_q, out_q)
+        for q in out_qs:
+            q.cancel_join_thread()
+    serve_steps(router, parallel, in_q, out_qs)
     parallel.destroy()
 
 

@@ -660,9 +660,10 @@ SIGTERM_KV_TOKENS = SIGTERM_MAX_REQ_TOTAL_LEN + 1024  # the long request's reser
 GRACEFUL_S = 8.0
 
 
-def _sigterm_with_crowd(tmp_path, idle: int, slow: int, extra_args=()) -> None:
+def _sigterm_with_crowd(tmp_path, idle: int, slow: int, extra_args=(), group: bool = True) -> None:
     """Short and one long in-flight request, one unfinished body, ``idle`` idle and ``slow``
-    slow-body connections; SIGTERM to the process group (as a supervisor does). The server must
+    slow-body connections; SIGTERM to the process group (as a supervisor does; ``group`` False: to
+    the API server's process alone, as ``kill PID`` or a container runtime does). The server must
     exit within the bound with every short request finished (on a fast device they may finish
     before the signal: none may fail), the long one failed with 503, its children gone and a clean
     log (exit status 0)."""
@@ -701,7 +702,7 @@ def _sigterm_with_crowd(tmp_path, idle: int, slow: int, extra_args=()) -> None:
         trickler.start()
         time.sleep(1.0)  # in flight
         t0 = time.monotonic()
-        os.killpg(s.proc.pid, signal.SIGTERM)
+        (os.killpg if group else os.kill)(s.proc.pid, signal.SIGTERM)
         code = s.proc.wait(timeout=GRACEFUL_S + EXIT_MARGIN_S)
         took = time.monotonic() - t0
         stop_trickle.set()
@@ -735,6 +736,14 @@ def test_sigterm_with_an_unfinished_body_exits_in_bound(tmp_path):
     """Before: uvicorn waited for the unfinished body for ever (a second SIGTERM did not help);
     the worker died at once of the group's SIGTERM; "leaked semaphore" at every shutdown."""
     _sigterm_with_crowd(tmp_path, idle=0, slow=0)
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["process_group", "api_server_alone"])
+def test_sigterm_with_two_http_processes_exits_in_bound(tmp_path, group):
+    """--httpserver_workers 2: the requests in flight on either process finish (or fail at the
+    bound), and the other process and the worker exit with the API server, whether the signal went to
+    the whole group (each process must count it once) or to the API server alone (it passes it on)."""
+    _sigterm_with_crowd(tmp_path, idle=0, slow=0, extra_args=("--httpserver_workers", "2"), group=group)
 
 
 IDLE_CONNECTIONS = 1000

@@ -7,6 +7,12 @@ Router -> HTTP (``out_q``): ``WorkerReady`` or ``WorkerError`` once at start-up,
 ``(List[ReqStepUpdate], WorkerStats)`` after every step (and gauge-only refreshes with no
 updates).
 
+With ``--httpserver_workers N`` the HTTP processes share ``in_q`` and each has its own ``out_q``:
+process i numbers its requests i + N, i + 2N, ... (``first_request_id``), and a step's updates go to
+the process that sent the request (``updates_by_http_worker``). Process 0 (the one that started the
+worker) also gets the gauge-only refreshes and, should the worker die, tells the others
+(``WorkerExited`` on their queues).
+
 The router re-exports them (``lightllm.server.router.manager``, ``...base_backend``), so older
 imports keep working.
 """
@@ -31,6 +37,28 @@ class AddReq:
 @dataclass
 class AbortReq:
     req_id: int
+
+
+# ---- several HTTP processes (--httpserver_workers) ----
+def first_request_id(http_worker: int, http_workers: int) -> int:
+    """The first id HTTP process ``http_worker`` of ``http_workers`` gives a request; its next ids
+    follow ``http_workers`` apart, so ``req_id % http_workers`` names the process (one process: 1, 2, ...)."""
+    return http_workers + http_worker
+
+
+def updates_by_http_worker(updates: List["ReqStepUpdate"], http_workers: int) -> List[List["ReqStepUpdate"]]:
+    """A step's updates split by the HTTP process that sent each request (first_request_id)."""
+    parts: List[List[ReqStepUpdate]] = [[] for _ in range(http_workers)]
+    for u in updates:
+        parts[u.req_id % http_workers].append(u)
+    return parts
+
+
+@dataclass
+class WorkerExited:
+    """HTTP process 0 -> the other HTTP processes, on their update queues: the model worker exited."""
+
+    exit_code: Optional[int]
 
 
 # ---- router -> HTTP: start-up ----

@@ -71,6 +71,7 @@ class StartArgs:
     http: str = "auto"  # HTTP/1.1 parser (uvicorn's --http): auto (httptools when installed), h11 or httptools
     loop: str = "auto"  # the HTTP server's event loop (uvicorn's --loop): auto (uvloop when installed), asyncio or uvloop
     stream_interval: int = 1  # a stream sends a chunk once this many tokens arrived (SGLang's flag)
+    httpserver_workers: int = 1  # HTTP server processes sharing the port (LightLLM's flag; docs/limits.md)
     # Logging (vLLM's flag names)
     disable_log_requests: bool = False  # no log line per request (method, route, status, tokens, ms)
     disable_log_stats: bool = False  # no periodic throughput line while busy
