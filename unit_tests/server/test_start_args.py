@@ -21,6 +21,9 @@ from unit_tests.server.start_args_util import fake_model_dir
         ({"batch_max_tokens": 0}, "--batch_max_tokens"),
         ({"mixed_max_prefill_tokens": 0}, "--mixed_max_prefill_tokens"),
         ({"mixed_prefill_pace_steps": -1}, "--mixed_prefill_pace_steps"),
+        ({"httpserver_workers": 0}, "--httpserver_workers"),
+        ({"httpserver_workers": 65}, "--httpserver_workers"),
+        ({"httpserver_workers": 2.0}, "--httpserver_workers"),
         ({"model_dir": "/nonexistent/model"}, "--model_dir"),
     ],
 )
@@ -47,6 +50,7 @@ def test_good_flags_resolve_defaults(tmp_path):
         (["--port", "abc"], "argument --port: invalid int value"),
         (["--mtp_asd_regret_budget", "1.0"], "error: --mtp_asd_regret_budget: needs an enabled --mtp_mode"),
         (["--data_type", "int3"], "argument --data_type: invalid choice"),
+        (["--httpserver_workers", "0"], "error: --httpserver_workers: must be an integer >= 1"),
     ] + ([] if torch.cuda.is_available() else [
         (["--enable_deterministic_inference"], "error: --enable_deterministic_inference: needs a CUDA device"),
     ]),
