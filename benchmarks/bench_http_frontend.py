@@ -57,7 +57,7 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
 
 from lightllm.common.constants import HTTP_IMPLEMENTATIONS, LOOP_IMPLEMENTATIONS  # noqa: E402
 from lightllm.server.core.objs.messages import (  # noqa: E402 (after the path set-up)
-    AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats)
+    AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats, updates_by_http_worker)
 from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402
 from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
 
@@ -111,6 +111,8 @@ DEFINITIONS = {
                  "its threads, the worker process, the client processes",
     "http_cpu_us_per_token": "the HTTP process's CPU microseconds per output token (all threads; main: the event "
                              "loop's thread): what caps tok/s at one core per GIL",
+    "httpserver_workers": "HTTP processes (the server's flag); the probe (intake, egress's splits, loop lag) and the "
+                          "CPU columns watch process 0 only, the client's columns (tok/s, TTFT, ITL) all of them",
 }
 
 
@@ -316,7 +318,11 @@ def fake_worker_main(cfg: WorkerConfig, in_q, out_q, watch_parent: bool = True) 
     """The driver loop of router.manager.serve_steps over a FakeEngine (no model): messages
     between steps, a step of ``step_ms``, its updates and gauges sent after it; on None, the
     records go to ``cfg.record_path``. ``watch_parent``: exit with the HTTP process (as the real
-    worker; tests run this in a thread over queue.Queue without it)."""
+    worker; tests run this in a thread over queue.Queue without it). ``out_q`` may be a list, one
+    queue per HTTP process (--httpserver_workers): each gets its requests' updates, the first also
+    the gauges, as GaugePublisher sends them."""
+    out_qs = list(out_q) if isinstance(out_q, (list, tuple)) else [out_q]
+    out_q = out_qs[0]
     from lightllm.server.router.manager import MessageInbox, exit_with_parent
 
     if watch_parent:
@@ -324,10 +330,11 @@ def fake_worker_main(cfg: WorkerConfig, in_q, out_q, watch_parent: bool = True) 
         exit_with_parent()
     engine = FakeEngine(cfg.tokens_per_step, cfg.token_ids, cfg.running_max_req_size)
     out_q.put(WorkerReady(VOCAB_SIZE, FAKE_KV_TOKENS, "fake", "none"))
-    if hasattr(out_q, "cancel_join_thread"):
-        out_q.cancel_join_thread()
+    for q in out_qs:
+        if hasattr(q, "cancel_join_thread"):
+            q.cancel_join_thread()
     step_s = cfg.step_ms / 1e3
-    messages: List[Tuple[float, int]] = []  # per message sent: (put time, updates in it)
+    messages: List[Tuple[float, int, int]] = []  # per message sent: (put time, updates in it, HTTP process)
     steps: List[Tuple[float, float, int]] = []  # per step: (start time.time(), seconds, running requests)
     sent_counts: Optional[Tuple[int, int]] = None
     timing = StepTiming()
@@ -335,10 +342,14 @@ def fake_worker_main(cfg: WorkerConfig, in_q, out_q, watch_parent: bool = True) 
     def put(updates: List[ReqStepUpdate], t: StepTiming) -> None:
         nonlocal sent_counts
         sent_counts = engine.counts()
-        now = time.time()
-        engine.mark_sent(updates, now, len(messages))
-        messages.append((now, len(updates)))
-        out_q.put((StepUpdates(updates), WorkerStats(engine.kv_used(), *sent_counts, t)))
+        stats = WorkerStats(engine.kv_used(), *sent_counts, t)
+        parts = [updates] if len(out_qs) == 1 else updates_by_http_worker(updates, len(out_qs))
+        for dest, part in enumerate(parts):
+            if part or dest == 0:
+                now = time.time()
+                engine.mark_sent(part, now, len(messages))
+                messages.append((now, len(part), dest))
+                out_qs[dest].put((StepUpdates(part), stats))
 
     inbox = MessageInbox(in_q)
     while True:
@@ -542,9 +553,11 @@ def serve_main(config_path: str) -> None:
     import atexit
 
     from lightllm.server.api_http import create_app
-    from lightllm.server.api_start import (LOG_FORMAT, WORKER_IGNORED_SIGNALS, WorkerProcesses, _signals_ignored)
+    from lightllm.server.api_start import (LOG_FORMAT, WORKER_IGNORED_SIGNALS, WorkerProcesses, _http_worker,
+                                           _signals_ignored)
     from lightllm.server.httpserver.manager import HttpServerManager
-    from lightllm.server.httpserver.serving import bind_socket, make_server, tune_http_process
+    from lightllm.server.httpserver.peers import PEER_EXIT_MARGIN_S, HttpPeers
+    from lightllm.server.httpserver.serving import SHUTDOWN_FAIL_GRACE_S, bind_socket, make_server, tune_http_process
     from uvicorn.server import asyncio_run
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -553,21 +566,29 @@ def serve_main(config_path: str) -> None:
                    max_req_total_len=cfg["max_req_total_len"], running_max_req_size=cfg["running_max_req_size"],
                    mtp_mode="eagle_with_att" if cfg["tokens_per_step"] > 1 else None,
                    mtp_step=max(0, cfg["tokens_per_step"] - 1))
-    for flag in ("timeout_request_header", "timeout_keep_alive", "http", "loop", "stream_interval"):
+    for flag in ("timeout_request_header", "timeout_keep_alive", "http", "loop", "stream_interval",
+                 "httpserver_workers"):
         if cfg.get(flag):
             args = replace(args, **{flag: cfg[flag]})
     sock = bind_socket(args.host, args.port, args.backlog)
     ctx = mp.get_context("spawn")
-    in_q, out_q = ctx.Queue(), ctx.Queue()
+    in_q = ctx.Queue()
+    out_qs = [ctx.Queue() for _ in range(args.httpserver_workers)]  # one per HTTP process
+    out_q = out_qs[0]
     in_q.cancel_join_thread()
     wcfg = WorkerConfig(cfg["step_ms"], cfg["tokens_per_step"], cfg["token_ids"], cfg["running_max_req_size"],
                         cfg["worker_record_path"])
     with _signals_ignored(WORKER_IGNORED_SIGNALS):
-        proc = ctx.Process(target=fake_worker_main, args=(wcfg, in_q, out_q), daemon=True)
+        proc = ctx.Process(target=fake_worker_main, args=(wcfg, in_q, out_qs), daemon=True)
         proc.start()
-    workers = WorkerProcesses([proc])
+    workers = WorkerProcesses([proc], out_qs)
     atexit.register(workers.kill)
     ready = out_q.get(timeout=READY_TIMEOUT_S)
+    peers = metrics_dir = None
+    if args.httpserver_workers > 1:  # as api_start starts them; the probe watches process 0 only
+        metrics_dir = tempfile.mkdtemp(prefix="bench-http-metrics-")
+        peers = HttpPeers.start(_http_worker, args, sock, in_q, out_qs[1:], ready, metrics_dir, workers,
+                                args.timeout_graceful_shutdown + SHUTDOWN_FAIL_GRACE_S + PEER_EXIT_MARGIN_S)
     probe = Probe()
 
     class TimedManager(HttpServerManager):
@@ -584,10 +605,18 @@ def serve_main(config_path: str) -> None:
             probe.dispatches.append((t0, time.time() - t0))
 
     _log_server_closes(log)
-    manager = TimedManager(args, TimedInQueue(in_q, probe), TimedOutQueue(out_q, probe), ready, worker=workers)
+    manager = TimedManager(args, TimedInQueue(in_q, probe), TimedOutQueue(out_q, probe), ready, worker=workers,
+                           metrics_dir=metrics_dir)
+    manager.peers = peers
     app = create_app(manager)
     tune_http_process()  # as serve_http does
-    server = make_server(app, manager, args)
+    def all_serving() -> None:  # the others serve once this one does; the client starts once they all do
+        if peers is not None:
+            peers.release()
+            peers.wait_started()
+
+    server = make_server(app, manager, args, on_started=all_serving)
+
     def begin(*_):
         probe.note_threads()
         if profiles is not None:
@@ -632,6 +661,8 @@ def serve_main(config_path: str) -> None:
     try:
         asyncio_run(serve(), loop_factory=server.config.get_loop_factory())
     finally:
+        if peers is not None:
+            peers.join()
         manager.shutdown()
         workers.stop()
         manager.close()
@@ -722,6 +753,7 @@ def start_stack(args, workload: Workload, profile: bool, tmp: str, name: str) ->
            "ready_path": os.path.join(tmp, f"{name}.ready.json"),
            "timeout_request_header": args.timeout_request_header, "timeout_keep_alive": args.timeout_keep_alive,
            "http": args.http, "loop": args.loop, "stream_interval": args.stream_interval,
+           "httpserver_workers": args.httpserver_workers,
            "profile": profile, "profile_cpu_clock": args.profile_clock == "cpu",
            "pstats_path": os.path.abspath(args.profile_pstats) if profile and args.profile_pstats else None}
     cfg_path = os.path.join(tmp, f"{name}.config.json")
@@ -872,6 +904,9 @@ def summarize(arm: str, args, client: List[dict], worker: dict, probe: dict, cpu
     calls = {int(k): v for k, v in probe.get("generate_calls", {}).items()}
     msgs = worker["messages"]
     gets, disp = probe["gets"], probe["dispatches"]
+    # the probe watches HTTP process 0: its gets and dispatches follow the messages sent to it
+    to_first = [k for k, m in enumerate(msgs) if len(m) < 3 or m[2] == 0]
+    first_ordinal = {k: j for j, k in enumerate(to_first)}
     http_ms, inq_ms, intake_ms, admit_ms, reach_ms, prep_ms = [], [], [], [], [], []
     out_ms, hand_ms, to_client_ms, egress_ms, first_egress_ms = [], [], [], [], []
     for r in client:
@@ -891,10 +926,11 @@ def summarize(arm: str, args, client: List[dict], worker: dict, probe: dict, cpu
         k = w["last_msg"]
         if k is not None:
             egress_ms.append(r["done"] - w["last_put"])
-            if k < len(gets) and k < len(disp):
-                out_ms.append(gets[k] - msgs[k][0])
-                hand_ms.append(disp[k][0] - gets[k])
-                to_client_ms.append(r["done"] - disp[k][0])
+            j = first_ordinal.get(k)
+            if j is not None and j < len(gets) and j < len(disp):
+                out_ms.append(gets[j] - msgs[k][0])
+                hand_ms.append(disp[j][0] - gets[j])
+                to_client_ms.append(r["done"] - disp[j][0])
         if r["chunks"] and w["first_put"] is not None:
             first_egress_ms.append(r["chunks"][0][0] - w["first_put"])
     ideal = args.concurrency * args.tokens_per_step / (args.step_ms / 1e3)
@@ -924,7 +960,7 @@ def summarize(arm: str, args, client: List[dict], worker: dict, probe: dict, cpu
         row["tokens_per_chunk"] = tokens / chunks if chunks else None
     lag = [s for t, s in probe["lag"] if t0 <= t <= t1]
     row.update(percentiles("loop_lag_ms", lag, (50, 99, 100), scale=1e3))
-    in_window = [i for i, (t, _) in enumerate(msgs) if t0 <= t <= t1]
+    in_window = [i for i, m in enumerate(msgs) if t0 <= m[0] <= t1]
     row["worker_messages_per_s"] = len(in_window) / wall
     row["updates_per_message"] = (sum(msgs[i][1] for i in in_window) / len(in_window)) if in_window else None
     d = [disp[i][1] for i in in_window if i < len(disp)]
@@ -974,6 +1010,7 @@ def run_arm(arm: str, args, workload: Workload, tmp: str, profile: bool = False)
     row = summarize(arm, args, client, worker, probe, cpu)
     row.update(percentiles("client_loop_lag_ms", [x for _, x in client_lag], (50, 99, 100), scale=1e3))
     row["loop"] = stack.loop
+    row["httpserver_workers"] = args.httpserver_workers
     row["http"] = stack.http
     row["stream_interval"] = args.stream_interval or DEFAULT_STREAM_INTERVAL
     row["profiled"] = profile
@@ -1124,6 +1161,8 @@ def parse_args(argv=None):
                    help="the server's --loop (default: its default, auto)")
     p.add_argument("--stream_interval", type=int, default=None,
                    help="the server's --stream_interval (default: its default, 1)")
+    p.add_argument("--httpserver_workers", type=int, default=1,
+                   help="HTTP processes (the server's flag); the probe and its CPU columns watch process 0 only")
     p.add_argument("--model_dir", default=None,
                    help="the tokenizer and config the HTTP process loads (default: the embedded model's)")
     p.add_argument("--gsm8k", default=None, help="GSM8K test.jsonl (default: the shared copy; else a built-in prompt)")

@@ -432,7 +432,8 @@ def _launch_subprocesses(args: StartArgs) -> None:
         ready.cuda_graphs, args.httpserver_workers,
     )
     try:
-        serve_http(app, manager, args, sock, on_signal=None if peers is None else peers.forward)
+        serve_http(app, manager, args, sock, on_signal=None if peers is None else peers.forward,
+                   on_started=None if peers is None else peers.release)
     finally:
         if peers is not None:  # the app's shutdown did it already, unless uvicorn was forced out
             peers.join()
@@ -448,8 +449,9 @@ def _launch_subprocesses(args: StartArgs) -> None:
         sys.exit(PEER_DIED_EXIT_CODE)
 
 
-def _http_worker(args: StartArgs, index: int, sock, in_q, out_q, ready, metrics_dir: str) -> None:
-    """Entry of HTTP process ``index`` (1..N-1) of --httpserver_workers N (httpserver/peers.py)."""
+def _http_worker(args: StartArgs, index: int, sock, in_q, out_q, ready, metrics_dir: str, go, started) -> None:
+    """Entry of HTTP process ``index`` (1..N-1) of --httpserver_workers N (httpserver/peers.py): its app,
+    then, once process 0 serves (``go``), its server (``started`` set once it accepts connections)."""
     import logging
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT.replace("%(name)s", f"http[{index}] %(name)s"))
@@ -466,8 +468,9 @@ def _http_worker(args: StartArgs, index: int, sock, in_q, out_q, ready, metrics_
     manager = HttpServerManager(args, in_q, out_q, ready, worker=WorkerState(), http_worker=index,
                                 metrics_dir=metrics_dir)
     app = create_app(manager)
+    go.wait()  # process 0's parent-death watch ends this process should process 0 die first
     try:
-        serve_http(app, manager, args, sock, shutdown_signals=(PEER_SHUTDOWN_SIGNAL,))
+        serve_http(app, manager, args, sock, shutdown_signals=(PEER_SHUTDOWN_SIGNAL,), on_started=started.set)
     finally:
         manager.shutdown()
         manager.close()

@@ -39,6 +39,10 @@ PEER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PEER_EXIT_MARGIN_S = 5.0
 # Exit status of process 0 after another HTTP process died under it
 PEER_DIED_EXIT_CODE = 1
+# Seconds the other processes get to start serving (load the tokenizer, start uvicorn), and how often
+# process 0 checks that they are still alive meanwhile
+PEER_START_TIMEOUT_S = 120.0
+STARTED_POLL_S = 0.1
 
 
 class WorkerState:
@@ -64,8 +68,13 @@ class HttpPeers:
     """Process 0's handle on processes 1..N-1: their start, signals, exit, and a thread that tells
     them when the worker dies and shuts the server down when one of them dies."""
 
-    def __init__(self, procs: List[mp.Process], update_queues: list, workers, exit_timeout_s: float):
+    def __init__(self, procs: List[mp.Process], go, started: list, update_queues: list, workers,
+                 exit_timeout_s: float):
         self.procs = procs
+        self.go = go  # set once process 0 serves: the others then start serving too
+        self.started = started  # an event per process, set once it accepts connections
+        self._lock = threading.Lock()
+        self._serving = False  # process 0 serves (its shutdown signals are handled)
         self.update_queues = update_queues
         self.workers = workers  # api_start.WorkerProcesses
         self.exit_timeout_s = exit_timeout_s
@@ -77,20 +86,55 @@ class HttpPeers:
     @classmethod
     def start(cls, target: Callable, args, sock, in_q, update_queues: list, ready, metrics_dir: str, workers,
               exit_timeout_s: float) -> "HttpPeers":
-        """Start ``target(args, index, sock, in_q, update_queue, ready, metrics_dir)`` for index 1..N-1
-        (``update_queues``: theirs, in order)."""
+        """Start ``target(args, index, sock, in_q, update_queue, ready, metrics_dir, go, started)`` for
+        index 1..N-1 (``update_queues``: theirs, in order): it builds its app, waits for ``go``
+        (``release``), serves, and sets ``started``."""
         ctx = mp.get_context("spawn")
-        procs = []
+        go = ctx.Event()
+        procs, started = [], []
         with signal_handlers(PEER_IGNORED_SIGNALS, signal.SIG_IGN):  # inherited: only process 0's signal counts
             for index, q in enumerate(update_queues, start=1):
-                proc = ctx.Process(target=target, args=(args, index, sock, in_q, q, ready, metrics_dir),
-                                   name=f"http-{index}", daemon=True)
+                started.append(ctx.Event())
+                proc = ctx.Process(target=target, name=f"http-{index}", daemon=True,
+                                   args=(args, index, sock, in_q, q, ready, metrics_dir, go, started[-1]))
                 proc.start()
                 procs.append(proc)
-        peers = cls(procs, update_queues, workers, exit_timeout_s)
+        peers = cls(procs, go, started, update_queues, workers, exit_timeout_s)
         atexit.register(peers.kill)  # before multiprocessing's own exit, which would wait for them
         peers._watch.start()
         return peers
+
+    def release(self) -> None:
+        """Process 0 serves (its server's ``on_started``): the others may start serving now (before, a
+        shutdown signal could reach process 0 before it handles one). A process that died meanwhile, or
+        does not start, shuts the server down."""
+        self.go.set()
+        with self._lock:
+            self._serving = True
+            failed = self.failed
+        if failed:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        threading.Thread(target=self._await_started, name="http-peers-start", daemon=True).start()
+
+    def wait_started(self, timeout_s: float = PEER_START_TIMEOUT_S) -> None:
+        """Wait until every process serves; RuntimeError when one exits first or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        for p, event in zip(self.procs, self.started):
+            while not event.wait(STARTED_POLL_S):
+                if not p.is_alive():
+                    raise RuntimeError(f"HTTP process {p.name} exited during start-up (code {p.exitcode})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"HTTP process {p.name} did not start in {timeout_s:g} s")
+
+    def _await_started(self) -> None:
+        try:
+            self.wait_started()
+        except RuntimeError as e:
+            if not self.stopping:
+                logger.error("%s: shutting the server down", e)
+                self.failed = True
+                os.kill(os.getpid(), signal.SIGTERM)
 
     def forward(self, sig: int) -> None:
         """Process 0 received shutdown signal ``sig``: pass it on (each signal once to each process)."""
@@ -140,5 +184,8 @@ class HttpPeers:
                 elif s in peers and not self.stopping:
                     p = peers[s]
                     logger.error("HTTP process %s exited (code %s): shutting the server down", p.name, p.exitcode)
-                    self.failed = True
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    with self._lock:
+                        self.failed = True
+                        serving = self._serving
+                    if serving:  # else release() does it
+                        os.kill(os.getpid(), signal.SIGTERM)

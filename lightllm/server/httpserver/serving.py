@@ -176,8 +176,10 @@ class GracefulServer(uvicorn.Server):
     returns instead; ``signals`` lists what was received."""
 
     def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None], on_hurry: Callable[[], None],
-                 shutdown_signals: Sequence[int] = SHUTDOWN_SIGNALS, on_signal: Optional[Callable[[int], None]] = None):
+                 shutdown_signals: Sequence[int] = SHUTDOWN_SIGNALS, on_signal: Optional[Callable[[int], None]] = None,
+                 on_started: Optional[Callable[[], None]] = None):
         super().__init__(config)
+        self.on_started = on_started  # called once the server accepts connections
         self.on_shutdown = on_shutdown
         self.on_hurry = on_hurry
         self.shutdown_signals = tuple(shutdown_signals)
@@ -188,6 +190,8 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
 
     async def shutdown(self, sockets=None) -> None:
         self.on_shutdown()
@@ -226,7 +230,7 @@ def uvicorn_config(app, host: str, port: int, limits: ConnectionLimits) -> uvico
 
 def make_server(app, manager, args, port: Optional[int] = None, **signals) -> GracefulServer:
     """The server of ``app`` over ``manager`` with ``args``' connection limits (on ``port``, else --port);
-    ``signals``: GracefulServer's ``shutdown_signals`` and ``on_signal``."""
+    ``signals``: GracefulServer's ``shutdown_signals``, ``on_signal`` and ``on_started``."""
     limits = ConnectionLimits.of(args)
     config = uvicorn_config(app, args.host, args.port if port is None else port, limits)
     freeze_start_up_objects()
