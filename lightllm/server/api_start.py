@@ -468,7 +468,7 @@ def _http_worker(args: StartArgs, index: int, sock, in_q, out_q, ready, metrics_
     manager = HttpServerManager(args, in_q, out_q, ready, worker=WorkerState(), http_worker=index,
                                 metrics_dir=metrics_dir)
     app = create_app(manager)
-    go.wait()  # process 0's parent-death watch ends this process should process 0 die first
+    go.wait()  # process 0 serves (should it die first, exit_with_parent ends this process)
     try:
         serve_http(app, manager, args, sock, shutdown_signals=(PEER_SHUTDOWN_SIGNAL,), on_started=started.set)
     finally:

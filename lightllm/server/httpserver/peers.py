@@ -7,6 +7,8 @@ worker's request queue, and each reads its own update queue (``messages.first_re
 busy server's streams are spread over N event loops.
 
 Lifetime:
+- start-up: processes 1..N-1 build their apps while process 0 builds its own, and serve once it does
+  (``release``), so a shutdown signal never reaches process 0 before it handles one;
 - shutdown: process 0 passes each SIGTERM / SIGINT it receives on as PEER_SHUTDOWN_SIGNAL (the
   others ignore SIGTERM and SIGINT, so a signal sent to the whole process group counts once); each
   process shuts down as a one-process server does (``serving.py``), and process 0 stops the worker
