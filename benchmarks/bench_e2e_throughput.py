@@ -101,7 +101,8 @@ from lightllm.tools.client import (  # noqa: E402 (after the path set-up)
 from lightllm.tools.prompts import (chat_prompt_ids, chat_prompt_texts, fit_text_to_tokens, gsm8k_path,  # noqa: E402
                                     load_gsm8k, load_prompt_file, take_cyclic)
 from lightllm.tools.report import Column, ratio, render_table, same_fraction, tokens_per_step, write_json  # noqa: E402
-from lightllm.utils.server_launcher import MetricsPage, process_cpu_seconds, scrape  # noqa: E402
+from lightllm.utils.server_launcher import (MetricsPage, http_process_pids, process_cpu_seconds,  # noqa: E402
+                                            scrape)
 from lightllm.server.metrics import METRICS_PUBLISH_S  # noqa: E402
 import prefix_cache_workloads as pcw  # noqa: E402 (--prefix_cache's workloads and rows)
 
@@ -766,8 +767,8 @@ SERVING_DEFINITIONS = {
     "prefill_steps": "/metrics delta: batch steps that were not decode steps (mixed steps included)",
     "itl_router_ms": "/metrics delta of lightllm_inter_token_latency_seconds (the router's clock between two updates "
                      "of a request, every request), the quantile estimated linearly within its bucket",
-    "http_cpu_share": "the HTTP process's user + system CPU seconds over the timed run / its wall time (with "
-                      "--httpserver_workers: process 0's only)",
+    "http_cpu_share": "the HTTP processes' user + system CPU seconds over the timed run (all of them with "
+                      "--httpserver_workers) / its wall time",
     "update_delivery_ms": "/metrics delta of lightllm_update_delivery_seconds (the router's send of a step's updates "
                           "to the HTTP process's event loop handling them, one per message), estimated as itl_router_ms",
 }
@@ -1040,10 +1041,11 @@ def run_serving(args) -> Dict[str, object]:
                 print(f"[{mode}] warm-up: {n_warm} requests in {time.perf_counter() - t0:.1f}s", flush=True)
             settle_s = metrics_settle_s(flags)
             time.sleep(settle_s)
-            before, cpu0 = scrape(server.url), process_cpu_seconds(server.proc.pid)
+            pids = http_process_pids(server.proc.pid, server.log_path)
+            before, cpu0 = scrape(server.url), processes_cpu_seconds(pids)
             traces = send_streamed(server.url, bodies, args.concurrency, args.client_procs, mode)
             time.sleep(settle_s)
-            grown, cpu1 = scrape(server.url) - before, process_cpu_seconds(server.proc.pid)
+            grown, cpu1 = scrape(server.url) - before, processes_cpu_seconds(pids)
         row = serving_row(mode, workload, traces, grown, None if cpu0 is None or cpu1 is None else cpu1 - cpu0)
         row["server_args"] = flags
         rows.append(row)
@@ -1058,6 +1060,12 @@ def run_serving(args) -> Dict[str, object]:
                   "arms": rows}
         write_json(args.out, result)  # after every arm: a run cut short keeps its finished arms
     return result
+
+
+def processes_cpu_seconds(pids: Sequence[int]) -> Optional[float]:
+    """CPU seconds the processes used so far, summed (None when one cannot be read)."""
+    each = [process_cpu_seconds(pid) for pid in pids]
+    return None if any(c is None for c in each) else sum(each)
 
 
 def metrics_settle_s(flags: Sequence[str]) -> float:

@@ -4,6 +4,7 @@ tools (``lightllm/tools/client.py`` builds on it); httpx is imported only where 
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,6 +109,16 @@ def process_cpu_seconds(pid: int) -> Optional[float]:
         return None
     utime, stime = int(fields[11]), int(fields[12])  # stat(5) fields 14 and 15
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+# The line each extra HTTP process (--httpserver_workers) logs at its start (api_start._http_worker)
+HTTP_PROCESS_PID_LINE = re.compile(r"HTTP process \d+ of \d+: pid (\d+)")
+
+
+def http_process_pids(main_pid: int, log_path: str) -> List[int]:
+    """The server's HTTP processes: the API server's ``main_pid`` and those its log names."""
+    with open(log_path) as f:
+        return [main_pid] + [int(pid) for pid in HTTP_PROCESS_PID_LINE.findall(f.read())]
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ from lightllm.server.core.objs.messages import (ReqStepUpdate, StepTiming, first
 from lightllm.server.httpserver.peers import PEER_DIED_EXIT_CODE
 from lightllm.server.metrics import METRICS_PUBLISH_S, ServerMetrics, SharedMetricsPage, merge_metric_pages
 from lightllm.server.router.manager import GaugePublisher
-from lightllm.utils.server_launcher import MetricsPage, launch_server, scrape
+from lightllm.utils.server_launcher import MetricsPage, http_process_pids, launch_server, scrape
 from unit_tests.server.process_util import process_gone
 
 WORKERS = 2
@@ -142,8 +142,7 @@ def _generate(url: str, prompt: str) -> str:
 
 
 def _peer_pids(log_path: str) -> List[int]:
-    with open(log_path) as f:
-        return [int(m) for m in re.findall(r"HTTP process \d+ of \d+: pid (\d+)", f.read())]
+    return http_process_pids(0, log_path)[1:]
 
 
 def _children(pid: int) -> List[int]:
