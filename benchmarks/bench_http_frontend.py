@@ -570,7 +570,7 @@ def serve_main(config_path: str) -> None:
                  "httpserver_workers"):
         if cfg.get(flag):
             args = replace(args, **{flag: cfg[flag]})
-    sock = bind_socket(args.host, args.port, args.backlog)
+    sock = bind_socket(args.host, args.port, args.backlog, reuse_port=args.httpserver_workers > 1)
     ctx = mp.get_context("spawn")
     in_q = ctx.Queue()
     out_qs = [ctx.Queue() for _ in range(args.httpserver_workers)]  # one per HTTP process
@@ -587,7 +587,7 @@ def serve_main(config_path: str) -> None:
     peers = metrics_dir = None
     if args.httpserver_workers > 1:  # as api_start starts them; the probe watches process 0 only
         metrics_dir = tempfile.mkdtemp(prefix="bench-http-metrics-")
-        peers = HttpPeers.start(_http_worker, args, sock, in_q, out_qs[1:], ready, metrics_dir, workers,
+        peers = HttpPeers.start(_http_worker, args, in_q, out_qs[1:], ready, metrics_dir, workers,
                                 args.timeout_graceful_shutdown + SHUTDOWN_FAIL_GRACE_S + PEER_EXIT_MARGIN_S)
     probe = Probe()
 

@@ -396,7 +396,7 @@ def _launch_subprocesses(args: StartArgs) -> None:
         from lightllm.server.httpserver.serving import bind_socket
 
         try:
-            sock = bind_socket(args.host, args.port, args.backlog)
+            sock = bind_socket(args.host, args.port, args.backlog, reuse_port=args.httpserver_workers > 1)
         except OSError as e:
             print(f"error: --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
             sys.exit(1)
@@ -421,7 +421,7 @@ def _launch_subprocesses(args: StartArgs) -> None:
         from lightllm.server.httpserver.serving import SHUTDOWN_FAIL_GRACE_S
 
         metrics_dir = tempfile.mkdtemp(prefix="lightllm-metrics-")
-        peers = HttpPeers.start(_http_worker, args, sock, in_q, workers.update_queues[1:], ready, metrics_dir, workers,
+        peers = HttpPeers.start(_http_worker, args, in_q, workers.update_queues[1:], ready, metrics_dir, workers,
                                 args.timeout_graceful_shutdown + SHUTDOWN_FAIL_GRACE_S + PEER_EXIT_MARGIN_S)
     manager = HttpServerManager(args, in_q, out_q, ready, worker=workers, metrics_dir=metrics_dir)
     manager.peers = peers
@@ -449,7 +449,7 @@ def _launch_subprocesses(args: StartArgs) -> None:
         sys.exit(PEER_DIED_EXIT_CODE)
 
 
-def _http_worker(args: StartArgs, index: int, sock, in_q, out_q, ready, metrics_dir: str, go, started) -> None:
+def _http_worker(args: StartArgs, index: int, in_q, out_q, ready, metrics_dir: str, go, started) -> None:
     """Entry of HTTP process ``index`` (1..N-1) of --httpserver_workers N (httpserver/peers.py): its app,
     then, once process 0 serves (``go``), its server (``started`` set once it accepts connections)."""
     import logging
@@ -462,13 +462,14 @@ def _http_worker(args: StartArgs, index: int, sock, in_q, out_q, ready, metrics_
     from lightllm.server.api_http import create_app
     from lightllm.server.httpserver.manager import HttpServerManager
     from lightllm.server.httpserver.peers import PEER_SHUTDOWN_SIGNAL, WorkerState
-    from lightllm.server.httpserver.serving import serve_http
+    from lightllm.server.httpserver.serving import bind_socket, serve_http
 
     _raise_open_file_limit(args.limit_concurrency + SPARE_FILE_DESCRIPTORS)
     manager = HttpServerManager(args, in_q, out_q, ready, worker=WorkerState(), http_worker=index,
                                 metrics_dir=metrics_dir)
     app = create_app(manager)
     go.wait()  # process 0 serves (should it die first, exit_with_parent ends this process)
+    sock = bind_socket(args.host, args.port, args.backlog, reuse_port=True, first=False)  # beside process 0's
     try:
         serve_http(app, manager, args, sock, shutdown_signals=(PEER_SHUTDOWN_SIGNAL,), on_started=started.set)
     finally:

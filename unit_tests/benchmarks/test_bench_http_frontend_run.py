@@ -53,7 +53,7 @@ def test_bench_runs_with_two_http_processes(tmp_path):
     data.write_text("".join(json.dumps({"question": f"Question {i}: how many apples are {i} plus {i}?",
                                         "answer": f"{2 * i}\n#### {2 * i}"}) + "\n" for i in range(40)))
     out = tmp_path / "front.json"
-    bench.main(["--arms", "stream", "--httpserver_workers", "2", "--num_requests", str(REQUESTS), "--concurrency", "8",
+    bench.main(["--arms", "stream", "--httpserver_workers", "2", "--num_requests", str(REQUESTS), "--concurrency", "16",
                 "--max_new_tokens", str(NEW_TOKENS), "--step_ms", "5", "--client_procs", "1", "--gsm8k", str(data),
                 "--out", str(out), "--keep_tmp", str(tmp_path / "kept")])
     row = json.loads(out.read_text())["rows"][0]

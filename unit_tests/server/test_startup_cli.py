@@ -47,12 +47,19 @@ def test_unsupported_architecture_is_one_line_before_the_worker(tmp_path, model_
     assert took < BAD_START_S, took
 
 
-def test_port_in_use_is_one_line_at_once(tmp_path):
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "so_reuseport"])
+def test_port_in_use_is_one_line_at_once(tmp_path, reuse_port):
+    """Also with --httpserver_workers 2, whose sockets set SO_REUSEPORT: a port another server holds
+    with SO_REUSEPORT too (a second server started on the same port) is refused, not shared. Without the
+    check a second server bound beside the first."""
     with socket.socket() as taken:
+        if reuse_port:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        p, took = _run(["--model_dir", fake_model_dir(tmp_path), "--port", str(port)])
+        workers = "2" if reuse_port else "1"
+        p, took = _run(["--model_dir", fake_model_dir(tmp_path), "--port", str(port), "--httpserver_workers", workers])
     assert p.returncode == 1
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: --port: cannot listen on 127.0.0.1:{port}"), p.stderr

@@ -1,7 +1,8 @@
 """The other HTTP server processes of ``--httpserver_workers N`` (LightLLM's flag).
 
 Process 0 (the API server, which started the model worker) starts processes 1..N-1 once the worker
-is ready. They share the listening socket (the kernel hands each connection to one of them) and the
+is ready. Each listens on the port with a socket of its own (SO_REUSEPORT: the kernel spreads new
+connections evenly over them); they share the
 worker's request queue, and each reads its own update queue (``messages.first_request_id``,
 ``updates_by_http_worker``). Each parses, tokenizes, detokenizes and streams its own requests, so a
 busy server's streams are spread over N event loops.
@@ -86,9 +87,9 @@ class HttpPeers:
         self._watch = threading.Thread(target=self._watch_processes, name="http-peers", daemon=True)
 
     @classmethod
-    def start(cls, target: Callable, args, sock, in_q, update_queues: list, ready, metrics_dir: str, workers,
+    def start(cls, target: Callable, args, in_q, update_queues: list, ready, metrics_dir: str, workers,
               exit_timeout_s: float) -> "HttpPeers":
-        """Start ``target(args, index, sock, in_q, update_queue, ready, metrics_dir, go, started)`` for
+        """Start ``target(args, index, in_q, update_queue, ready, metrics_dir, go, started)`` for
         index 1..N-1 (``update_queues``: theirs, in order): it builds its app, waits for ``go``
         (``release``), serves, and sets ``started``."""
         ctx = mp.get_context("spawn")
@@ -98,7 +99,7 @@ class HttpPeers:
             for index, q in enumerate(update_queues, start=1):
                 started.append(ctx.Event())
                 proc = ctx.Process(target=target, name=f"http-{index}", daemon=True,
-                                   args=(args, index, sock, in_q, q, ready, metrics_dir, go, started[-1]))
+                                   args=(args, index, in_q, q, ready, metrics_dir, go, started[-1]))
                 proc.start()
                 procs.append(proc)
         peers = cls(procs, go, started, update_queues, workers, exit_timeout_s)

@@ -238,14 +238,22 @@ def make_server(app, manager, args, port: Optional[int] = None, **signals) -> Gr
                           on_hurry=manager.hurry_shutdown, **signals)
 
 
-def bind_socket(host: str, port: int, backlog: int) -> socket.socket:
+def bind_socket(host: str, port: int, backlog: int, reuse_port: bool = False, first: bool = True) -> socket.socket:
     """A listening TCP socket on ``host``:``port`` (OSError when the port is taken or the address
     is not this host's). Start-up binds it before the model worker starts, so such a failure is
-    reported at once, and "serving on" is only printed for a port that is ours."""
+    reported at once, and "serving on" is only printed for a port that is ours. ``reuse_port``:
+    SO_REUSEPORT, so that each HTTP process of --httpserver_workers listens on a socket of its own and
+    the kernel spreads new connections evenly over them (from one shared socket, whichever process
+    wakes first accepts all that wait); the ``first`` of them checks that the port is free (another
+    server's SO_REUSEPORT sockets would otherwise take this one in)."""
+    if reuse_port and first:
+        bind_socket(host, port, backlog).close()
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
         sock.listen(backlog)
     except OSError:
