@@ -556,8 +556,8 @@ def serve_main(config_path: str) -> None:
     from lightllm.server.api_start import (LOG_FORMAT, WORKER_IGNORED_SIGNALS, WorkerProcesses, _http_worker,
                                            _signals_ignored)
     from lightllm.server.httpserver.manager import HttpServerManager
-    from lightllm.server.httpserver.peers import PEER_EXIT_MARGIN_S, HttpPeers
-    from lightllm.server.httpserver.serving import SHUTDOWN_FAIL_GRACE_S, bind_socket, make_server, tune_http_process
+    from lightllm.server.httpserver.peers import HttpPeers
+    from lightllm.server.httpserver.serving import bind_socket, make_server, tune_http_process
     from uvicorn.server import asyncio_run
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -584,11 +584,9 @@ def serve_main(config_path: str) -> None:
     workers = WorkerProcesses([proc], out_qs)
     atexit.register(workers.kill)
     ready = out_q.get(timeout=READY_TIMEOUT_S)
-    peers = metrics_dir = None
+    peers = None
     if args.httpserver_workers > 1:  # as api_start starts them; the probe watches process 0 only
-        metrics_dir = tempfile.mkdtemp(prefix="bench-http-metrics-")
-        peers = HttpPeers.start(_http_worker, args, in_q, out_qs[1:], ready, metrics_dir, workers,
-                                args.timeout_graceful_shutdown + SHUTDOWN_FAIL_GRACE_S + PEER_EXIT_MARGIN_S)
+        peers = HttpPeers.start(_http_worker, args, in_q, out_qs[1:], ready, workers)
     probe = Probe()
 
     class TimedManager(HttpServerManager):
@@ -606,8 +604,7 @@ def serve_main(config_path: str) -> None:
 
     _log_server_closes(log)
     manager = TimedManager(args, TimedInQueue(in_q, probe), TimedOutQueue(out_q, probe), ready, worker=workers,
-                           metrics_dir=metrics_dir)
-    manager.peers = peers
+                           peers=peers)
     app = create_app(manager)
     tune_http_process()  # as serve_http does
     def all_serving() -> None:  # the others serve once this one does; the client starts once they all do
@@ -666,6 +663,8 @@ def serve_main(config_path: str) -> None:
         manager.shutdown()
         workers.stop()
         manager.close()
+        if peers is not None:
+            peers.close()
 
 
 # ---------------------------------------------------------------- the client (this process)

@@ -6,10 +6,8 @@ import json
 import math
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import sys
-import tempfile
 from typing import List, Optional, Sequence
 
 from lightllm.common.constants import (DATA_TYPE_ALIASES, DATA_TYPES, HTTP_IMPLEMENTATIONS, LOAD_FORMATS,
@@ -349,7 +347,7 @@ def start_worker(args: StartArgs, device: Optional[str] = None, dtype: Optional[
     procs = []
     with _signals_ignored(WORKER_IGNORED_SIGNALS):
         for rank in ranks:
-            queues = (in_q, out_qs if len(out_qs) > 1 else out_q) if rank == 0 else (None, None)
+            queues = (in_q, out_qs) if rank == 0 else (None, None)
             proc = ctx.Process(target=_router_worker, args=(args, device, dtype, *queues, rank), daemon=True)
             proc.start()
             procs.append(proc)
@@ -415,16 +413,12 @@ def _launch_subprocesses(args: StartArgs) -> None:
     from lightllm.server.httpserver.serving import serve_http
 
     _raise_open_file_limit(args.limit_concurrency + SPARE_FILE_DESCRIPTORS)
-    peers = metrics_dir = None
+    peers = None
     if args.httpserver_workers > 1:
-        from lightllm.server.httpserver.peers import PEER_EXIT_MARGIN_S, HttpPeers
-        from lightllm.server.httpserver.serving import SHUTDOWN_FAIL_GRACE_S
+        from lightllm.server.httpserver.peers import HttpPeers
 
-        metrics_dir = tempfile.mkdtemp(prefix="lightllm-metrics-")
-        peers = HttpPeers.start(_http_worker, args, in_q, workers.update_queues[1:], ready, metrics_dir, workers,
-                                args.timeout_graceful_shutdown + SHUTDOWN_FAIL_GRACE_S + PEER_EXIT_MARGIN_S)
-    manager = HttpServerManager(args, in_q, out_q, ready, worker=workers, metrics_dir=metrics_dir)
-    manager.peers = peers
+        peers = HttpPeers.start(_http_worker, args, in_q, workers.update_queues[1:], ready, workers)
+    manager = HttpServerManager(args, in_q, out_q, ready, worker=workers, peers=peers)
     app = create_app(manager)
     logging.getLogger(__name__).info(
         "serving %s on http://%s:%d (device %s, %s, KV pool %d tokens, %d CUDA graphs, %d HTTP processes)",
@@ -440,8 +434,8 @@ def _launch_subprocesses(args: StartArgs) -> None:
         manager.shutdown()  # likewise
         workers.stop()
         manager.close()
-        if metrics_dir is not None:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+        if peers is not None:
+            peers.close()
     logging.getLogger(__name__).info("shut down")
     if peers is not None and peers.failed:
         from lightllm.server.httpserver.peers import PEER_DIED_EXIT_CODE

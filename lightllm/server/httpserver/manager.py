@@ -248,16 +248,17 @@ class HttpServerManager:
     ``http_worker`` (0..N-1) numbers its requests apart from the others' (first_request_id) and reads
     its own update queue; process 0 owns the worker (stops it, reads its gauges) and the others learn
     from it that the worker died (WorkerExited). ``metrics_dir``: where the processes share their
-    /metrics pages (None: one process)."""
+    /metrics pages (None: one process); ``peers``: process 0's HttpPeers, whose directory that is."""
 
-    def __init__(self, args, in_q, out_q, ready, worker=None, http_worker: int = 0, metrics_dir: Optional[str] = None):
+    def __init__(self, args, in_q, out_q, ready, worker=None, http_worker: int = 0, metrics_dir: Optional[str] = None,
+                 peers=None):
         self.args = args
         self.in_q, self.out_q = in_q, out_q
         self.worker = worker
         self.http_worker = http_worker
         self.owns_worker = http_worker == 0
         # the other HTTP processes (HttpPeers; process 0 only): shutdown waits for them before the worker stops
-        self.peers = None
+        self.peers = peers
         self.vocab_size = ready.vocab_size
         self.max_total_token_num = ready.max_total_token_num
         self.model_dir = args.resolved_model_dir
@@ -278,6 +279,8 @@ class HttpServerManager:
         if self.max_token_chars is None:
             logger.info("the tokenizer normalizes text: prompts are refused by their length only once tokenized")
         self.metrics = ServerMetrics()
+        if peers is not None:
+            metrics_dir = peers.metrics_dir
         self.shared_metrics = None if metrics_dir is None else SharedMetricsPage(self.metrics, metrics_dir, http_worker)
         # The periodic throughput line (None: --disable_log_stats)
         n = args.httpserver_workers

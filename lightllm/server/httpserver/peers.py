@@ -24,13 +24,16 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from multiprocessing.connection import wait
 from typing import Callable, List, Optional
 
 from lightllm.server.core.objs.messages import WorkerExited
+from lightllm.server.httpserver.serving import SHUTDOWN_FAIL_GRACE_S
 from lightllm.utils.signals import signal_handlers
 
 logger = logging.getLogger(__name__)
@@ -63,6 +66,10 @@ class WorkerState:
         self.exitcode = exit_code
         self._alive = False
 
+    def close(self) -> None:
+        """After every process exited (process 0's last page written): remove the pages' directory."""
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
     def kill(self) -> None:
         pass
 
@@ -71,9 +78,10 @@ class HttpPeers:
     """Process 0's handle on processes 1..N-1: their start, signals, exit, and a thread that tells
     them when the worker dies and shuts the server down when one of them dies."""
 
-    def __init__(self, procs: List[mp.Process], go, started: list, update_queues: list, workers,
+    def __init__(self, procs: List[mp.Process], go, started: list, update_queues: list, workers, metrics_dir: str,
                  exit_timeout_s: float):
         self.procs = procs
+        self.metrics_dir = metrics_dir  # where every process writes its /metrics page (``close`` removes it)
         self.go = go  # set once process 0 serves: the others then start serving too
         self.started = started  # an event per process, set once it accepts connections
         self._lock = threading.Lock()
@@ -87,11 +95,13 @@ class HttpPeers:
         self._watch = threading.Thread(target=self._watch_processes, name="http-peers", daemon=True)
 
     @classmethod
-    def start(cls, target: Callable, args, in_q, update_queues: list, ready, metrics_dir: str, workers,
-              exit_timeout_s: float) -> "HttpPeers":
+    def start(cls, target: Callable, args, in_q, update_queues: list, ready, workers) -> "HttpPeers":
         """Start ``target(args, index, in_q, update_queue, ready, metrics_dir, go, started)`` for
         index 1..N-1 (``update_queues``: theirs, in order): it builds its app, waits for ``go``
         (``release``), serves, and sets ``started``."""
+        metrics_dir = tempfile.mkdtemp(prefix="lightllm-metrics-")
+        # their shutdown bound (serving.py), and a margin
+        exit_timeout_s = args.timeout_graceful_shutdown + SHUTDOWN_FAIL_GRACE_S + PEER_EXIT_MARGIN_S
         ctx = mp.get_context("spawn")
         go = ctx.Event()
         procs, started = [], []
@@ -102,7 +112,7 @@ class HttpPeers:
                                    args=(args, index, in_q, q, ready, metrics_dir, go, started[-1]))
                 proc.start()
                 procs.append(proc)
-        peers = cls(procs, go, started, update_queues, workers, exit_timeout_s)
+        peers = cls(procs, go, started, update_queues, workers, metrics_dir, exit_timeout_s)
         atexit.register(peers.kill)  # before multiprocessing's own exit, which would wait for them
         peers._watch.start()
         return peers
@@ -163,6 +173,10 @@ class HttpPeers:
         if left:
             logger.warning("HTTP processes %s did not exit in time: killing them", ", ".join(left))
             self.kill()
+
+    def close(self) -> None:
+        """After every process exited (process 0's last page written): remove the pages' directory."""
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     def kill(self) -> None:
         for p in self.procs:

@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 from lightllm.common.req_manager import ReqParamsError
 # the messages to and from the HTTP process (re-exported here for older imports)
@@ -67,10 +67,9 @@ class GaugePublisher:
     it is allocated). Gauge-only messages carry no updates and an empty StepTiming. One lock
     orders the reads with the sends, so an older reading never arrives after a newer one."""
 
-    def __init__(self, router: "RouterManager", out_q, refresh_s: float = GAUGE_REFRESH_S):
+    def __init__(self, router: "RouterManager", out_qs: Sequence, refresh_s: float = GAUGE_REFRESH_S):
         self.router = router
-        # one queue per HTTP process (--httpserver_workers); the gauges go to the first
-        self.out_qs = list(out_q) if isinstance(out_q, (list, tuple)) else [out_q]
+        self.out_qs = list(out_qs)  # one queue per HTTP process (--httpserver_workers); the gauges go to the first
         self.refresh_s = refresh_s
         self._lock = threading.Lock()
         self._sent: Optional[Gauges] = None  # the gauges last sent
@@ -371,12 +370,11 @@ def _format_error(rank: int, e: Exception) -> str:
     return f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
 
 
-def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0) -> None:
+def router_worker_main(args, device: str, dtype: str, in_q, out_qs: Optional[Sequence], rank: int = 0) -> None:
     """Process entry of one rank: join the ranks, build the backend, report readiness
-    (rank 0), then loop forever. ``in_q`` / ``out_q`` are None except on rank 0; ``out_q`` may be a
-    list, one queue per HTTP process (--httpserver_workers): start-up reports go to the first."""
-    out_qs = list(out_q) if isinstance(out_q, (list, tuple)) else [out_q]
-    out_q = out_qs[0]
+    (rank 0), then loop forever. ``in_q`` and ``out_qs`` (one queue per HTTP process,
+    --httpserver_workers; start-up reports go to the first) are None except on rank 0."""
+    out_q = out_qs[0] if out_qs is not None else None
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s router[{rank}]: %(message)s")
     exit_with_parent()
     if device == "cpu":  # ranks share the host's cores
@@ -415,12 +413,12 @@ def router_worker_main(args, device: str, dtype: str, in_q, out_q, rank: int = 0
     parallel.destroy()
 
 
-def serve_steps(router: RouterManager, parallel: ParallelContext, in_q, out_q) -> None:
+def serve_steps(router: RouterManager, parallel: ParallelContext, in_q, out_qs: Optional[Sequence]) -> None:
     """The step loop of every rank until the driver receives None."""
     backend = router.backend
     log_every_steps = 200
     next_log = log_every_steps
-    gauges = GaugePublisher(router, out_q) if parallel.is_driver else None
+    gauges = GaugePublisher(router, out_qs) if parallel.is_driver else None
     inbox = MessageInbox(in_q) if parallel.is_driver else None
     if gauges is not None:
         gauges.start()

@@ -470,7 +470,7 @@ def _gauges_sent(q: queue.Queue) -> List[tuple]:
 def test_gauge_publisher_sends_admissions_before_the_step_and_kv_during_it():
     """Before: gauges went out only with a step's updates, after the step."""
     router, q = _FakeRouter(), queue.Queue()
-    pub = GaugePublisher(router, q, refresh_s=0.01)
+    pub = GaugePublisher(router, [q], refresh_s=0.01)
     router.queue.waiting.append("r1")
     pub.before_step()
     assert _gauges_sent(q) == [(0, 0, 0, 1, 0)]  # the first reading; no updates, no timing
