@@ -542,6 +542,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         await asyncio.sleep(WORKER_DEATH_GRACE_S)  # the failed requests send their 503
         if manager.peers is not None:  # and those of the other HTTP processes (WorkerExited told them)
             await asyncio.to_thread(manager.peers.join, PEERS_WORKER_DEATH_WAIT_S)
+            manager.peers.close()  # exit_process skips the launcher's clean-up
         manager.stop_worker()
         exit_process(WORKER_DIED_EXIT_CODE)
 
