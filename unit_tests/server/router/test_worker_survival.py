@@ -296,7 +296,7 @@ def test_serve_loop_survives_poisoned_requests_and_failed_steps(tiny, monkeypatc
     bad = [_params({"do_sample": True}, top_k=2**31), _params({"do_sample": True}, seed=2**70)]
     for m in _msgs(prompts[:1], [ORDINARY[0]]) + _msgs(prompts[1:3], bad, first_id=1):
         in_q.put(m)  # all there before the loop's first poll: one prefill step takes 0 and 2
-    loop = threading.Thread(target=serve_steps, args=(router, single_rank_context("cpu"), in_q, out_q), daemon=True)
+    loop = threading.Thread(target=serve_steps, args=(router, single_rank_context("cpu"), in_q, [out_q]), daemon=True)
     loop.start()
     finished: Dict[int, Result] = {}
     while len(finished) < 3:
