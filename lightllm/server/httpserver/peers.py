@@ -66,10 +66,6 @@ class WorkerState:
         self.exitcode = exit_code
         self._alive = False
 
-    def close(self) -> None:
-        """After every process exited (process 0's last page written): remove the pages' directory."""
-        shutil.rmtree(self.metrics_dir, ignore_errors=True)
-
     def kill(self) -> None:
         pass
 
