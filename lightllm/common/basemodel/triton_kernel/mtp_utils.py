@@ -259,6 +259,12 @@ def _check_verify_inputs(
     return device
 
 
+def _verify_outputs(num_reqs: int, batch_size: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A verify kernel's outputs: ``mtp_accept_len`` int32 [num_reqs], ``accepted_index`` int32 [batch]."""
+    return (torch.empty((num_reqs,), dtype=torch.int32, device=device),
+            torch.empty((batch_size,), dtype=torch.int32, device=device))
+
+
 def mtp_verify(
     req_to_next_token_ids: torch.Tensor,  # [max_req + 1, W] int64
     b_req_mtp_start_loc: torch.Tensor,  # [num_reqs] int32
@@ -273,8 +279,7 @@ def mtp_verify(
     device = _check_verify_inputs(req_to_next_token_ids, b_req_mtp_start_loc, new_next_token_ids, b_req_idx)
     num_reqs = b_req_mtp_start_loc.shape[0]
     batch_size = b_req_idx.shape[0]
-    mtp_accept_len = torch.empty((num_reqs,), dtype=torch.int32, device=device)
-    accepted_index = torch.empty((batch_size,), dtype=torch.int32, device=device)
+    mtp_accept_len, accepted_index = _verify_outputs(num_reqs, batch_size, device)
     if num_reqs == 0:
         return mtp_accept_len, accepted_index
     _fwd_kernel_mtp_verify[(num_reqs,)](
@@ -354,8 +359,7 @@ def mtp_asd_verify(
             raise ValueError(f"relaxed_mask has {relaxed_mask.shape[0]} rows, expected {batch_size}")
 
     num_reqs = b_req_mtp_start_loc.shape[0]
-    mtp_accept_len = torch.empty((num_reqs,), dtype=torch.int32, device=device)
-    accepted_index = torch.empty((batch_size,), dtype=torch.int32, device=device)
+    mtp_accept_len, accepted_index = _verify_outputs(num_reqs, batch_size, device)
     if num_reqs == 0:
         return mtp_accept_len, accepted_index
     _fwd_kernel_mtp_asd_verify[(num_reqs,)](
