@@ -13,9 +13,9 @@ import lightllm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(lightllm.__file__)))
 HTTPSERVER_DIR = os.path.join(REPO, "lightllm", "server", "httpserver")
-# What the HTTP process runs besides httpserver/: the app, its metrics, the messages
+# What the HTTP process runs besides httpserver/: the app, its OpenAI request parsing, its metrics, the messages
 HTTP_SIDE_FILES = [os.path.join(REPO, "lightllm", "server", p) for p in
-                   ("api_http.py", "metrics.py", os.path.join("core", "objs", "messages.py"))]
+                   ("api_http.py", "openai_protocol.py", "metrics.py", os.path.join("core", "objs", "messages.py"))]
 ENGINE_PREFIXES = ("lightllm.server.router", "lightllm.common.basemodel", "lightllm.models", "triton")
 
 
