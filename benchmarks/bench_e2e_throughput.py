@@ -769,6 +769,7 @@ SERVING_DEFINITIONS = {
                      "of a request, every request), the quantile estimated linearly within its bucket",
     "http_cpu_share": "the HTTP processes' user + system CPU seconds over the timed run (all of them with "
                       "--httpserver_workers) / its wall time",
+    "http_cpu_share_by_process": "the same for each HTTP process, process 0 (the API server) first",
     "update_delivery_ms": "/metrics delta of lightllm_update_delivery_seconds (the router's send of a step's updates "
                           "to the HTTP process's event loop handling them, one per message), estimated as itl_router_ms",
 }
@@ -902,11 +903,12 @@ def _fmt_ms(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def router_itl_fields(grown: Optional[MetricsPage], http_cpu_s: Optional[float], wall_s: float) -> Dict[str, Optional[float]]:
+def router_itl_fields(grown: Optional[MetricsPage], http_cpu_s: Optional[Sequence[float]],
+                      wall_s: float) -> Dict[str, object]:
     """The same run seen by the server: the router's inter-token latency (its histogram's growth, every
     request, estimated within buckets), the updates' way to the HTTP process's event loop, and that
     process's CPU time per wall second (near 1: it is the bottleneck, and the client's chunk gaps are its
-    queueing, not the engine's steps)."""
+    queueing, not the engine's steps). ``http_cpu_s``: each HTTP process's CPU seconds over the run."""
     def ms(name: str, q: float) -> Optional[float]:
         v = None if grown is None else grown.quantile(name, q)
         return None if v is None else 1e3 * v
@@ -915,11 +917,12 @@ def router_itl_fields(grown: Optional[MetricsPage], http_cpu_s: Optional[float],
     return {"itl_router_ms_p50": p50, "itl_router_ms_p99": p99,
             "itl_router_p99_over_p50": ratio(p99, p50) if p50 and p99 is not None else None,
             "update_delivery_ms_p50": ms(UPDATE_DELIVERY, 0.5), "update_delivery_ms_p99": ms(UPDATE_DELIVERY, 0.99),
-            "http_cpu_share": None if http_cpu_s is None or wall_s <= 0 else http_cpu_s / wall_s}
+            "http_cpu_share": None if http_cpu_s is None or wall_s <= 0 else sum(http_cpu_s) / wall_s,
+            "http_cpu_share_by_process": None if http_cpu_s is None or wall_s <= 0 else [c / wall_s for c in http_cpu_s]}
 
 
 def serving_row(mode: str, requests: Sequence[ServingRequest], traces: Sequence[StreamTrace],
-                grown: Optional[MetricsPage] = None, http_cpu_s: Optional[float] = None) -> Dict[str, object]:
+                grown: Optional[MetricsPage] = None, http_cpu_s: Optional[Sequence[float]] = None) -> Dict[str, object]:
     """One arm's JSON row (SERVING_DEFINITIONS) from its requests' traces and its /metrics growth."""
     if len(requests) != len(traces) or not traces:
         raise ValueError(f"{mode}: {len(requests)} requests, {len(traces)} traces")
@@ -1044,9 +1047,11 @@ def run_serving(args) -> Dict[str, object]:
             pids = http_process_pids(server.proc.pid, server.log_path)
             before, cpu0 = scrape(server.url), processes_cpu_seconds(pids)
             traces = send_streamed(server.url, bodies, args.concurrency, args.client_procs, mode)
+            cpu1 = processes_cpu_seconds(pids)  # before the settle: the window is the run's
             time.sleep(settle_s)
-            grown, cpu1 = scrape(server.url) - before, processes_cpu_seconds(pids)
-        row = serving_row(mode, workload, traces, grown, None if cpu0 is None or cpu1 is None else cpu1 - cpu0)
+            grown = scrape(server.url) - before
+        row = serving_row(mode, workload, traces, grown,
+                          None if cpu0 is None or cpu1 is None else [b - a for a, b in zip(cpu0, cpu1)])
         row["server_args"] = flags
         rows.append(row)
         add_serving_ratios(rows)
@@ -1062,10 +1067,10 @@ def run_serving(args) -> Dict[str, object]:
     return result
 
 
-def processes_cpu_seconds(pids: Sequence[int]) -> Optional[float]:
-    """CPU seconds the processes used so far, summed (None when one cannot be read)."""
+def processes_cpu_seconds(pids: Sequence[int]) -> Optional[List[float]]:
+    """CPU seconds each process used so far (None when one cannot be read)."""
     each = [process_cpu_seconds(pid) for pid in pids]
-    return None if any(c is None for c in each) else sum(each)
+    return None if any(c is None for c in each) else each
 
 
 def metrics_settle_s(flags: Sequence[str]) -> float:

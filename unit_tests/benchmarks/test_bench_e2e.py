@@ -337,7 +337,7 @@ def test_serving_row_by_hand():
     # the updates' delivery: 150 messages within 1 ms, 40 in (1, 5], 10 in (5, 10]
     for le, n in (("0.001", 150), ("0.005", 190), ("0.01", 200), ("+Inf", 200)):
         grown.samples[(bench.UPDATE_DELIVERY + "_bucket", (("le", le),))] = n
-    row = bench.serving_row("plain", requests, traces, grown, http_cpu_s=1.3)
+    row = bench.serving_row("plain", requests, traces, grown, http_cpu_s=[1.0, 0.3])
     approx = pytest.approx
     assert (row["requests"], row["short_requests"], row["long_requests"]) == (5, 3, 2)
     assert row["output_tokens"] == 21 and row["wall_s"] == approx(2.6) and row["output_tok_s"] == approx(21 / 2.6)
@@ -366,6 +366,7 @@ def test_serving_row_by_hand():
     # rank 50 is the 10th of 50 in (2, 4] ms: 2.4; rank 99 the 9th of 10 in (4, 10]: 4 + 0.9 * 6
     assert (row["itl_router_ms_p50"], row["itl_router_ms_p99"]) == approx((2.4, 9.4))
     assert row["itl_router_p99_over_p50"] == approx(9.4 / 2.4) and row["http_cpu_share"] == approx(1.3 / 2.6)
+    assert row["http_cpu_share_by_process"] == approx([1.0 / 2.6, 0.3 / 2.6])
     # rank 100 is the 100th of 150 in (0, 1] ms: 0.667; rank 198 the 8th of 10 in (5, 10]: 5 + 0.8 * 5
     assert (row["update_delivery_ms_p50"], row["update_delivery_ms_p99"]) == approx((100 / 150, 9.0))
     bare = bench.serving_row("mtp", requests, traces)
