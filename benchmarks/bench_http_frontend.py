@@ -57,7 +57,7 @@ if REPO_ROOT not in sys.path:  # run as a script from anywhere
 
 from lightllm.common.constants import HTTP_IMPLEMENTATIONS, LOOP_IMPLEMENTATIONS  # noqa: E402
 from lightllm.server.core.objs.messages import (  # noqa: E402 (after the path set-up)
-    AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats, updates_by_http_worker)
+    AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats, step_messages)
 from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402
 from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
 
@@ -314,14 +314,13 @@ class WorkerConfig:
     record_path: str
 
 
-def fake_worker_main(cfg: WorkerConfig, in_q, out_q, watch_parent: bool = True) -> None:
+def fake_worker_main(cfg: WorkerConfig, in_q, out_qs: Sequence, watch_parent: bool = True) -> None:
     """The driver loop of router.manager.serve_steps over a FakeEngine (no model): messages
     between steps, a step of ``step_ms``, its updates and gauges sent after it; on None, the
     records go to ``cfg.record_path``. ``watch_parent``: exit with the HTTP process (as the real
-    worker; tests run this in a thread over queue.Queue without it). ``out_q`` may be a list, one
-    queue per HTTP process (--httpserver_workers): each gets its requests' updates, the first also
-    the gauges, as GaugePublisher sends them."""
-    out_qs = list(out_q) if isinstance(out_q, (list, tuple)) else [out_q]
+    worker; tests run this in a thread over queue.Queue without it). ``out_qs``: one queue per HTTP
+    process (--httpserver_workers): each gets its requests' updates, the first also the gauges, as
+    GaugePublisher sends them."""
     out_q = out_qs[0]
     from lightllm.server.router.manager import MessageInbox, exit_with_parent
 
@@ -343,13 +342,11 @@ def fake_worker_main(cfg: WorkerConfig, in_q, out_q, watch_parent: bool = True) 
         nonlocal sent_counts
         sent_counts = engine.counts()
         stats = WorkerStats(engine.kv_used(), *sent_counts, t)
-        parts = [updates] if len(out_qs) == 1 else updates_by_http_worker(updates, len(out_qs))
-        for dest, part in enumerate(parts):
-            if part or dest == 0:
-                now = time.time()
-                engine.mark_sent(part, now, len(messages))
-                messages.append((now, len(part), dest))
-                out_qs[dest].put((StepUpdates(part), stats))
+        for dest, part in step_messages(updates, len(out_qs)):
+            now = time.time()
+            engine.mark_sent(part, now, len(messages))
+            messages.append((now, len(part), dest))
+            out_qs[dest].put((StepUpdates(part), stats))
 
     inbox = MessageInbox(in_q)
     while True:

@@ -133,7 +133,7 @@ def test_fake_worker_loop_serves_requests_and_writes_its_records(tmp_path):
     cfg = bench.WorkerConfig(step_ms=1.0, tokens_per_step=2, token_ids=[3, 4, 5], running_max_req_size=64,
                              record_path=path)
     in_q, out_q = queue.Queue(), queue.Queue()
-    th = threading.Thread(target=bench.fake_worker_main, args=(cfg, in_q, out_q, False), daemon=True)
+    th = threading.Thread(target=bench.fake_worker_main, args=(cfg, in_q, [out_q], False), daemon=True)
     th.start()
     assert isinstance(out_q.get(timeout=10), WorkerReady)
     in_q.put(_add(1, max_new=5, seed=0))

@@ -21,7 +21,7 @@ from lightllm.common.req_manager import ReqParamsError
 # the messages to and from the HTTP process (re-exported here for older imports)
 from lightllm.server.core.objs.messages import (  # noqa: F401
     AbortReq, AddReq, BatchClock, PromptCacheStats, ReqStepUpdate, StepTiming, StepUpdates, WorkerError, WorkerReady,
-    WorkerStats, decode_batch_bucket, updates_by_http_worker,
+    WorkerStats, decode_batch_bucket, step_messages,
 )
 from lightllm.server.router.model_infer.infer_batch import FinishReason, InferReq
 from lightllm.server.router.model_infer.mode_backend.base_backend import StepResult
@@ -87,13 +87,8 @@ class GaugePublisher:
         with self._lock:
             self._sent = self._gauges()
             stats = self._sent.stats(self.router.take_timing())
-            if len(self.out_qs) == 1:
-                self.out_qs[0].put((StepUpdates(updates), stats))
-                return
-            # every process its requests' updates; the first also the stats with none of its own
-            for i, part in enumerate(updates_by_http_worker(updates, len(self.out_qs))):
-                if part or i == 0:
-                    self.out_qs[i].put((StepUpdates(part), stats))
+            for i, part in step_messages(updates, len(self.out_qs)):
+                self.out_qs[i].put((StepUpdates(part), stats))
 
     def refresh(self, counts_only: bool = False) -> None:
         """The gauges alone, if they changed since the last send (``counts_only``: if the request

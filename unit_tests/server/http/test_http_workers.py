@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lightllm.server.core.objs.messages import (ReqStepUpdate, StepTiming, first_request_id,
-                                                updates_by_http_worker)
+                                                step_messages, updates_by_http_worker)
 from lightllm.server.httpserver.peers import PEER_DIED_EXIT_CODE
 from lightllm.server.metrics import METRICS_PUBLISH_S, ServerMetrics, SharedMetricsPage, merge_metric_pages
 from lightllm.server.router.manager import GaugePublisher
@@ -43,6 +43,11 @@ def test_request_ids_route_back_to_their_process():
     assert first_request_id(0, 1) == 1  # one process: 1, 2, 3, ... as before
     parts = updates_by_http_worker([_update(i) for w in (2, 0, 1, 2) for i in ids[w][:2]], n)
     assert [[u.req_id for u in part] for part in parts] == [ids[0][:2], ids[1][:2], ids[2][:2] + ids[2][:2]]
+    # a step's messages: to each process with updates, and always to process 0 (the gauges)
+    sent = step_messages([_update(i) for i in ids[2][:2]], n)
+    assert [(dest, [u.req_id for u in part]) for dest, part in sent] == [(0, []), (2, ids[2][:2])]
+    assert [dest for dest, _ in step_messages([], n)] == [0]
+    assert [(dest, [u.req_id for u in part]) for dest, part in step_messages([_update(7)], 1)] == [(0, [7])]
 
 
 class _FakeRouter:

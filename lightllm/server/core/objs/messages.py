@@ -48,10 +48,18 @@ def first_request_id(http_worker: int, http_workers: int) -> int:
 
 def updates_by_http_worker(updates: List["ReqStepUpdate"], http_workers: int) -> List[List["ReqStepUpdate"]]:
     """A step's updates split by the HTTP process that sent each request (first_request_id)."""
+    if http_workers == 1:
+        return [updates]
     parts: List[List[ReqStepUpdate]] = [[] for _ in range(http_workers)]
     for u in updates:
         parts[u.req_id % http_workers].append(u)
     return parts
+
+
+def step_messages(updates: List["ReqStepUpdate"], http_workers: int) -> List[Tuple[int, List["ReqStepUpdate"]]]:
+    """(HTTP process, its updates) for each message a step sends: to every process with updates, and
+    always to process 0, which also reads the gauges."""
+    return [(i, part) for i, part in enumerate(updates_by_http_worker(updates, http_workers)) if part or i == 0]
 
 
 @dataclass
