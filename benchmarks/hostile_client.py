@@ -100,11 +100,17 @@ class Client:
         return self.http.get("/health").status_code
 
 
+def error_param(body) -> Optional[str]:
+    """The field an error answer names (OpenAI's error object: error.param)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return error.get("param") if isinstance(error, dict) else None
+
+
 def _refused(c: Client, path: str, body=None, raw: Optional[bytes] = None, status: int = 400,
              field_name: Optional[str] = None) -> Tuple[bool, str]:
     r = c.post(path, body, raw)
     try:
-        got_field = r.json().get("field")
+        got_field = error_param(r.json())
     except ValueError:
         got_field = None
     ok = r.status_code == status and (field_name is None or got_field == field_name)
@@ -333,7 +339,7 @@ def _prompt_alone_too_long(c: Client) -> Tuple[bool, str]:
 
 def _text_plain_post(c: Client) -> Tuple[bool, str]:
     r = c.http.post("/generate", content=b'{"inputs": "hi"}', headers={"content-type": "text/plain"})
-    field_name = r.json().get("field") if r.status_code == 415 else None
+    field_name = error_param(r.json()) if r.status_code == 415 else None
     return r.status_code == 415 and field_name == "content-type", f"{r.status_code} {field_name}"
 
 

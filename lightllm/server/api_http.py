@@ -18,14 +18,15 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingParamsError, quote
 from lightllm.server.httpserver.manager import (ClientDisconnected, HttpServerManager, ReqResult, ShuttingDown,
                                                 Unavailable)
 from lightllm.server.metrics import METRICS_PUBLISH_S, THROUGHPUT_LOG_INTERVAL_S
-from lightllm.server.openai_protocol import (MAX_FIELD_NAME_CHARS, ModelNotFound, client_error, client_text, need_text,
-                                             openai_names, parse_openai_request)
+from lightllm.server.openai_protocol import (ModelNotFound, OpenAIRequest, check_token_ids, client_error, error_body,
+                                             fill_max_tokens, need_text, openai_names, parse_openai_request)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ WORKER_DIED_EXIT_CODE = 1  # the API server's exit status when the model worker 
 # preflight) can only send text/plain, form or multipart bodies
 JSON_MEDIA_TYPE = "application/json"
 CLOSE_CONNECTION = {"connection": "close"}
+Run = Tuple[List[int], SamplingParams]  # one choice of an OpenAI request: its prompt's ids and its parameters
 
 
 class BodyTooLarge(Exception):
@@ -179,9 +181,7 @@ def _json_response(content: Dict[str, Any]) -> JSONResponse:
 
 
 def _error(status: int, field: Optional[str], message: str) -> JSONResponse:
-    field = None if field is None else client_text(field, MAX_FIELD_NAME_CHARS)
-    text = message if field is None else f"{field}: {message}"
-    return JSONResponse(status_code=status, content={"error": client_text(text), "field": field})
+    return JSONResponse(status_code=status, content=error_body(status, field, message))
 
 
 def _content_length(request: Request) -> Optional[int]:
@@ -348,9 +348,12 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
     @app.exception_handler(ModelNotFound)
     async def _no_such_model(request: Request, exc: ModelNotFound):
-        # OpenAI's error object (what vLLM answers), and the field as our other refusals name it
-        return JSONResponse(status_code=404, content={
-            "error": {"message": str(exc), "type": "NotFoundError", "param": "model", "code": 404}, "field": "model"})
+        return _error(404, "model", str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # no such route or method
+        return JSONResponse(status_code=exc.status_code, content=error_body(exc.status_code, None, str(exc.detail)),
+                            headers=exc.headers)
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request: Request, exc: BodyTooLarge):
@@ -400,10 +403,21 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
     async def metrics():
         return Response(content=manager.render_metrics(), media_type="text/plain; version=0.0.4")
 
+    started = int(time.time())
+
+    def model_card() -> Dict[str, Any]:
+        return {"id": manager.model_name, "object": "model", "created": started, "owned_by": "lightllm",
+                "max_model_len": manager.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": manager.model_name, "object": "model", "owned_by": "lightllm",
-                                            "max_model_len": manager.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != manager.model_name:
+            raise ModelNotFound(model, manager.model_name)
+        return model_card()
 
     async def _lightllm_request(body, streaming: bool) -> Tuple[List[int], SamplingParams]:
         inputs = need_text("inputs", body.get("inputs"))
@@ -489,14 +503,16 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def _usage(results: List[ReqResult]) -> Dict[str, Any]:
-        """OpenAI usage: the prompt once, the completion tokens of every choice, and of the prompt
-        the tokens served from the prompt cache (OpenAI's prompt_tokens_details.cached_tokens)."""
-        prompt, n = results[0].prompt_tokens, sum(len(r.token_ids) for r in results)
-        # The prompt counts once, as prompt_tokens: each choice is its own engine request and may
+    def _usage(results: List[ReqResult], per_prompt: int) -> Dict[str, Any]:
+        """OpenAI usage: each prompt once (its ``per_prompt`` choices are consecutive), the completion
+        tokens of every choice, and of the prompts the tokens served from the prompt cache (OpenAI's
+        prompt_tokens_details.cached_tokens)."""
+        groups = [results[k:k + per_prompt] for k in range(0, len(results), per_prompt)]
+        prompt, n = sum(g[0].prompt_tokens for g in groups), sum(len(r.token_ids) for r in results)
+        # A prompt counts once, as prompt_tokens: each choice is its own engine request and may
         # find a different share of it cached (the later ones often the first one's prefill), so
         # the fewest any choice found, the same whatever order the choices were admitted in.
-        cached = min(r.prompt_cached_tokens for r in results)
+        cached = sum(min(r.prompt_cached_tokens for r in g) for g in groups)
         return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -543,12 +559,11 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         return {"tokens": tokens, "token_logprobs": [_finite(x) for x in res.logprobs[lo:hi]],
                 "top_logprobs": [_completion_top(res, i) for i in range(lo, hi)], "text_offset": offsets}
 
-    async def _results(prompt_ids, choice_params: List[SamplingParams], request: Request,
-                       arrival: float) -> List[ReqResult]:
+    async def _results(runs: List[Run], request: Request, arrival: float) -> List[ReqResult]:
         """Every choice run to its end, together (ClientDisconnected when the client hangs up:
         the other choices are aborted too)."""
-        if len(choice_params) == 1:
-            return [await _final(prompt_ids, choice_params[0], request, arrival)]
+        if len(runs) == 1:
+            return [await _final(*runs[0], request, arrival)]
         gone = False
         lock = asyncio.Lock()
 
@@ -558,13 +573,13 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                 gone = gone or await request.is_disconnected()
             return gone
 
-        async def final(p: SamplingParams) -> ReqResult:
+        async def final(prompt_ids: List[int], p: SamplingParams) -> ReqResult:
             res = None
             async for res in manager.generate(prompt_ids, p, is_disconnected, arrival, final_only=True):
                 pass
             return res
 
-        tasks = [asyncio.ensure_future(final(p)) for p in choice_params]
+        tasks = [asyncio.ensure_future(final(*run)) for run in runs]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -572,26 +587,25 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # their aborts are sent
 
-    def _updates(prompt_ids, choice_params: List[SamplingParams], arrival: float) -> AsyncIterator:
+    def _updates(runs: List[Run], arrival: float) -> AsyncIterator:
         """(choice index, its result so far) as the choices' updates arrive; each choice's last
         one has finish_reason set and none of it comes after. Leaving early aborts them all.
         One choice: its results alone (manager.generate's, no (index, result) pairs)."""
-        if len(choice_params) == 1:
-            return manager.generate(prompt_ids, choice_params[0], arrival=arrival)
-        return _choices_updates(prompt_ids, choice_params, arrival)
+        if len(runs) == 1:
+            return manager.generate(*runs[0], arrival=arrival)
+        return _choices_updates(runs, arrival)
 
-    async def _choices_updates(prompt_ids, choice_params: List[SamplingParams],
-                               arrival: float) -> AsyncIterator[Tuple[int, ReqResult]]:
+    async def _choices_updates(runs: List[Run], arrival: float) -> AsyncIterator[Tuple[int, ReqResult]]:
         q: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, p: SamplingParams) -> None:
+        async def pump(i: int, prompt_ids: List[int], p: SamplingParams) -> None:
             try:
                 async for res in manager.generate(prompt_ids, p, arrival=arrival):
                     q.put_nowait((i, res, None))
             except Unavailable as e:
                 q.put_nowait((i, None, e))
 
-        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(choice_params)]
+        tasks = [asyncio.ensure_future(pump(i, *run)) for i, run in enumerate(runs)]
         finished = set()
         try:
             while len(finished) < len(tasks):
@@ -607,30 +621,55 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             for t in tasks:
                 t.cancel()
 
+    async def _prompt_ids(req: OpenAIRequest, chat: bool) -> List[List[int]]:
+        """Each prompt's token ids, checked against the server's limits (a prompt of several named by its
+        index)."""
+        if chat:
+            texts_or_ids = [await manager.apply_chat_template_async(req.messages)]
+        else:
+            texts_or_ids = await asyncio.gather(*(manager.encode_prompt_async(p) if isinstance(p, str) else _ids(p)
+                                                  for p in req.prompts))
+        out = []
+        for i, ids in enumerate(texts_or_ids):
+            at = f"[{i}] " if len(texts_or_ids) > 1 else ""
+            try:
+                if not chat and not isinstance(req.prompts[i], str):
+                    check_token_ids(ids, manager.vocab_size)
+                manager.check_request(ids, fill_max_tokens(req, len(ids), manager.max_model_len).params)
+            except SamplingParamsError as e:
+                raise SamplingParamsError(e.field_name, at + str(e).split(": ", 1)[-1]) from None
+            out.append(ids)
+        return out
+
+    async def _ids(ids: List[int]) -> List[int]:  # a prompt sent as token ids, beside those being tokenized
+        return ids
+
     async def _openai(request: Request, chat: bool):
         arrival = time.monotonic()
         body = await _json_body(request)
         prompt_field = "messages" if chat else "prompt"
         try:  # everything cheap first, then tokenize
             req = parse_openai_request(body, chat, manager.model_name)
-            if chat:
-                prompt_ids = await manager.apply_chat_template_async(req.messages)
-            else:
-                prompt_ids = await manager.encode_prompt_async(req.prompt)
-            manager.check_request(prompt_ids, req.params)
+            prompts = await _prompt_ids(req, chat)
         except SamplingParamsError as e:
             raise client_error(e, openai_names(body, prompt_field)) from None
-        choices, choice_params = req.choices, req.choice_params
+        if chat:
+            req = fill_max_tokens(req, len(prompts[0]), manager.max_model_len)
+        choices = req.choices
+        runs = [(ids, p) for ids in prompts for p in req.choice_params]  # choice k * n + j: prompt k's j-th
+        prompt_tokens = sum(len(ids) for ids in prompts)
         stream, include_usage = req.stream, req.include_usage
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
 
         def choice(index: int, text: str, finish: Optional[str], delta: bool,
-                   logprobs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+                   logprobs: Optional[Dict[str, Any]], role: bool = True) -> Dict[str, Any]:
+            """``role``: the message's role; a stream sends it in each choice's first delta only (as OpenAI)."""
             c = {"index": index, "finish_reason": OPENAI_FINISH.get(finish) if finish else None}
             if chat:
-                c["delta" if delta else "message"] = {"role": "assistant", "content": text}
+                message = {"role": "assistant", "content": text} if role else {"content": text}
+                c["delta" if delta else "message"] = message
             else:
                 c["text"] = text
             c["logprobs"] = logprobs
@@ -639,8 +678,8 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         chunks = SseChunks({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
                             "model": manager.model_name})
 
-        def stream_error(message: str) -> str:
-            return _sse({"error": {"message": message, "type": "server_error", "code": 500}})
+        def stream_error(status: int, message: str) -> str:
+            return _sse(error_body(status, None, message))
 
         def logprobs_of(res: ReqResult, lo: int, hi: int, offset: int = 0) -> Optional[Dict[str, Any]]:
             if not choices.logprobs:
@@ -648,8 +687,8 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
             return _chat_logprobs(res, lo, hi) if chat else _completion_logprobs(res, lo, hi, offset)
 
         if not stream:
-            results = await _results(prompt_ids, choice_params, request, arrival)
-            _record(request, len(prompt_ids), sum(len(r.token_ids) for r in results))
+            results = await _results(runs, request, arrival)
+            _record(request, prompt_tokens, sum(len(r.token_ids) for r in results))
             failed = next((r for r in results if r.finish_reason == "error"), None)
             if failed is not None:
                 return _error(500, None, _worker_failed_message(failed))
@@ -657,21 +696,22 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                                    "choices": [choice(i, r.text, r.finish_reason, False,
                                                       logprobs_of(r, 0, len(r.token_ids)))
                                                for i, r in enumerate(results)],
-                                   "usage": _usage(results), **_asd_total(results)})
+                                   "usage": _usage(results, choices.n), **_asd_total(results)})
 
         async def events():
-            n = len(choice_params)
+            n = len(runs)
             sent_text = [""] * n
             sent_tokens = [0] * n  # tokens whose log-probs were sent
             text_offset = [0] * n  # completions: text_offset of the next token
             final: List[Optional[ReqResult]] = [None] * n
+            sent_role = [False] * n
             try:
-                async with aclosing(_updates(prompt_ids, choice_params, arrival)) as updates:
+                async with aclosing(_updates(runs, arrival)) as updates:
                     async for item in updates:
                         i, res = (0, item) if n == 1 else item
                         done = res.finish_reason is not None
                         if res.finish_reason == "error":
-                            yield stream_error(_worker_failed_message(res))
+                            yield stream_error(500, _worker_failed_message(res))
                             break
                         # held back: the start of a possible stop string, an incomplete UTF-8 sequence
                         visible = res.text[:res.stream_text_len]
@@ -688,12 +728,13 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                         if done:
                             rest.update(_asd_fields(res))
                             final[i] = res
-                            _record(request, len(prompt_ids), sum(len(r.token_ids) for r in final if r is not None))
-                        yield chunks.event([choice(i, delta, res.finish_reason, True, lp)], rest)
+                            _record(request, prompt_tokens, sum(len(r.token_ids) for r in final if r is not None))
+                        yield chunks.event([choice(i, delta, res.finish_reason, True, lp, not sent_role[i])], rest)
+                        sent_role[i] = True
             except Unavailable as e:
-                yield stream_error(str(e))
+                yield stream_error(503, str(e))
             if include_usage and all(r is not None for r in final):
-                yield chunks.event([], {"usage": _usage(final)})
+                yield chunks.event([], {"usage": _usage(final, choices.n)})
             yield SSE_DONE
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,12 +1,12 @@
 """What an OpenAI-compatible request asks for: its fields checked and mapped onto SamplingParams, its
-choices, stream flags and prompt (``/v1/completions``, ``/v1/chat/completions``; vLLM's
-``entrypoints/openai/protocol.py``). Pure functions of the JSON body: every refusal is a
-SamplingParamsError naming the client's own field (``client_error``). api_http.py reads them and
-builds the answers."""
+choices, stream flags and prompts (``/v1/completions``, ``/v1/chat/completions``; vLLM's
+``entrypoints/openai/protocol.py``), and the error object every refusal answers with. Pure functions
+of the JSON body: every refusal is a SamplingParamsError naming the client's own field
+(``client_error``). api_http.py reads them and builds the answers."""
 import json
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from lightllm.server.core.objs.sampling_params import (MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError,
                                                        is_utf8_text, quote)
@@ -25,6 +25,23 @@ def client_text(s: str, limit: Optional[int] = None) -> str:
     """``s`` made safe for a JSON answer: lone surrogates escaped, optionally shortened."""
     s = s.encode("utf-8", "backslashreplace").decode("utf-8")
     return s if limit is None or len(s) <= limit else s[:limit] + "..."
+
+
+# OpenAI's error object ({"error": {"message", "type", "param", "code"}}, what its SDK reads), the one
+# shape of every refusal; its type by HTTP status, as vLLM names them
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+               413: "RequestEntityTooLargeError", 415: "UnsupportedMediaTypeError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+DEFAULT_ERROR_TYPE = "Error"
+
+
+def error_body(status: int, field: Optional[str], message: str) -> Dict[str, Any]:
+    """The answer to a refused request: OpenAI's error object, whose message starts with the client's
+    field (``param``) when one is at fault."""
+    field = None if field is None else client_text(field, MAX_FIELD_NAME_CHARS)
+    text = message if field is None else f"{field}: {message}"
+    return {"error": {"message": client_text(text), "type": ERROR_TYPES.get(status, DEFAULT_ERROR_TYPE),
+                      "param": field, "code": status}}
 
 
 def need_text(field: str, v: Any) -> str:
@@ -52,19 +69,32 @@ OPENAI_PARAM_MAP = {
     "response_format": "response_format",  # JSON output through xgrammar: docs/structured_output.md
 }
 OPENAI_MAX_TOKENS_ALIAS = "max_completion_tokens"  # what current clients send instead of max_tokens
-OPENAI_IGNORED = {"user"}
+# Fields with no effect on what this server returns: accepted and ignored (as vLLM)
+OPENAI_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 OPENAI_STREAM_FIELDS = {"stream", "stream_options"}
 # Fields of OpenAI's choices and log-probs (read by _openai_choices)
 OPENAI_CHOICE_FIELDS = {"model", "n", "best_of", "logprobs"}
 OPENAI_CHAT_ONLY_FIELDS = {"top_logprobs"}
-# Fields we do not implement: accepted only at these (default) values, refused otherwise
-OPENAI_DEFAULT_ONLY = {
-    "echo": (None, False),
-    "suffix": (None,),
+# Fields we do not implement: accepted only at these (default) values, refused otherwise, saying why
+NOT_SUPPORTED = "is not supported"
+OPENAI_COMPLETION_DEFAULT_ONLY = {
+    "echo": ((None, False), NOT_SUPPORTED),
+    "suffix": ((None,), NOT_SUPPORTED),
 }
+OPENAI_CHAT_DEFAULT_ONLY = {
+    "tools": ((None, []), "tool calls are not supported"),
+    "tool_choice": ((None, "none"), "tool calls are not supported"),
+    "functions": ((None, []), "function calls are not supported"),
+    "function_call": ((None, "none"), "function calls are not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+}
+# Completions without max_tokens: OpenAI's (and vLLM's) 16. Chat without it: the room the prompt leaves
+# in max_model_len (OpenAI's and vLLM's), which the router reserves KV for (docs/limits.md).
 OPENAI_DEFAULT_MAX_TOKENS = 16
 OPENAI_DEFAULT_TEMPERATURE = 1.0
-OPENAI_MAX_N = 128  # OpenAI's own bound on n
+OPENAI_MAX_N = 128  # OpenAI's own bound on n; also on prompts x n (completions may send several prompts)
 # Bounds on top-k alternatives: OpenAI's chat top_logprobs 0..20; completions logprobs 0..20 as vLLM
 # (OpenAI itself stops at 5), the most the engine keeps per token (MAX_TOP_LOGPROBS)
 OPENAI_MAX_TOP_LOGPROBS = MAX_TOP_LOGPROBS
@@ -157,16 +187,20 @@ def client_error(e: SamplingParamsError, names: Dict[str, str]) -> SamplingParam
     return SamplingParamsError(names.get(e.field_name, e.field_name), message)
 
 
-def openai_params(body: Dict[str, Any], prompt_field: str) -> SamplingParams:
+def openai_params(body: Dict[str, Any], chat: bool) -> SamplingParams:
+    """The request's sampling parameters. Chat without max_tokens gets a placeholder of 1 here:
+    ``fill_max_tokens`` sets the room its prompt leaves once it is tokenized."""
+    prompt_field = "messages" if chat else "prompt"
+    default_only = OPENAI_CHAT_DEFAULT_ONLY if chat else OPENAI_COMPLETION_DEFAULT_ONLY
     known = (set(OPENAI_PARAM_MAP) | {OPENAI_MAX_TOKENS_ALIAS} | OPENAI_IGNORED | OPENAI_STREAM_FIELDS
-             | OPENAI_CHOICE_FIELDS | (OPENAI_CHAT_ONLY_FIELDS if prompt_field == "messages" else set()))
-    unknown = sorted(set(body) - known - set(OPENAI_DEFAULT_ONLY) - {prompt_field})
+             | OPENAI_CHOICE_FIELDS | (OPENAI_CHAT_ONLY_FIELDS if chat else set()) | set(default_only))
+    unknown = sorted(set(body) - known - {prompt_field})
     if unknown:
         raise SamplingParamsError(unknown[0], "unknown field")
-    for name, allowed in OPENAI_DEFAULT_ONLY.items():
+    for name, (allowed, why) in default_only.items():
         if not is_one_of(body.get(name), allowed):
             shown = " or ".join(json.dumps(a) for a in allowed)
-            raise SamplingParamsError(name, f"is not supported: only {shown} (the default), got {quote(body[name])}")
+            raise SamplingParamsError(name, f"{why}: only {shown} (the default), got {quote(body[name])}")
     params = {ours: body[theirs] for theirs, ours in OPENAI_PARAM_MAP.items() if theirs in body}
     alias = body.get(OPENAI_MAX_TOKENS_ALIAS)
     if alias is not None:
@@ -175,7 +209,7 @@ def openai_params(body: Dict[str, Any], prompt_field: str) -> SamplingParams:
             raise SamplingParamsError(OPENAI_MAX_TOKENS_ALIAS, f"{quote(alias)} differs from max_tokens {quote(given)}")
         params["max_new_tokens"] = alias
     if params.get("max_new_tokens") is None:
-        params["max_new_tokens"] = OPENAI_DEFAULT_MAX_TOKENS
+        params["max_new_tokens"] = 1 if chat else OPENAI_DEFAULT_MAX_TOKENS
     temperature = params.get("temperature", OPENAI_DEFAULT_TEMPERATURE)
     # OpenAI semantics: temperature 0 (or top_k 1) is greedy, anything else samples
     params["do_sample"] = not (temperature == 0 and not isinstance(temperature, bool)) and params.get("top_k") != 1
@@ -243,36 +277,74 @@ def chat_messages(body: Dict[str, Any]) -> List[Dict[str, Any]]:
     return out
 
 
-def completion_prompt(body: Dict[str, Any]) -> str:
+def is_token_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def completion_prompts(body: Dict[str, Any]) -> List[Union[str, List[int]]]:
+    """The prompts of a completions request, as OpenAI takes them: a string, a list of token ids, or a
+    list of either (several prompts). Token ids are checked against the vocabulary once the server
+    knows it (``check_token_ids``)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise SamplingParamsError("prompt", "must be a string (or a list of one string)")
-    return need_text("prompt", prompt)
+    if isinstance(prompt, str) or is_token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise SamplingParamsError("prompt", "must be a string, a list of token ids, or a non-empty list of those")
+    for i, p in enumerate(prompts):
+        at = f"[{i}] " if len(prompts) > 1 else ""
+        if isinstance(p, str):
+            if not is_utf8_text(p):
+                raise SamplingParamsError("prompt", f"{at}is not valid Unicode (a lone surrogate)")
+        elif not is_token_ids(p):
+            raise SamplingParamsError("prompt", f"{at}must be a string or a non-empty list of token ids")
+    return prompts
+
+
+def check_token_ids(prompt: List[int], vocab_size: int, at: str = "") -> None:
+    """A prompt given as token ids: each an id of the model's vocabulary."""
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SamplingParamsError("prompt", f"{at}token id {bad} is not in the vocabulary (0..{vocab_size - 1})")
 
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """An OpenAI request's parsed body, before its prompt is tokenized."""
+    """An OpenAI request's parsed body, before its prompts are tokenized."""
 
     params: SamplingParams  # with the top log-probs the choices ask for
-    choices: OpenAIChoices
-    choice_params: List[SamplingParams]  # one per choice (``choice_params``)
+    choices: OpenAIChoices  # per prompt
+    choice_params: List[SamplingParams]  # one per choice of a prompt (``choice_params``)
     stream: bool
     include_usage: bool
     messages: Optional[List[Dict[str, Any]]]  # chat: the conversation for the chat template
-    prompt: Optional[str]  # completions: the prompt text
+    prompts: Optional[List[Union[str, List[int]]]]  # completions: the prompts, text or token ids
+    fill_max_tokens: bool = False  # chat without max_tokens: the room the prompt leaves (``fill_max_tokens``)
 
 
 def parse_openai_request(body: Dict[str, Any], chat: bool, served_model: str) -> OpenAIRequest:
     """Every field of ``body`` checked (SamplingParamsError with our names: ``client_error`` renames them),
     ModelNotFound for another model."""
-    prompt_field = "messages" if chat else "prompt"
-    params = openai_params(body, prompt_field)
+    params = openai_params(body, chat)
     choices = openai_choices(body, chat, served_model)
     if choices.top_logprobs:  # the engine keeps each token's alternatives only for requests that ask
         params = replace(params, top_logprobs=choices.top_logprobs)
     stream, include_usage = openai_stream_flags(body)
+    prompts = None if chat else completion_prompts(body)
+    if prompts is not None and len(prompts) * choices.n > OPENAI_MAX_N:
+        raise SamplingParamsError("prompt", f"{len(prompts)} prompts x n {choices.n} choices: at most {OPENAI_MAX_N} "
+                                            f"choices in all")
+    fill = chat and body.get("max_tokens") is None and body.get(OPENAI_MAX_TOKENS_ALIAS) is None
     return OpenAIRequest(params, choices, choice_params(params, choices.n), stream, include_usage,
-                         chat_messages(body) if chat else None, None if chat else completion_prompt(body))
+                         chat_messages(body) if chat else None, prompts, fill)
+
+
+def fill_max_tokens(req: OpenAIRequest, prompt_tokens: int, max_model_len: int) -> OpenAIRequest:
+    """A chat request without max_tokens may generate up to ``max_model_len`` with its prompt (at least 1:
+    a prompt with no room left is refused as too long)."""
+    if not req.fill_max_tokens:
+        return req
+    room = max(1, max_model_len - prompt_tokens)
+    return replace(req, params=replace(req.params, max_new_tokens=room), fill_max_tokens=False,
+                   choice_params=[replace(p, max_new_tokens=room) for p in req.choice_params])

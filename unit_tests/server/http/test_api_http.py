@@ -136,9 +136,9 @@ def test_bad_parameters_are_400_and_server_keeps_serving(server, params, field):
     with server.client() as c:
         r = c.post("/generate", json={"inputs": "hi", "parameters": params})
         assert r.status_code == 400
-        assert r.json()["field"] == field and r.json()["error"].startswith(field)
+        assert r.json()["error"]["param"] == field and r.json()["error"]["message"].startswith(field)
         if field == "asd_regret_budget":
-            assert "--mtp_asd_regret_budget" in r.json()["error"]
+            assert "--mtp_asd_regret_budget" in r.json()["error"]["message"]
         assert c.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
@@ -148,9 +148,9 @@ def test_bad_bodies_are_400(server, body):
         r = c.post("/generate", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
         r = c.post("/v1/chat/completions", json={"messages": "hello"})
-        assert r.status_code == 400 and r.json()["field"] == "messages"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         r = c.post("/v1/completions", json={"prompt": "x", "n": 0})
-        assert r.status_code == 400 and r.json()["field"] == "n"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_client_disconnect_frees_kv(server):

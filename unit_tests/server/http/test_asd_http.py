@@ -115,10 +115,10 @@ def test_bad_per_request_budget_is_400_and_server_keeps_serving(servers, bad):
     raw = json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 2, "asd_regret_budget": "__BAD__"}})
     raw = raw.replace('"__BAD__"', bad if bad in ("NaN", "Infinity") else json.dumps(bad))
     r = httpx.post(asd.url + "/generate", content=raw, headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == 400 and r.json()["field"] == "asd_regret_budget"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "asd_regret_budget"
     r = httpx.post(asd.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "asd_regret_budget": -3})
-    assert r.status_code == 400 and r.json()["field"] == "asd_regret_budget"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "asd_regret_budget"
     assert _gen(asd, "hi", max_new_tokens=2)["count_output_tokens"] >= 1
 
 

@@ -200,7 +200,7 @@ def test_stalled_and_trickled_bodies_get_408(http):
         for s in (stalled, trickled):
             reply = _read_until_closed(s, 5)
             assert _status(reply) == 408, reply
-            assert _body(reply)["field"] == "body"
+            assert _body(reply)["error"]["param"] == "body"
             assert b"connection: close" in reply.lower()
         assert time.monotonic() - t0 < BODY_TIMEOUT_S + TIMEOUT_SLACK_S
         assert httpx.get(h.url + "/health").status_code == 200
@@ -314,15 +314,16 @@ def test_content_type_must_be_json_and_generate_refuses_stream():
                 headers = {} if ctype is None else {"content-type": ctype}
                 r = httpx.post(h.url + path, content=raw, headers=headers)
                 assert r.status_code == 415, (path, ctype, r.text)
-                assert r.json()["field"] == "content-type"
+                assert r.json()["error"]["param"] == "content-type"
         assert scrape(h.url).value("lightllm_request_count", 0.0, finish_reason="length") == 0  # none ran
         r = httpx.post(h.url + "/generate", content=body, headers={"content-type": "Application/JSON; charset=utf-8"})
         assert r.status_code == 200, r.text
         for path, stream, hint in (("/generate", True, "/generate_stream"), ("/generate_stream", False, "/generate")):
             r = _post(h.url, path, {"inputs": "Q", "stream": stream})
-            assert r.status_code == 400 and r.json()["field"] == "stream" and hint in r.json()["error"], r.text
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "stream" and hint in err["message"], r.text
         r = _post(h.url, "/generate", {"inputs": "Q", "stream": "yes"})
-        assert r.status_code == 400 and r.json()["field"] == "stream"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
         assert _post(h.url, "/generate", {"inputs": "Q", "stream": False, "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
@@ -373,7 +374,8 @@ def test_shutdown_bound_fails_what_is_still_running():
         took = h.shut_down()
         for t in threads:
             t.join(10)
-        assert results["plain"].status_code == 503 and "timeout_graceful_shutdown" in results["plain"].json()["error"]
+        plain = results["plain"]
+        assert plain.status_code == 503 and "timeout_graceful_shutdown" in plain.json()["error"]["message"]
         events = results["stream"]
         assert events[-1] == "[DONE]" and "shutting down" in strict_json(events[-2])["error"]["message"]
         assert bound <= took < bound + SHUTDOWN_FAIL_GRACE_S
@@ -412,8 +414,8 @@ def test_prompt_that_cannot_fit_is_refused_before_tokenizing():
                   "messages")]
         for path, body, field in cases:
             r = _post(h.url, path, body)
-            assert r.status_code == 400 and r.json()["field"] == field, r.text
-            assert "characters" in r.json()["error"] and "max_new_tokens" not in r.json()["error"]
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert "characters" in r.json()["error"]["message"] and "max_new_tokens" not in r.json()["error"]["message"]
         assert time.monotonic() - t0 < 1.0
         # a prompt within the character bound but over the token limit: counted, and still its own fault
         words = "hello " * MAX_REQ_TOTAL_LEN
@@ -422,11 +424,11 @@ def test_prompt_that_cannot_fit_is_refused_before_tokenizing():
                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": words}]},
                                    "messages")]:
             r = _post(h.url, path, body)
-            assert r.status_code == 400 and r.json()["field"] == field, r.text
-            assert "tokens" in r.json()["error"]
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert "tokens" in r.json()["error"]["message"]
         # both fit alone, not together: max_new_tokens's fault
         r = _post(h.url, "/generate", {"inputs": "hello " * 600, "parameters": {"max_new_tokens": 600}})
-        assert r.status_code == 400 and r.json()["field"] == "max_new_tokens", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_new_tokens", r.text
         assert not h.worker.aborts and httpx.get(h.url + "/health").status_code == 200
 
 
@@ -574,7 +576,7 @@ def test_huge_prompts_are_refused_at_once_and_do_not_slow_others(server):
         with server.client() as c:
             t0 = time.monotonic()
             r = c.post("/generate", content=huge, headers={"content-type": "application/json"})
-            return r.status_code, r.json().get("field"), time.monotonic() - t0
+            return r.status_code, r.json()["error"]["param"], time.monotonic() - t0
 
     def send_short() -> float:
         with server.client() as c:
@@ -712,7 +714,7 @@ def _sigterm_with_crowd(tmp_path, idle: int, slow: int, extra_args=(), group: bo
         assert [results[i].status_code for i in range(IN_FLIGHT)] == [200] * IN_FLIGHT
         assert all(results[i].json()["count_output_tokens"] == SHORT_NEW_TOKENS for i in range(IN_FLIGHT))
         assert results[IN_FLIGHT].status_code == 503, "the long request finished within the bound"
-        assert "timeout_graceful_shutdown" in results[IN_FLIGHT].json()["error"]
+        assert "timeout_graceful_shutdown" in results[IN_FLIGHT].json()["error"]["message"]
         assert _status(_read_until_closed(pending, 5)) == 503
         for p in slow_posts:
             assert _status(_read_until_closed(p, 5)) in (503, None)  # refused, or closed

@@ -85,7 +85,7 @@ def test_values_the_engine_cannot_hold_are_400(server, params, field):
     with server.client() as c:
         r = c.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": 3, **params}})
         assert r.status_code == 400, r.text
-        assert r.json()["field"] == field and r.json()["error"].startswith(field + ":")
+        assert r.json()["error"]["param"] == field and r.json()["error"]["message"].startswith(field + ":")
         _still_serves(c)
 
 
@@ -130,10 +130,10 @@ def test_openai_errors_name_the_clients_fields(server):
         for path, body, field, internal in cases:
             r = c.post(path, json=body)
             assert r.status_code == 400, (body, r.text)
-            assert r.json()["field"] == field, (body, r.json())
-            assert r.json()["error"].startswith(field + ":")
-            assert internal is None or internal not in r.json()["error"], r.json()
-            assert "inputs" not in r.json()["error"]
+            assert r.json()["error"]["param"] == field, (body, r.json())
+            assert r.json()["error"]["message"].startswith(field + ":")
+            assert internal is None or internal not in r.json()["error"]["message"], r.json()
+            assert "inputs" not in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("raw,field", [
@@ -149,13 +149,13 @@ def test_undecodable_text_and_deep_json_are_400(server, raw, field):
     with server.client() as c:
         r = c.post("/generate", content=raw.encode("utf-8"), headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
-        assert strict_json(r.text)["field"] == field
+        assert strict_json(r.text)["error"]["param"] == field
         for path, body, f in [
             ("/v1/completions", '{"prompt": "a \\ud800"}', "prompt"),
             ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a \\udc00"}]}', "messages"),
         ]:
             r = c.post(path, content=body, headers={"content-type": "application/json"})
-            assert r.status_code == 400 and r.json()["field"] == f, r.text
+            assert r.status_code == 400 and r.json()["error"]["param"] == f, r.text
         _still_serves(c)
 
 
@@ -166,7 +166,7 @@ def test_body_limit_is_413(server):
         at_limit = small + b" " * (MAX_REQUEST_BODY_BYTES - len(small))  # valid JSON, exactly the limit
         assert c.post("/generate", content=at_limit, headers={"content-type": "application/json"}).status_code == 200
         r = c.post("/generate", content=at_limit + b" ", headers={"content-type": "application/json"})
-        assert r.status_code == 413 and r.json()["field"] == "body"
+        assert r.status_code == 413 and r.json()["error"]["param"] == "body"
 
         def chunks():  # no Content-Length: the limit holds on the bytes read
             yield small
@@ -215,7 +215,7 @@ def test_openai_max_completion_tokens_usage_chunk_and_unsupported_fields(server)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 5
         r = c.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 5, "max_tokens": 6})
-        assert r.status_code == 400 and r.json()["field"] == "max_completion_tokens"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
         assert c.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 5, "max_tokens": 5,
                                                     "temperature": 0}).status_code == 200
 
@@ -238,16 +238,17 @@ def test_openai_max_completion_tokens_usage_chunk_and_unsupported_fields(server)
         for field, value in [("logprobs", 21), ("logprobs", True), ("echo", True), ("best_of", 2), ("suffix", "x"),
                              ("n", True)]:
             r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: value})
-            assert r.status_code == 400 and r.json()["field"] == field, (field, value, r.text)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False,
                                             "best_of": 1, "n": 1})
         assert r.status_code == 200, r.text
         r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "logprobs": False})
         assert r.status_code == 200, r.text
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "bogus", "content": "hi"}], "max_tokens": 2})
-        assert r.status_code == 400 and r.json()["field"] == "messages" and "role" in r.json()["error"]
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages" and "role" in err["message"]
         r = c.post("/v1/completions", json={"prompt": "hi", "stream_options": {"include_usage": True}})
-        assert r.status_code == 400 and r.json()["field"] == "stream_options"
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
 def _worker_pids(api_pid: int) -> List[int]:

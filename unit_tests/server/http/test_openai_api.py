@@ -251,9 +251,9 @@ def test_no_logprobs_unless_asked(servers):
 def test_refusals_name_the_field(servers, path, body, field):
     r = httpx.post(servers["plain"].url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
-    assert r.json()["field"] == field and r.json()["error"].startswith(field + ":")
+    assert r.json()["error"]["param"] == field and r.json()["error"]["message"].startswith(field + ":")
     if field == "max_tokens":
-        assert "max_model_len 256" in r.json()["error"]
+        assert "max_model_len 256" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path,body,message", [
@@ -264,7 +264,7 @@ def test_refusals_name_the_field(servers, path, body, field):
 ])
 def test_top_logprobs_over_20_is_a_clear_400(servers, path, body, message):
     r = httpx.post(servers["mtp"].url + path, json=body, timeout=60)
-    assert r.status_code == 400 and r.json()["error"] == message, r.text
+    assert r.status_code == 400 and r.json()["error"]["message"] == message, r.text
 
 
 def test_response_format_text_is_the_default(servers):
@@ -387,3 +387,79 @@ def test_official_openai_client(servers, tiny, tok, name):
         assert isinstance(json.loads(as_json.choices[0].message.content), dict)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(prompt=PROMPT, **{**common, "model": "gpt-4"})
+
+
+def test_everyday_client_requests(servers, tok):
+    """What ordinary OpenAI clients send besides the basics: chat without max_tokens (the context
+    left), the role in a stream's first delta only, prompts as token ids and several prompts at once
+    (lm-eval's way), fields without effect, and errors an SDK can read."""
+    plain = servers["plain"]
+    max_model_len = min(MAX_REQ_TOTAL_LEN, MAX_POSITIONS)
+    # chat without max_tokens may fill the context, as OpenAI and vLLM (16 is the completions default)
+    out = _post(plain, "/v1/chat/completions", {"messages": CHAT, "temperature": 0, "ignore_eos": True})
+    usage = out["usage"]
+    assert usage["completion_tokens"] == max_model_len - usage["prompt_tokens"]
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert _post(plain, "/v1/completions", {"prompt": PROMPT, "ignore_eos": True})["usage"]["completion_tokens"] == 16
+    # a stream names the role in each choice's first delta only
+    chunks = _stream(plain, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 6, "n": 2, "ignore_eos": True})
+    first = {}
+    for c in chunks:
+        (ch,) = c["choices"]
+        first.setdefault(ch["index"], ch["delta"])
+        assert ("role" in ch["delta"]) == (first[ch["index"]] is ch["delta"])
+    assert [first[i]["role"] for i in (0, 1)] == ["assistant", "assistant"]
+    # a prompt of token ids answers as its text does
+    base = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    ids = _prompt_ids(tok, chat=False)
+    as_text = _post(plain, "/v1/completions", {**base, "prompt": PROMPT})
+    as_ids = _post(plain, "/v1/completions", {**base, "prompt": ids})
+    assert as_ids["choices"][0]["text"] == as_text["choices"][0]["text"] and as_ids["usage"] == as_text["usage"]
+    # several prompts: choice k * n + j is prompt k's j-th; usage counts each prompt once
+    other = "hello world"
+    alone = [_post(plain, "/v1/completions", {**base, "prompt": p}) for p in (other, PROMPT)]
+    both = _post(plain, "/v1/completions", {**base, "prompt": [other, ids], "n": 2})
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in both["choices"]] == [a["choices"][0]["text"] for a in alone for _ in range(2)]
+    assert both["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert both["usage"]["completion_tokens"] == 4 * 8
+    texts = ["", ""]
+    for c in _stream(plain, "/v1/completions", {**base, "prompt": [other, PROMPT]}):
+        (ch,) = c["choices"]
+        texts[ch["index"]] += ch["text"]
+    assert texts == [a["choices"][0]["text"] for a in alone]
+    # token ids outside the vocabulary, and which prompt: a 400 naming the prompt
+    r = httpx.post(plain.url + "/v1/completions", json={**base, "prompt": [ids, [0, 10 ** 6]]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["message"].startswith("prompt: [1] token id 1000000 is not in the vocabulary")
+    # fields SDKs and frameworks send at values without effect
+    _post(plain, "/v1/chat/completions", {**base, "messages": CHAT, "tools": None, "tool_choice": "none",
+                                          "store": False, "metadata": {"run": "1"}, "parallel_tool_calls": True})
+    r = httpx.post(plain.url + "/v1/chat/completions", json={**base, "messages": CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, timeout=60)
+    assert r.status_code == 400 and "tool calls are not supported" in r.json()["error"]["message"]
+    # no such route or method: the same error object
+    r = httpx.get(plain.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = httpx.get(plain.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "MethodNotAllowedError"
+    assert httpx.get(plain.url + "/v1/models/" + MODEL_NAME).json()["id"] == MODEL_NAME
+    assert httpx.get(plain.url + "/v1/models/gpt-4").status_code == 404
+
+
+def test_openai_client_reads_errors_and_streams(servers):
+    """The ``openai`` package: a 400's message, field and type reach the client's exception; its
+    stream helper assembles a message whose role is the assistant's; models.retrieve."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=servers["plain"].url + "/v1", api_key="unused", timeout=300, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=0)
+    assert e.value.param == "max_tokens" and str(e.value.code) == "400" and e.value.type == "BadRequestError"
+    assert "max_tokens: must be" in str(e.value)
+    with client.chat.completions.stream(model=MODEL_NAME, messages=CHAT, max_tokens=6, temperature=0) as s:
+        for _ in s:
+            pass
+        message = s.current_completion_snapshot.choices[0].message  # the final one refuses a "length" finish
+    assert message.role == "assistant" and message.content
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and isinstance(card.created, int)

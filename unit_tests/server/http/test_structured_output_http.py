@@ -77,6 +77,6 @@ def test_completions_streamed_and_generate(server):
 def test_bad_schema_is_a_400_and_the_server_keeps_serving(server, response_format, message):
     body = {"messages": QUESTION, "max_tokens": 4, "response_format": response_format}
     err = _post(server, "/v1/chat/completions", body, status=400)
-    assert err["field"] == "response_format" and err["error"].startswith("response_format:")
-    assert message in err["error"]
+    assert err["error"]["param"] == "response_format" and err["error"]["message"].startswith("response_format:")
+    assert message in err["error"]["message"]
     assert _chat(server, {"type": "text"}, max_tokens=2)["message"]["content"]
