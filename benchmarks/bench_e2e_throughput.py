@@ -1046,13 +1046,16 @@ def run_serving(args) -> Dict[str, object]:
             time.sleep(settle_s)
             pids = http_process_pids(server.proc.pid, server.log_path)
             before, cpu0 = scrape(server.url), processes_cpu_seconds(pids)
-            traces = send_streamed(server.url, bodies, args.concurrency, args.client_procs, mode)
+            client_lag: List[Tuple[float, float]] = []
+            traces = send_streamed(server.url, bodies, args.concurrency, args.client_procs, mode, lag=client_lag)
             cpu1 = processes_cpu_seconds(pids)  # before the settle: the window is the run's
             time.sleep(settle_s)
             grown = scrape(server.url) - before
         row = serving_row(mode, workload, traces, grown,
                           None if cpu0 is None or cpu1 is None else [b - a for a, b in zip(cpu0, cpu1)])
         row["server_args"] = flags
+        # the clients' own lag: a client that lags stamps chunks late, inflating the ITL it reports
+        row.update(_percentiles("client_loop_lag_ms", [1e3 * x for _, x in client_lag]))
         rows.append(row)
         add_serving_ratios(rows)
         print(f"[{mode}] {row['requests']} requests in {row['wall_s']:.2f}s, {row['output_tok_s']:.1f} out tok/s, "

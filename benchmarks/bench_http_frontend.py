@@ -59,6 +59,7 @@ from lightllm.common.constants import HTTP_IMPLEMENTATIONS, LOOP_IMPLEMENTATIONS
 from lightllm.server.core.objs.messages import (  # noqa: E402 (after the path set-up)
     AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats, step_messages)
 from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402
+from lightllm.tools.client import LAG_PROBE_S  # noqa: E402 (the HTTP process's probe sleeps as the clients')
 from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
 
 DEFAULT_STREAM_INTERVAL = StartArgs().stream_interval
@@ -76,7 +77,6 @@ LONG_START_STRIDE = 7  # long prompt j starts at question 7 j
 WARMUP_SEED_BASE = 1 << 40  # seeds of the warm-up requests (timed requests: their index)
 VOCAB_SIZE = 49152  # the embedded model's (its tokenizer serves the fake worker's ids)
 FAKE_KV_TOKENS = 1 << 20
-LAG_PROBE_S = 0.005  # the HTTP process's event loop sleeps this long, over and over; the overshoot is its lag
 READY_TIMEOUT_S = 300.0
 DUMP_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
@@ -105,7 +105,7 @@ DEFINITIONS = {
     "itl_ms": "stream: per token after the first chunk, a chunk of n tokens g ms after the previous gives n "
               "samples of g / n (as the serving benchmark)",
     "loop_lag_ms": "how late the HTTP process's event loop woke from a 5 ms sleep",
-    "client_loop_lag_ms": "the same for the client's event loop (one client process); a client that lags "
+    "client_loop_lag_ms": "the same for the clients' event loops (every client process); a client that lags "
                           "holds pooled connections idle, which the server then closes (keep-alive, 5 s)",
     "cpu_cores": "CPU seconds / wall seconds over the timed window (psutil): the HTTP process in all, each of "
                  "its threads, the worker process, the client processes",
@@ -846,30 +846,13 @@ def _generate_one(conn, item) -> dict:
     return {"i": i, "sent": sent, "done": time.time(), "tokens": out["count_output_tokens"], "chunks": None}
 
 
-async def _with_lag_probe(coro, lag: List[Tuple[float, float]]):
-    """Await ``coro`` while sampling this event loop's lag (as the HTTP process's) into ``lag``."""
-    async def probe():
-        loop = asyncio.get_running_loop()
-        while True:
-            t = loop.time()
-            await asyncio.sleep(LAG_PROBE_S)
-            lag.append((time.time(), loop.time() - t - LAG_PROBE_S))
-
-    task = asyncio.ensure_future(probe())
-    try:
-        return await coro
-    finally:
-        task.cancel()
-
-
 def run_client(arm: str, url: str, workload: Workload, n: int, concurrency: int, max_new_tokens: int,
                seed_base: int, client_procs: int, lag: Optional[List[Tuple[float, float]]] = None,
                details: bool = False) -> List[dict]:
     """n requests closed-loop at ``concurrency``; per request (by index): sent, done, tokens,
-    chunks [(time, tokens)] (stream), all on time.time(). ``lag``: the client loop's lag samples
-    (one client process only: send_streamed's own loop for one process, as it runs it; the generate
-    arm's client is send_all's threads, without an event loop)."""
-    from lightllm.tools.client import _bounded, _streamed, _threaded, completion_stream_body, generate_body, send_streamed
+    chunks [(time, tokens)] (stream), all on time.time(). ``lag``: the client loops' lag samples (every
+    client process's; the generate arm's client is send_all's threads, without an event loop)."""
+    from lightllm.tools.client import _threaded, completion_stream_body, generate_body, send_streamed
 
     lag = [] if lag is None else lag
     texts = workload.prompts[:n] if len(workload.prompts) >= n else [workload.prompts[i % len(workload.prompts)]
@@ -880,10 +863,7 @@ def run_client(arm: str, url: str, workload: Workload, n: int, concurrency: int,
         return _threaded(url, list(enumerate(bodies)), concurrency, None, _generate_one)
     bodies = [completion_stream_body(t, max_new_tokens, seed=seed_base + i) for i, t in enumerate(texts)]
     offset = time.time() - time.perf_counter()  # perf_counter is CLOCK_MONOTONIC, one clock for all processes
-    if client_procs <= 1:  # send_streamed's one-process path, with the probe
-        traces = asyncio.run(_with_lag_probe(_bounded(url, bodies, concurrency, None, _streamed), lag))
-    else:
-        traces = send_streamed(url, bodies, concurrency, procs=client_procs)
+    traces = send_streamed(url, bodies, concurrency, procs=client_procs, lag=lag)
     return [{"i": i, "sent": tr.sent_s + offset, "done": tr.done_s + offset, "tokens": tr.output_tokens,
              "chunks": [(a + offset, k) for a, k in tr.chunks]} for i, tr in enumerate(traces)]
 

@@ -26,6 +26,9 @@ REQUEST_TIMEOUT_S = 3600.0
 WARMUP_REQUESTS = 32
 WARMUP_MAX_NEW_TOKENS = 32
 MAX_LEN_ROUND = 64  # an automatic --max_req_total_len is rounded up to a multiple of this
+# A client's event loop sleeps this long, over and over, while it streams; the overshoot is its lag (a client
+# whose loop lags stamps chunks late, so its own CPU would show up as the server's inter-token latency)
+LAG_PROBE_S = 0.005
 DEFAULT_BATCH_MAX_TOKENS = 4096  # prefill chunk: a few dozen GSM8K prompts per prefill step
 
 
@@ -356,27 +359,48 @@ async def _streamed(client, body: Dict) -> StreamTrace:
     return trace
 
 
+async def with_lag_probe(coro, lag: List[Tuple[float, float]]):
+    """Await ``coro`` while sampling this event loop's lag into ``lag``: (time.time(), seconds late)."""
+    async def probe():
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LAG_PROBE_S)
+            lag.append((time.time(), loop.time() - t - LAG_PROBE_S))
+
+    task = asyncio.ensure_future(probe())
+    try:
+        return await coro
+    finally:
+        task.cancel()
+
+
 def _stream_worker(index: int, url: str, bodies: Sequence[Dict], concurrency: int, desc: Optional[str],
                    barrier, out_q) -> None:
-    """One client process of ``send_streamed``: its share of the requests once every process is ready."""
+    """One client process of ``send_streamed``: its share of the requests once every process is ready,
+    and its loop's lag samples."""
     try:
         import httpx  # noqa: F401 (imported before the start: not timed)
 
         barrier.wait(STREAM_START_TIMEOUT_S)
-        out_q.put((index, asyncio.run(_bounded(url, bodies, concurrency, desc, _streamed)), None))
+        lag: List[Tuple[float, float]] = []
+        traces = asyncio.run(with_lag_probe(_bounded(url, bodies, concurrency, desc, _streamed), lag))
+        out_q.put((index, (traces, lag), None))
     except BaseException as e:  # the parent raises it
         out_q.put((index, None, f"{type(e).__name__}: {e}"))
 
 
 def send_streamed(url: str, bodies: Sequence[Dict], concurrency: int, procs: int = 1,
-                  desc: Optional[str] = None) -> List[StreamTrace]:
+                  desc: Optional[str] = None, lag: Optional[List[Tuple[float, float]]] = None) -> List[StreamTrace]:
     """Stream every body (``completion_stream_body``) closed-loop, at most ``concurrency`` in flight;
     the traces in order. ``procs`` > 1: that many client processes (so that one Python client's
     parsing does not delay the arrival times), process p sending bodies p, p + procs, ... closed-loop
-    at its share of ``concurrency``, all starting together."""
+    at its share of ``concurrency``, all starting together. ``lag`` gets every client process's loop
+    lag samples (``with_lag_probe``)."""
+    lag = [] if lag is None else lag
     procs = max(1, min(procs, concurrency, len(bodies)))
     if procs == 1:
-        return asyncio.run(_bounded(url, bodies, concurrency, desc, _streamed))
+        return asyncio.run(with_lag_probe(_bounded(url, bodies, concurrency, desc, _streamed), lag))
     import multiprocessing
     import queue
 
@@ -400,7 +424,8 @@ def send_streamed(url: str, bodies: Sequence[Dict], concurrency: int, procs: int
                 continue
             if error is not None:
                 raise RuntimeError(f"client process {index}: {error}")
-            results[index] = traces
+            results[index], their_lag = traces
+            lag.extend(their_lag)
     finally:
         for w in workers:
             if w.is_alive() and len(results) < procs:

@@ -312,7 +312,8 @@ import json, sys
 for a in json.load(open(sys.argv[1]))['arms']:
     print('  ', a['mode'], *(f'{k} {a[k] if a[k] is not None else float(\"nan\"):.2f}' for k in ('output_tok_s', 'itl_short_ms_p50', 'itl_short_ms_p99',
           'itl_short_p99_over_p50', 'chunk_gap_short_ms_p50', 'itl_router_ms_p50', 'itl_router_ms_p99', 'http_cpu_share', 'mixed_step_ms', 'decode_step_ms', 'mixed_steps', 'mean_decode_batch')),
-          *(f'{k} {a[k]:.2f}' for k in ('update_delivery_ms_p50', 'update_delivery_ms_p99') if a.get(k) is not None),
+          *(f'{k} {a[k]:.2f}' for k in ('update_delivery_ms_p50', 'update_delivery_ms_p99', 'client_loop_lag_ms_p99')
+            if a.get(k) is not None),
           *([f'http_cpu_by_process {\"/\".join(f\"{c:.2f}\" for c in a[\"http_cpu_share_by_process\"])}'] if a.get('http_cpu_share_by_process') else []))" "$json"
         done
     done | tee "$out/serving_ab.txt"

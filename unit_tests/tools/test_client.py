@@ -220,12 +220,19 @@ def test_send_timed_plain_and_streamed(local_server):
     assert t.response["details"] == {"prompt_tokens": 3, "mtp_accepted_token_num": 1}
 
 
+LAG_SLACK_S = 1e-3  # a loop may run a timer up to its clock resolution early
+
+
 @pytest.mark.parametrize("procs", [1, 2])
 def test_send_streamed_in_order_over_client_processes(local_server, procs):
     url, state = local_server
     bodies = [client.completion_stream_body(f"p{i:02d}", 2 + i % 3) for i in range(9)]
-    traces = client.send_streamed(url, bodies, concurrency=4, procs=procs)
+    lag = []
+    t0 = time.time()
+    traces = client.send_streamed(url, bodies, concurrency=4, procs=procs, lag=lag)
     assert [t.output_tokens for t in traces] == [2 + i % 3 for i in range(9)]  # the bodies' order
+    # every client process's loop lag, sampled while it streamed
+    assert lag and all(t0 <= t <= time.time() and late > -LAG_SLACK_S for t, late in lag)
     assert all(t.prompt_tokens == 3 and t.finish_reason == "length" for t in traces)
     assert all(sum(n for _, n in t.chunks) == t.output_tokens for t in traces)
     assert [t.mtp_accepted_token_num for t in traces] == [(2 + i % 3) // 2 for i in range(9)]

@@ -5,10 +5,27 @@
 #                    (splits64: 64 splits of 128 keys, 4 programs an SM; splits16: 16 of 512; warps8: 8 warps;
 #                    tile64: 64-key tiles), ATTV_ROUNDS (1), the bare read beside; then (Q_NEXT=1) one round of
 #                    the serving mix with two HTTP processes (session46/call_o.sh workers) on an H200, or on an H100
-#                    session45/call_n.sh hot (the front end alone, HOT_SERVE=0 HOT_REQS=512)
+#                    call_q.sh client
+#   call_q.sh client the front end alone (even 2.1-ms fake steps, one HTTP process) with CLIENT_PROCS ("2 4 8") client
+#                    processes: the clients' own loop lag (every process's since this session) beside the client's
+#                    ITL p99 / p50 (issue 26: is the 2.0x at the front end the client's own stamping?)
 P=docs/data/perf/session48
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
 source scripts/device/env.sh >/dev/null 2>&1; S=$(date +%s)
+if [ "${1:-auto}" = client ]; then
+    G=scripts/device/gpu_session.sh; bash $G data >/dev/null 2>&1; m=$(bash $G shape_model_dir)
+    for c in ${CLIENT_PROCS:-2 4 8}; do
+        timeout ${CLIENT_S:-90} python benchmarks/bench_http_frontend.py --model_dir "$m" --client_procs $c \
+            --arms stream --step_ms 2.1 --num_requests ${CLIENT_REQS:-1024} --max_new_tokens 256 \
+            --gsm8k .data/test.jsonl --out "$OUT/client_p$c.json" > "$OUT/client_p$c.log" 2>&1
+        echo "== client processes $c | rc $?"
+        python -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(' '.join(
+            f'{k} {r[k]:.2f}' for k in ('output_tok_s', 'itl_ms_p50', 'itl_ms_p99', 'tokens_per_chunk', 'loop_lag_ms_p99',
+            'client_loop_lag_ms_p50', 'client_loop_lag_ms_p99')), 'client cores', round(r['cpu_cores']['client'], 2))" \
+            "$OUT/client_p$c.json"
+    done
+    rm -f "$OUT"/client_*.log; echo "client $(( $(date +%s) - S )) s"; exit 0
+fi
 ATTENTION_AB_ROUNDS=${ATTV_ROUNDS:-1} ATTENTION_FLAGS=${ATTV_FLAGS:-"--cases decode"} \
     timeout ${ATTV_S:-300} bash scripts/device/gpu_session.sh attention_ab "${OUT:?}/attv" \
     splits64=$P/splits64.patch splits16=$P/splits16.patch warps8=$P/warps8.patch tile64=$P/tile64.patch \
@@ -18,5 +35,5 @@ tar -C "$OUT" -czf "$OUT/attv.tgz" attv && rm -rf "$OUT/attv"  # files back: 8 a
 [ "${Q_NEXT:-1}" = 1 ] || exit 0
 case $gpu in
 *H200*) WORKERS_ROUNDS=1 WORKERS_S=${Q_WORKERS_S:-240} bash docs/data/perf/session46/call_o.sh workers ;;
-*) HOT_SERVE=0 HOT_REQS=512 FRONT_S=70 bash docs/data/perf/session45/call_n.sh hot ;;
+*) bash "$0" client ;;
 esac
