@@ -104,6 +104,8 @@ DEFINITIONS = {
     "first_egress_ms": "stream: the worker's put of the first update -> the client's first chunk with a token",
     "itl_ms": "stream: per token after the first chunk, a chunk of n tokens g ms after the previous gives n "
               "samples of g / n (as the serving benchmark)",
+    "server_itl_ms": "itl_ms where the HTTP process's app handed each body part to the socket (process 0's "
+                     "streams): the server's own gaps, without the network and the client's stamping",
     "loop_lag_ms": "how late the HTTP process's event loop woke from a 5 ms sleep",
     "client_loop_lag_ms": "the same for the clients' event loops (every client process); a client that lags "
                           "holds pooled connections idle, which the server then closes (keep-alive, 5 s)",
@@ -137,6 +139,10 @@ def percentiles(name: str, xs: Sequence[float], qs: Sequence[float] = PERCENTILE
         v = percentile(xs, q)
         out[f"{name}_p{q:g}"] = None if v is None else v * scale
     return out
+
+
+def ratio_or_none(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
 
 
 def itl_samples(chunks: Sequence[Tuple[float, int]]) -> List[float]:
@@ -394,6 +400,12 @@ class Probe:
         self.dispatches: List[Tuple[float, float]] = []  # (start, seconds)
         self.lag: List[Tuple[float, float]] = []  # (time, seconds late)
         self.threads: Dict[int, str] = {}
+        # per streamed response since begin(): (time.time() its body part left the app, the part)
+        self.sends: List[List[Tuple[float, bytes]]] = []
+
+    def begin(self) -> None:
+        self.note_threads()
+        self.sends = []
 
     def note_threads(self) -> None:
         import threading
@@ -406,7 +418,47 @@ class Probe:
         self.note_threads()
         return {"puts": self.puts, "arrivals": self.arrivals, "generate_calls": self.generate_calls,
                 "gets": self.gets, "dispatches": self.dispatches, "lag": self.lag,
-                "threads": self.threads}
+                "threads": self.threads, "send_chunks": [sent_chunks(parts) for parts in self.sends]}
+
+
+def sse_tokens(part: bytes) -> int:
+    """Tokens in a streamed completions response's body part, as the client counts them (each choice's
+    log-prob tokens)."""
+    n = 0
+    for event in part.split(b"\n\n"):
+        payload = event.strip()
+        if payload.startswith(b"data: {"):
+            for choice in json.loads(payload[len(b"data: "):]).get("choices", ()):
+                n += len((choice.get("logprobs") or {}).get("tokens") or ())
+    return n
+
+
+def sent_chunks(parts: Sequence[Tuple[float, bytes]]) -> List[Tuple[float, int]]:
+    """A response's body parts that carried tokens: (when the part left the app, its tokens)."""
+    return [(t, n) for t, n in ((t, sse_tokens(b)) for t, b in parts) if n]
+
+
+class SendStamps:
+    """ASGI middleware of the bench's HTTP process: when each body part of a streamed completion left the
+    app (uvicorn writes it to the socket within that send), so the server's own inter-token gaps can be
+    set beside the client's. The parts are parsed after the run (``Probe.dump``), not on the loop."""
+
+    def __init__(self, app, probe: Probe):
+        self.app = app
+        self.probe = probe
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/completions":
+            return await self.app(scope, receive, send)
+        parts: List[Tuple[float, bytes]] = []
+        self.probe.sends.append(parts)
+
+        async def stamped(message):
+            await send(message)
+            if message["type"] == "http.response.body" and message.get("body"):
+                parts.append((time.time(), message["body"]))
+
+        return await self.app(scope, receive, stamped)
 
 
 class TimedInQueue:
@@ -602,7 +654,7 @@ def serve_main(config_path: str) -> None:
     _log_server_closes(log)
     manager = TimedManager(args, TimedInQueue(in_q, probe), TimedOutQueue(out_q, probe), ready, worker=workers,
                            peers=peers)
-    app = create_app(manager)
+    app = SendStamps(create_app(manager), probe)
     tune_http_process()  # as serve_http does
     def all_serving() -> None:  # the others serve once this one does; the client starts once they all do
         if peers is not None:
@@ -612,7 +664,7 @@ def serve_main(config_path: str) -> None:
     server = make_server(app, manager, args, on_started=all_serving)
 
     def begin(*_):
-        probe.note_threads()
+        probe.begin()
         if profiles is not None:
             profiles.begin()
 
@@ -931,6 +983,11 @@ def summarize(arm: str, args, client: List[dict], worker: dict, probe: dict, cpu
         row.update(percentiles("ttft_ms", ttft, scale=1e3))
         row.update(percentiles("first_egress_ms", first_egress_ms, scale=1e3))
         row.update(percentiles("itl_ms", itl, scale=1e3))
+        # the same gaps where the server's app handed each part to the socket (the probe's process)
+        sent = [x for chunks in probe.get("send_chunks", ()) for x in itl_samples(chunks)]
+        row.update(percentiles("server_itl_ms", sent, scale=1e3))
+        row["itl_p99_over_p50"] = ratio_or_none(row["itl_ms_p99"], row["itl_ms_p50"])
+        row["server_itl_p99_over_p50"] = ratio_or_none(row["server_itl_ms_p99"], row["server_itl_ms_p50"])
         row["ideal_itl_ms"] = args.step_ms / args.tokens_per_step
         chunks = sum(len(r["chunks"]) for r in client)
         row["tokens_per_chunk"] = tokens / chunks if chunks else None
@@ -1031,6 +1088,8 @@ COLUMNS = [
     Column("egress_out_q_ms_p50", "out_q p50", ".2f"),
     Column("egress_handover_ms_p50", "handover p50", ".2f"),
     Column("egress_loop_to_client_ms_p50", "loop->client p50", ".1f"),
+    Column("itl_p99_over_p50", "itl p99/p50", ".2f"),
+    Column("server_itl_p99_over_p50", "server p99/p50", ".2f"),
     Column("loop_lag_ms_p99", "lag p99", ".1f"),
     Column("client_loop_lag_ms_p99", "client lag p99", ".1f"),
     Column("client_loop_lag_ms_p100", "max", ".0f"),

@@ -208,6 +208,24 @@ def test_summarize_joins_the_three_clocks_per_request():
     assert row["tokens_per_chunk"] == 1.0
 
 
+def test_send_stamps_count_tokens_as_the_client_and_give_the_servers_gaps():
+    def event(tokens):
+        return b"data: " + json.dumps({"choices": [{"index": 0, "text": "x", "logprobs": {"tokens": tokens}}]}).encode()
+
+    parts = [(1.0, event(["a"]) + b"\n\n"), (1.5, b": keep-alive\n\n"), (2.0, event(["b", "c"]) + b"\n\n"),
+             (2.2, event(["d"]) + b"\n\n" + event(["e"]) + b"\n\n"), (2.3, b"data: [DONE]\n\n")]
+    chunks = bench.sent_chunks(parts)
+    assert chunks == [(1.0, 1), (2.0, 2), (2.2, 2)]  # parts without tokens are left out
+    assert bench.itl_samples(chunks) == pytest.approx([0.5, 0.5, 0.1, 0.1])
+    args, client, worker, probe = _fixture_run()
+    probe["send_chunks"] = [chunks, [(5.0, 1), (5.004, 1), (5.006, 1)]]
+    row = bench.summarize("stream", args, client, worker, probe, None)
+    # samples 500, 500, 100, 100, 4, 2 ms: sorted, the middle two are 100 and 100
+    assert row["server_itl_ms_p50"] == pytest.approx(100.0)
+    assert row["server_itl_p99_over_p50"] == pytest.approx(row["server_itl_ms_p99"] / 100.0)
+    assert row["itl_p99_over_p50"] == pytest.approx(row["itl_ms_p99"] / row["itl_ms_p50"])
+
+
 def test_report_renders(capsys):
     args, client, worker, probe = _fixture_run()
     probe["profile"] = {"clock": "thread cpu", "by_thread_tottime_s": {"MainThread": 1.0}, "total_tottime_s": 1.0,

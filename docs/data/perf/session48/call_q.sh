@@ -7,8 +7,9 @@
 #                    the serving mix with two HTTP processes (session46/call_o.sh workers) on an H200, or on an H100
 #                    call_q.sh client
 #   call_q.sh client the front end alone (even 2.1-ms fake steps, one HTTP process) with CLIENT_PROCS ("2 4 8") client
-#                    processes: the clients' own loop lag (every process's since this session) beside the client's
-#                    ITL p99 / p50 (issue 26: is the 2.0x at the front end the client's own stamping?)
+#                    processes: the client's ITL p99 / p50 beside the server's own (when the app handed each part to
+#                    the socket) and the clients' loop lag (issue 26: is the 2.0x at the front end the client's own
+#                    stamping?)
 P=docs/data/perf/session48
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
 source scripts/device/env.sh >/dev/null 2>&1; S=$(date +%s)
@@ -20,7 +21,8 @@ if [ "${1:-auto}" = client ]; then
             --gsm8k .data/test.jsonl --out "$OUT/client_p$c.json" > "$OUT/client_p$c.log" 2>&1
         echo "== client processes $c | rc $?"
         python -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(' '.join(
-            f'{k} {r[k]:.2f}' for k in ('output_tok_s', 'itl_ms_p50', 'itl_ms_p99', 'tokens_per_chunk', 'loop_lag_ms_p99',
+            f'{k} {r[k]:.2f}' for k in ('output_tok_s', 'itl_ms_p50', 'itl_ms_p99', 'itl_p99_over_p50',
+            'server_itl_ms_p50', 'server_itl_ms_p99', 'server_itl_p99_over_p50', 'tokens_per_chunk', 'loop_lag_ms_p99',
             'client_loop_lag_ms_p50', 'client_loop_lag_ms_p99')), 'client cores', round(r['cpu_cores']['client'], 2))" \
             "$OUT/client_p$c.json"
     done
