@@ -2,7 +2,7 @@
 import argparse
 
 from lightllm.common.constants import (DATA_TYPE_ALIASES, DATA_TYPES, HTTP_IMPLEMENTATIONS, LOAD_FORMATS,
-                                       LOOP_IMPLEMENTATIONS, canonical_data_type)
+                                       LOOP_IMPLEMENTATIONS, MAX_MTP_STEP, canonical_data_type)
 from lightllm.server.core.objs.start_args_type import MTP_MODES, StartArgs
 
 
@@ -16,10 +16,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return text + (" (default: none)" if action.default is None else " (default: %(default)s)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line, as every other start-up error (not the usage block above it); a flag must be
+    spelt out (no silent abbreviations: --batch is not --batch_max_tokens)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (--help lists every flag)\n")
+
+
 def make_argument_parser() -> argparse.ArgumentParser:
     d = StartArgs()
-    top = argparse.ArgumentParser(prog="python -m lightllm.server.api_server", description="LightLLM-shaped LLM server",
-                                  formatter_class=_HelpFormatter)
+    top = _Parser(prog="python -m lightllm.server.api_server", description="LightLLM-shaped LLM server",
+                  formatter_class=_HelpFormatter)
     p = top.add_argument_group("model", "What is served and how it is loaded.")
     p.add_argument("--model_dir", type=str, default=d.model_dir,
                    help="Hugging Face model dir (config.json + safetensors, a llama or qwen3 model). "
@@ -61,8 +72,8 @@ def make_argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed_max_prefill_tokens", type=int, default=d.mixed_max_prefill_tokens,
                    help="Most prompt tokens in a step that also decodes the running requests (a mixed step): "
                         "every stream waits for that step, so this bounds the inter-token latency while prompts "
-                        "are prefilled; a step with nothing to decode takes up to --batch_max_tokens "
-                        "(default: --batch_max_tokens).")
+                        "are prefilled; a step with nothing to decode takes up to --batch_max_tokens. "
+                        "none: --batch_max_tokens.")
     p.add_argument("--mixed_prefill_pace_steps", type=int, default=d.mixed_prefill_pace_steps,
                    help="N > 0: a mixed step takes about 1/N of the prompt tokens left to prefill (at least 256, at "
                         "most --mixed_max_prefill_tokens), so a long prompt is spread over about N steps that all "
@@ -78,11 +89,18 @@ def make_argument_parser() -> argparse.ArgumentParser:
                         "admit them into the step after that one: a finish no longer leaves the GPU idle while "
                         "the host commits and admits (inter-token latency), at the cost of one step of time to "
                         "first token for the requests that join.")
+    p.add_argument("--disable_dynamic_prompt_cache", action="store_true", default=d.disable_dynamic_prompt_cache,
+                   help="Prefill every prompt from token 0. By default the KV of prompts (and outputs) already "
+                        "seen is kept in a radix tree and a new prompt prefills only what follows its longest "
+                        "cached prefix (LightLLM's dynamic prompt cache; off with --dp above 1; "
+                        "docs/prompt_cache.md).")
     p = top.add_argument_group("MTP / ASD", "Speculative decoding with draft modules, and ASD's approximate "
                                             "acceptance (docs/asd.md).")
     p.add_argument("--mtp_mode", type=str, default=d.mtp_mode, choices=MTP_MODES,
                    help="MTP speculative decoding mode. none: off.")
-    p.add_argument("--mtp_step", type=int, default=d.mtp_step, help="Draft tokens per decode step (K).")
+    p.add_argument("--mtp_step", type=int, default=d.mtp_step,
+                   help=f"Draft tokens per decode step (K): 1..{MAX_MTP_STEP} with --mtp_mode (dspark: at most its "
+                        f"block size - 1, 3 for the packaged draft); 0 without.")
     p.add_argument("--mtp_draft_model_dir", type=str, nargs="+", default=d.mtp_draft_model_dir,
                    help="Draft module dir(s): vanilla chains K modules, eagle reuses one. none: the packaged "
                         "draft of the embedded model for eagle_with_att / dspark.")
@@ -126,11 +144,6 @@ def make_argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable_mixed_steps", action="store_true", default=d.disable_mixed_steps,
                    help="Run prefill chunks in steps of their own, alternating with decode steps, instead of in "
                         "the same forward as every running request's decode rows (docs/decode_step.md).")
-    p.add_argument("--disable_dynamic_prompt_cache", action="store_true", default=d.disable_dynamic_prompt_cache,
-                   help="Prefill every prompt from token 0. By default the KV of prompts (and outputs) already "
-                        "seen is kept in a radix tree and a new prompt prefills only what follows its longest "
-                        "cached prefix (LightLLM's dynamic prompt cache; off with --dp above 1; "
-                        "docs/prompt_cache.md).")
     p.add_argument("--disable_overlap_schedule", action="store_true", default=d.disable_overlap_schedule,
                    help="One rank: launch each decode step only after the host has committed the previous one. "
                         "By default the next step of the same requests is launched first, so the commit and "

@@ -157,6 +157,19 @@ def _validate_weights(args: StartArgs) -> None:
         _need(why is None, flag, f"{d!r} {why}")
 
 
+# Files one of which a Hugging Face tokenizer loads from (fast tokenizer, sentencepiece, BPE / WordPiece vocab)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def _validate_tokenizer(args: StartArgs) -> None:
+    """The model dir holds a tokenizer: the HTTP side loads it once the model is up, so a server checks it before
+    (the worker alone, as tests and tools start it, needs none)."""
+    d = args.resolved_model_dir
+    _need(any(os.path.isfile(os.path.join(d, f)) for f in TOKENIZER_FILES), "--model_dir",
+          f"{d!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): prompts are tokenized with the "
+          f"model's own")
+
+
 def _resolve_draft_dirs(args: StartArgs, model_dir: str):
     if args.mtp_mode is None or args.mtp_draft_model_dir:
         return args.mtp_draft_model_dir
@@ -386,6 +399,8 @@ def _launch_subprocesses(args: StartArgs) -> None:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # first: validation may convert the model
     try:
         args = validate_start_args(args)
+        if args.node_rank == 0:  # the node that serves HTTP tokenizes
+            _validate_tokenizer(args)
     except StartArgsError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -396,7 +411,8 @@ def _launch_subprocesses(args: StartArgs) -> None:
         try:
             sock = bind_socket(args.host, args.port, args.backlog, reuse_port=args.httpserver_workers > 1)
         except OSError as e:
-            print(f"error: --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+            print(f"error: --host / --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+                  file=sys.stderr)
             sys.exit(1)
     try:
         workers, in_q, out_q, ready = start_worker(args)
@@ -418,7 +434,15 @@ def _launch_subprocesses(args: StartArgs) -> None:
         from lightllm.server.httpserver.peers import HttpPeers
 
         peers = HttpPeers.start(_http_worker, args, in_q, workers.update_queues[1:], ready, workers)
-    manager = HttpServerManager(args, in_q, out_q, ready, worker=workers, peers=peers)
+    try:
+        manager = HttpServerManager(args, in_q, out_q, ready, worker=workers, peers=peers)
+    except Exception as e:  # e.g. a tokenizer that does not load: one line, and the worker stops
+        print(f"error: the HTTP server could not start: {type(e).__name__}: {e}", file=sys.stderr)
+        if peers is not None:
+            peers.kill()
+            peers.close()
+        workers.stop()
+        sys.exit(1)
     app = create_app(manager)
     logging.getLogger(__name__).info(
         "serving %s on http://%s:%d (device %s, %s, KV pool %d tokens, %d CUDA graphs, %d HTTP processes)",

@@ -2,6 +2,8 @@
 (driven through the CLI), --help in groups with every default, --data_type aliases, and the
 throughput line's numbers."""
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -62,7 +64,7 @@ def test_port_in_use_is_one_line_at_once(tmp_path, reuse_port):
         p, took = _run(["--model_dir", fake_model_dir(tmp_path), "--port", str(port), "--httpserver_workers", workers])
     assert p.returncode == 1
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: --port: cannot listen on 127.0.0.1:{port}"), p.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: --host / --port: cannot listen on 127.0.0.1:{port}"), p.stderr
     assert "serving" not in p.stdout + p.stderr
     assert took < BAD_START_S, took
 
@@ -70,7 +72,51 @@ def test_port_in_use_is_one_line_at_once(tmp_path, reuse_port):
 def test_bad_data_type_is_one_line(tmp_path):
     p, took = _run(["--model_dir", fake_model_dir(tmp_path), "--data_type", "int3"])
     assert p.returncode == 2 and "Traceback" not in p.stderr and "invalid choice" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr  # not argparse's usage block before it
     assert took < BAD_START_S, took
+
+
+def test_flags_are_spelt_out():
+    """Before: argparse took --batch for --batch_max_tokens (and any other unique prefix) silently."""
+    p, _ = _run(["--batch", "512"])
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "unrecognized arguments: --batch 512" in lines[0], p.stderr
+
+
+def test_a_model_dir_without_a_tokenizer_is_one_line_before_the_worker(tmp_path):
+    """Before: the model loaded, then the HTTP process's tokenizer load ended in a traceback."""
+    d = fake_model_dir(tmp_path)
+    os.remove(os.path.join(d, "tokenizer.json"))
+    p, took = _run(["--model_dir", d])
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: --model_dir:") and "has no tokenizer" in lines[0]
+    assert took < BAD_START_S, took
+
+
+INTERRUPT_WAIT_S = 120.0  # the worker process appears once the embedded model is converted (the first start)
+
+
+def test_ctrl_c_while_starting_is_one_line_and_leaves_no_process():
+    """SIGINT while the model worker loads: "interrupted", exit 130, the worker gone too (before: a
+    KeyboardInterrupt traceback)."""
+    psutil = pytest.importorskip("psutil")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "lightllm.server.api_server", "--port", str(port)], cwd=REPO_ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = psutil.Process(p.pid)
+    deadline = time.monotonic() + INTERRUPT_WAIT_S
+    while not server.children() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = server.children(recursive=True)
+    assert children, "no worker process started"
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, alive
 
 
 @pytest.mark.parametrize("alias,name", sorted(DATA_TYPE_ALIASES.items()))

@@ -21,6 +21,7 @@ from lightllm.server.core.objs.sampling_params import SamplingParams, SamplingPa
 from lightllm.server.httpserver.detokenize import REPLACEMENT_CHAR, DetokenizerVocab, IncrementalDetokenizer
 from lightllm.server.httpserver.prompt_encoder import PromptEncoder
 from lightllm.server.metrics import RequestClock, ServerMetrics, SharedMetricsPage, ThroughputLog
+from lightllm.utils.model_len import max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -164,16 +165,6 @@ def keeps_text(tokenizer) -> bool:
     return tokenizer.decode(ids) == ROUND_TRIP_PROBE
 
 
-def read_max_position_embeddings(model_dir: str) -> Optional[int]:
-    """The model's ``max_position_embeddings`` from its config.json (None when it has none)."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        v = json.load(f).get("max_position_embeddings")
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-
 def load_eos_token_ids(model_dir: str, tokenizer) -> List[int]:
     """eos ids from generation_config.json / config.json, plus the tokenizer's."""
     ids = set()
@@ -266,8 +257,7 @@ class HttpServerManager:
         self.model_name = args.model_name or os.path.basename(os.path.normpath(self.model_dir))
         # Most prompt + new tokens of one request: --max_req_total_len, or less when the model's
         # positions end sooner (/v1/models' max_model_len)
-        self.max_position_embeddings = read_max_position_embeddings(self.model_dir)
-        self.max_model_len = min(args.max_req_total_len, self.max_position_embeddings or args.max_req_total_len)
+        self.max_model_len = max_model_len(args.max_req_total_len, self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = load_eos_token_ids(self.model_dir, self.tokenizer)
         # Prompts as the tokenizer encodes them, resent pieces from a cache of chunks

@@ -222,7 +222,9 @@ def uvicorn_config(app, host: str, port: int, limits: ConnectionLimits) -> uvico
         http=header_deadline_protocol(limits.timeout_request_header, limits.http),
         loop=limits.loop,
         timeout_keep_alive=limits.timeout_keep_alive,
-        limit_concurrency=limits.limit_concurrency,
+        # uvicorn refuses when the open connections, the new one among them, reach its limit: one more
+        # serves --limit_concurrency connections, as the flag says
+        limit_concurrency=limits.limit_concurrency + 1,
         backlog=limits.backlog,
         timeout_graceful_shutdown=limits.timeout_graceful_shutdown + SHUTDOWN_FAIL_GRACE_S,
     )

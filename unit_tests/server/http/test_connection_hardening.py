@@ -208,10 +208,14 @@ def test_stalled_and_trickled_bodies_get_408(http):
 
 @pytest.mark.parametrize("http", HTTP_PARSERS)
 def test_connections_past_the_limit_get_503(http):
-    """Before: no connection limit."""
+    """--limit_concurrency N serves N open connections; the next gets a 503 (before: no limit; then one
+    fewer than N, uvicorn counting the new connection)."""
     limit = 4
     with hardened(limit_concurrency=limit, http=http) as h:
-        idle = [_connect(h.url) for _ in range(limit)]
+        idle = [_connect(h.url) for _ in range(limit - 1)]
+        time.sleep(0.1)
+        assert httpx.get(h.url + "/health").status_code == 200  # the limit-th connection is served
+        idle.append(_connect(h.url))
         time.sleep(0.1)
         assert httpx.get(h.url + "/health").status_code == 503
         for s in idle:

@@ -35,6 +35,7 @@ from lightllm.server.router.model_infer.prompt_cache import make_prompt_cache, o
 from lightllm.server.router.model_infer.step_rows import RowItem, RowsBatch, StepRows, max_sampled_rows, step_ladder
 from lightllm.utils.dist_utils import ParallelContext, single_rank_context
 from lightllm.utils.host_copy import to_device
+from lightllm.utils.model_len import max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_st
     bounded by free memory (CUDA) or a fixed size (CPU), never below one full request."""
     if args.max_total_token_num is not None:
         return args.max_total_token_num
-    per_req = args.max_req_total_len + mtp_step
+    per_req = max_model_len(args.max_req_total_len, args.resolved_model_dir) + mtp_step
     wanted = args.running_max_req_size * per_req
     if torch.device(device).type == "cuda":  # "cuda" or a rank's "cuda:<i>"
         from transformers import AutoConfig
@@ -112,6 +113,7 @@ class ModeBackend:
         # This rank's place among tensor / data parallel ranks (docs/parallel.md).
         self.parallel = parallel if parallel is not None else single_rank_context(device)
         self.mtp_step = args.mtp_step if args.mtp_mode else 0
+        self.max_model_len = max_model_len(args.max_req_total_len, args.resolved_model_dir)  # the request tables' width
         needs = draft_cache_needs(args)
         draft_kv_layers, extra_positions = needs.kv_layers, needs.extra_positions
         kvargs = ModelKvArgs(
@@ -124,7 +126,7 @@ class ModeBackend:
             max_req_num=args.running_max_req_size,
             # one decode step past the longest request, and one more for a step launched before the
             # previous one's tokens are known (overlap)
-            max_seq_length=args.max_req_total_len + OVERLAP_STEPS_AHEAD * (self.mtp_step + 1) + extra_positions,
+            max_seq_length=self.max_model_len + OVERLAP_STEPS_AHEAD * (self.mtp_step + 1) + extra_positions,
             data_type=dtype,
             device=device,
             load_format=args.load_format,
@@ -312,9 +314,9 @@ class ModeBackend:
             b_ready.append(req.kv_len)
             b_seq.append(req.kv_len + n)
             b_req_idx.append(req.req_idx)
-        # One HOLD item per at most max_req_total_len tokens (its attention reads the HOLD row).
+        # One HOLD item per at most max_model_len tokens (its attention reads the HOLD row).
         while pad_tokens > 0:
-            n = min(pad_tokens, self.args.max_req_total_len)
+            n = min(pad_tokens, self.max_model_len)
             input_ids.extend([PAD_TOKEN_ID] * n)
             slots_all.append(torch.full((n,), self.mem_manager.HOLD_SLOT, dtype=torch.int64))
             b_ready.append(0)
