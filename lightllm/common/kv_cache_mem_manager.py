@@ -12,10 +12,13 @@ The free list lives on the host, so alloc/free never synchronize with the GPU.
 A reclaimer (the prompt cache, ``Reclaimer``) may hold slots it can give back: ``alloc`` asks it for
 room before it fails, so every allocation site sees cached slots as free ones.
 """
+import math
 from typing import Callable, List, Optional, Protocol, Union
 
 import numpy as np
 import torch
+
+from lightllm.utils.device_memory import check_fits
 
 # Rows reserved past the allocatable slots: the HOLD slot.
 NUM_HOLD_SLOTS = 1
@@ -47,6 +50,9 @@ class MemoryManager:
         self.HOLD_SLOT = size
         # [layer_num, size + 1, kv_head_num, head_dim]; k_buffer[layer] is one layer's cache
         buffer_shape = (layer_num, size + NUM_HOLD_SLOTS, head_num, head_dim)
+        nbytes = 2 * math.prod(buffer_shape) * torch.empty((), dtype=dtype).element_size()
+        check_fits(nbytes, self.device, f"the KV cache of {size} tokens ({layer_num} layers)",
+                   "lower --max_total_token_num (unset, it is sized from free memory)")
         self.k_buffer = torch.zeros(buffer_shape, dtype=dtype, device=self.device)
         self.v_buffer = torch.zeros(buffer_shape, dtype=dtype, device=self.device)
         self.reclaimer: Optional[Reclaimer] = None  # set by the prompt cache

@@ -19,6 +19,7 @@ from lightllm.common.basemodel.triton_kernel.init_req_rows import (
 from lightllm.common.basemodel.triton_kernel.mtp_utils import NO_DRAFT_TOKEN_ID
 from lightllm.common.kv_cache_mem_manager import MemoryManager
 from lightllm.server.core.objs.sampling_params import MAX_TOP_LOGPROBS
+from lightllm.utils.device_memory import check_fits
 from lightllm.utils.host_copy import to_device
 from lightllm.utils.numbers import is_number
 
@@ -30,6 +31,9 @@ class ReqManager:
         self.mem_manager = mem_manager
         self.HOLD_REQUEST_ID = max_request_num
         # [max_request_num + 1, max_sequence_length] KV slot of every position of a request
+        check_fits((max_request_num + 1) * max_sequence_length * torch.empty((), dtype=torch.int64).element_size(),
+                   torch.device(device), f"the request table of {max_request_num} requests x {max_sequence_length} "
+                   f"positions", "lower --running_max_req_size or --max_req_total_len")
         self.req_to_token_indexs = torch.zeros(
             (max_request_num + 1, max_sequence_length), dtype=torch.int64, device=device
         )

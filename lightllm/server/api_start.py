@@ -103,6 +103,7 @@ def validate_start_args(args: StartArgs) -> StartArgs:
     _validate_dspark(resolved)
     _validate_heads(resolved)
     _validate_weights(resolved)
+    _validate_mtp_drafts(resolved)
     k = resolved.mtp_step
     if resolved.max_total_token_num is not None:
         _need(resolved.max_total_token_num >= resolved.max_req_total_len + k, "--max_total_token_num",
@@ -128,6 +129,28 @@ def _validate_mtp(args: StartArgs) -> None:
     if args.mtp_draft_model_dir and args.mtp_mode.startswith(("eagle", "dspark")):
         _need(len(args.mtp_draft_model_dir) == 1, "--mtp_draft_model_dir",
               f"{args.mtp_mode} mode uses one draft: give exactly 1 dir, got {len(args.mtp_draft_model_dir)}")
+
+
+def _validate_mtp_drafts(args: StartArgs) -> None:
+    """Eagle / vanilla draft dirs: MTP drafts whose attention fits --mtp_mode, of the target's width and vocabulary
+    (before: the worker found out, after loading the target)."""
+    if args.mtp_mode is None or args.mtp_mode == "dspark":
+        return
+    from lightllm.models.llama_mtp.model import MTPDraftConfig
+
+    with open(os.path.join(args.resolved_model_dir, "config.json")) as f:
+        target = json.load(f)
+    with_att = args.mtp_mode.endswith("_with_att")
+    for d in args.mtp_draft_model_dir:
+        try:
+            cfg = MTPDraftConfig.load(d)
+        except (ValueError, TypeError, KeyError) as e:
+            raise StartArgsError(f"--mtp_draft_model_dir: {d!r} is not an MTP draft: {e}") from None
+        _need(cfg.with_attention == with_att, "--mtp_draft_model_dir",
+              f"{d!r} has with_attention={cfg.with_attention}, which does not fit --mtp_mode {args.mtp_mode}")
+        for key in ("hidden_size", "vocab_size"):
+            _need(target.get(key) in (None, getattr(cfg, key)), "--mtp_draft_model_dir",
+                  f"{d!r} has {key} {getattr(cfg, key)}, the target model {target.get(key)}")
 
 
 def _validate_dspark(args: StartArgs) -> None:

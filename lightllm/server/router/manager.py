@@ -27,6 +27,7 @@ from lightllm.server.router.model_infer.infer_batch import FinishReason, InferRe
 from lightllm.server.router.model_infer.mode_backend.base_backend import StepResult
 from lightllm.server.router.req_queue import ReqQueue
 from lightllm.utils.dist_utils import NUM_OVERLAP_MICROBATCHES, ParallelContext, init_parallel, single_rank_context
+from lightllm.utils.device_memory import StartupError
 from lightllm.utils.gc_freeze import freeze_start_up_objects
 # a worker process ends with its parent (re-exported here for older imports)
 from lightllm.utils.process_lifetime import (  # noqa: F401
@@ -362,6 +363,10 @@ class MessageInbox:
 
 
 def _format_error(rank: int, e: Exception) -> str:
+    """What the launcher prints for a rank's start-up failure: the error, and where it came from unless its
+    message says all (``StartupError``: a flag asked for more than the device has)."""
+    if isinstance(e, StartupError):
+        return f"rank {rank}: {e}"
     return f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
 
 
