@@ -6,7 +6,7 @@
 #                    tile64: 64-key tiles), ATTV_ROUNDS (1), the bare read beside; then (Q_NEXT=1) one round of
 #                    the serving mix with two HTTP processes (session46/call_o.sh workers) on an H200, or on an H100
 #                    call_q.sh client
-#   call_q.sh client the front end alone (even 2.1-ms fake steps, one HTTP process) with CLIENT_PROCS ("2 4 8") client
+#   call_q.sh client the front end alone (session46/call_o.sh front: even 2.1-ms fake steps, one HTTP process) with 2, 4, 8 client
 #                    processes: the client's ITL p99 / p50 beside the server's own (when the app handed each part to
 #                    the socket) and the clients' loop lag (issue 26: is the 2.0x at the front end the client's own
 #                    stamping?)
@@ -14,19 +14,11 @@ P=docs/data/perf/session48
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "card: $gpu"
 source scripts/device/env.sh >/dev/null 2>&1; S=$(date +%s)
 if [ "${1:-auto}" = client ]; then
-    G=scripts/device/gpu_session.sh; bash $G data >/dev/null 2>&1; m=$(bash $G shape_model_dir)
-    for c in ${CLIENT_PROCS:-2 4 8}; do
-        timeout ${CLIENT_S:-90} python benchmarks/bench_http_frontend.py --model_dir "$m" --client_procs $c \
-            --arms stream --step_ms 2.1 --num_requests ${CLIENT_REQS:-1024} --max_new_tokens 256 \
-            --gsm8k .data/test.jsonl --out "$OUT/client_p$c.json" > "$OUT/client_p$c.log" 2>&1
-        echo "== client processes $c | rc $?"
-        python -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(' '.join(
-            f'{k} {r[k]:.2f}' for k in ('output_tok_s', 'itl_ms_p50', 'itl_ms_p99', 'itl_p99_over_p50',
-            'server_itl_ms_p50', 'server_itl_ms_p99', 'server_itl_p99_over_p50', 'tokens_per_chunk', 'loop_lag_ms_p99',
-            'client_loop_lag_ms_p50', 'client_loop_lag_ms_p99')), 'client cores', round(r['cpu_cores']['client'], 2))" \
-            "$OUT/client_p$c.json"
-    done
-    rm -f "$OUT"/client_*.log; echo "client $(( $(date +%s) - S )) s"; exit 0
+    exec env FRONT_ROUNDS=1 FRONT_S=${CLIENT_S:-90} FRONT_REQS=${CLIENT_REQS:-1024} \
+        FRONT_ARMS="p2=--client_procs 2;p4=--client_procs 4;p8=--client_procs 8" \
+        FRONT_KEYS="output_tok_s itl_ms_p50 itl_ms_p99 itl_p99_over_p50 server_itl_ms_p50 server_itl_ms_p99 \
+server_itl_p99_over_p50 tokens_per_chunk loop_lag_ms_p99 client_loop_lag_ms_p50 client_loop_lag_ms_p99" \
+        bash docs/data/perf/session46/call_o.sh front
 fi
 ATTENTION_AB_ROUNDS=${ATTV_ROUNDS:-1} ATTENTION_FLAGS=${ATTV_FLAGS:-"--cases decode"} \
     timeout ${ATTV_S:-300} bash scripts/device/gpu_session.sh attention_ab "${OUT:?}/attv" \
