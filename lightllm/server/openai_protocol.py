@@ -302,11 +302,11 @@ def completion_prompts(body: Dict[str, Any]) -> List[Union[str, List[int]]]:
     return prompts
 
 
-def check_token_ids(prompt: List[int], vocab_size: int, at: str = "") -> None:
+def check_token_ids(prompt: List[int], vocab_size: int) -> None:
     """A prompt given as token ids: each an id of the model's vocabulary."""
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise SamplingParamsError("prompt", f"{at}token id {bad} is not in the vocabulary (0..{vocab_size - 1})")
+        raise SamplingParamsError("prompt", f"token id {bad} is not in the vocabulary (0..{vocab_size - 1})")
 
 
 @dataclass(frozen=True)
