@@ -269,6 +269,15 @@ class SseChunks:
         return f"{self._prefix}{_SSE_JSON.encode(choices)}{more}}}\n\n"
 
 
+def stream_token_texts(singles: List[str], delta: str) -> List[str]:
+    """The text each of a result's new tokens adds to a /generate_stream, whose events must add up to the text
+    shown (``delta``): each token's own text when they do, else (a character split over tokens, a stop string
+    cut inside one) the whole delta on the last token and "" on the others."""
+    if "".join(singles) == delta:
+        return singles
+    return [""] * (len(singles) - 1) + [delta]
+
+
 def _worker_failed_message(res: ReqResult) -> str:
     return f"the model worker could not serve this request: {res.error}"
 
@@ -425,14 +434,16 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         if unknown:
             raise SamplingParamsError(unknown[0], "unknown field (valid: inputs, parameters)")
         _check_stream_field(body.get("stream"), streaming)
-        params = SamplingParams.from_request(body.get("parameters") or {})
+        parameters = body.get("parameters")
+        params = SamplingParams.from_request({} if parameters is None else parameters)  # [] is refused, not empty
         prompt_ids = await manager.encode_prompt_async(inputs)
         manager.check_request(prompt_ids, params)
         return prompt_ids, params
 
-    def _token(res: ReqResult, i: int) -> Dict[str, Any]:
+    def _token(res: ReqResult, i: int, text: Optional[str] = None) -> Dict[str, Any]:
+        """Token i of ``res``; ``text``: what it adds to a stream (default: its own text)."""
         t = res.token_ids[i]
-        out = {"id": t, "text": manager.token_text(t), "logprob": _finite(res.logprobs[i]),
+        out = {"id": t, "text": manager.token_text(t) if text is None else text, "logprob": _finite(res.logprobs[i]),
                "special": t in manager.eos_token_ids}
         if res.top_logprobs:  # parameters.top_logprobs > 0: the most likely alternatives
             out["top_logprobs"] = [{"id": a, "text": manager.token_text(a), "logprob": _finite(lp)}
@@ -470,6 +481,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
 
         async def events():
             sent = 0  # token events sent
+            sent_text = ""  # the text they add up to
             try:
                 async for res in manager.generate(prompt_ids, params, arrival=arrival):
                     done = res.finish_reason is not None
@@ -479,13 +491,20 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
                                     "error": _worker_failed_message(res), "details": None})
                         return
                     upto = max(res.stream_token_num, sent)  # tokens that cannot be part of a stop string
+                    texts = []
+                    if upto > sent:  # the text shown so far (held back: a possible stop string, split characters)
+                        visible = res.text[:res.stream_text_len]
+                        delta = visible[len(sent_text):] if visible.startswith(sent_text) else ""
+                        texts = stream_token_texts([manager.token_text(res.token_ids[i]) for i in range(sent, upto)],
+                                                   delta)
+                        sent_text += delta
                     # one event per token, and one write per result (an MTP step's tokens, or every step
                     # that waited for a stream behind the worker)
                     batch = []
                     for i in range(sent, upto):
                         last = done and i == upto - 1
                         batch.append(_sse({
-                            "token": _token(res, i),
+                            "token": _token(res, i, texts[i - sent]),
                             "generated_text": res.text if last else None,
                             "finished": last,
                             "finish_reason": res.finish_reason if last else None,

@@ -142,10 +142,12 @@ def test_openai_errors_name_the_clients_fields(server):
     ('{"inputs": "hi", "\\ud800": 1}', "\\ud800"),
     ("[" * 100000 + "]" * 100000, "body"),
     ('{"inputs": "hi", "parameters": {"max_new_tokens": ' + "9" * 5000 + "}}", "body"),
-], ids=["surrogate-inputs", "surrogate-stop", "surrogate-key", "deep-nesting", "5000-digits"])
+    ('{"inputs": "hi", "parameters": []}', "parameters"),
+], ids=["surrogate-inputs", "surrogate-stop", "surrogate-key", "deep-nesting", "5000-digits", "parameters-list"])
 def test_undecodable_text_and_deep_json_are_400(server, raw, field):
     """Before: 500 for the lone surrogates (the tokenizer raised), for 100k-deep nesting
-    (RecursionError) and for a 5000-digit integer (Python's int digit limit)."""
+    (RecursionError) and for a 5000-digit integer (Python's int digit limit); 200 for parameters [] (taken
+    as none)."""
     with server.client() as c:
         r = c.post("/generate", content=raw.encode("utf-8"), headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
@@ -411,6 +413,25 @@ def test_streams_hold_back_a_possible_stop_string(tok, group):
             assert token_ids == (kept_ids if final == kept else ids)
             assert events[-1]["finished"] and events[-1]["generated_text"] == final
             assert sum(e["finished"] for e in events) == 1
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_generate_stream_token_texts_add_up_to_the_text(tok, group):
+    """Each /generate_stream event's token text is what it adds to the text: emoji split over byte tokens
+    and a stop string cut inside a token. Before: each token decoded alone ('\ufffd' for every emoji byte
+    token, ' we' past a stop that keeps 'w'), so the events did not add up to generated_text."""
+    emoji = "Party: 🎉🎉 done 🍕."
+    for text, stop, final in [(emoji, None, emoji), (TEXT, "e multiply", "To find 7 * 6, w")]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert any(tok.decode([t]).endswith("\ufffd") for t in ids) == (text == emoji)  # split characters
+        params = {"max_new_tokens": len(ids), **({"stop_sequences": [stop]} if stop else {})}
+        with scripted(Script(ids, group=group)) as app:
+            events = _stream(app, "/generate_stream", {"inputs": "Q", "parameters": params})
+            out = _generate(app, {**params, "return_details": True})
+        assert events[-1]["generated_text"] == final == out["generated_text"][0]
+        assert "".join(e["token"]["text"] for e in events if e["token"] is not None) == final
+        # the details keep each token's own text (with its log-prob)
+        assert [t["text"] for t in out["tokens"]] == [tok.decode([t]) for t in ids[:len(out["tokens"])]]
 
 
 @pytest.mark.parametrize("group", [1, 4])
