@@ -101,11 +101,14 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("lightllm_request_count", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.bad_requests = Counter("lightllm_bad_request_count", "Requests refused with HTTP 400", registry=r)
-        self.prompt_tokens = Counter("lightllm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("lightllm_generation_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter("lightllm_prompt_tokens", "Prompt tokens of finished requests (not of requests "
+                                     "whose client went away)", registry=r)
+        self.generation_tokens = Counter("lightllm_generation_tokens", "Generated tokens of finished requests (not of "
+                                         "requests whose client went away)", registry=r)
         self.mtp_accepted = Counter("lightllm_mtp_accepted_tokens", "Draft tokens accepted by MTP verification", registry=r)
         self.mtp_accept_len = LoopHistogram(
-            "lightllm_mtp_accept_len", "Committed tokens per request per MTP verify step", buckets=ACCEPT_LEN_BUCKETS, registry=r
+            "lightllm_mtp_accept_len", "Committed tokens per request per decode step (MTP's verify step; 1 without MTP)",
+            buckets=ACCEPT_LEN_BUCKETS, registry=r
         )
         self.mtp_mean_tokens_per_step = Gauge(
             "lightllm_mtp_mean_tokens_per_step", "Mean committed tokens per request per decode step", registry=r
