@@ -40,9 +40,16 @@ def _need(cond: bool, flag: str, msg: str) -> None:
         raise StartArgsError(f"{flag}: {msg}")
 
 
+def _validate_listen(args: StartArgs) -> None:
+    """The flags the HTTP socket needs (checked, and the port taken, before the model is resolved: a first start
+    converts the embedded model)."""
+    _need(1 <= args.port <= 65535, "--port", f"must be in 1..65535, got {args.port}")
+    _validate_http(args)
+
+
 def validate_start_args(args: StartArgs) -> StartArgs:
     """Check every flag; return a copy with defaults resolved (model dir, dtype)."""
-    _need(1 <= args.port <= 65535, "--port", f"must be in 1..65535, got {args.port}")
+    _validate_listen(args)
     _need(args.running_max_req_size >= 1, "--running_max_req_size", f"must be >= 1, got {args.running_max_req_size}")
     _need(args.max_req_total_len >= 2, "--max_req_total_len", f"must be >= 2, got {args.max_req_total_len}")
     if args.max_total_token_num is not None:
@@ -72,7 +79,6 @@ def validate_start_args(args: StartArgs) -> StartArgs:
     _validate_mtp(args)
     _validate_asd(args)
     _validate_parallel(args)
-    _validate_http(args)
     if args.enable_deterministic_inference:
         _need(resolve_device_and_dtype(args)[0] == "cuda", "--enable_deterministic_inference",
               "needs a CUDA device (its kernels are Triton); CPU decoding is fp32 torch")
@@ -420,6 +426,20 @@ def _launch_subprocesses(args: StartArgs) -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # first: validation may convert the model
+    sock = None
+    if args.node_rank == 0:  # the HTTP port, taken before the model is resolved or started: a conflict shows at once
+        from lightllm.server.httpserver.serving import bind_socket
+
+        try:
+            _validate_listen(args)
+            sock = bind_socket(args.host, args.port, args.backlog, reuse_port=args.httpserver_workers > 1)
+        except StartArgsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except OSError as e:
+            print(f"error: --host / --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+                  file=sys.stderr)
+            sys.exit(1)
     try:
         args = validate_start_args(args)
         if args.node_rank == 0:  # the node that serves HTTP tokenizes
@@ -427,16 +447,6 @@ def _launch_subprocesses(args: StartArgs) -> None:
     except StartArgsError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    sock = None
-    if args.node_rank == 0:  # the HTTP port, taken before the worker starts: a conflict shows at once
-        from lightllm.server.httpserver.serving import bind_socket
-
-        try:
-            sock = bind_socket(args.host, args.port, args.backlog, reuse_port=args.httpserver_workers > 1)
-        except OSError as e:
-            print(f"error: --host / --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
-                  file=sys.stderr)
-            sys.exit(1)
     try:
         workers, in_q, out_q, ready = start_worker(args)
     except RuntimeError as e:
