@@ -97,9 +97,11 @@ def test_a_model_dir_without_a_tokenizer_is_one_line_before_the_worker(tmp_path)
 INTERRUPT_WAIT_S = 120.0  # the worker process appears once the embedded model is converted (the first start)
 
 
-def test_ctrl_c_while_starting_is_one_line_and_leaves_no_process():
-    """SIGINT while the model worker loads: "interrupted", exit 130, the worker gone too (before: a
-    KeyboardInterrupt traceback)."""
+@pytest.mark.parametrize("sig, code, line", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_a_signal_while_starting_is_one_line_and_leaves_no_process(sig, code, line):
+    """SIGINT or SIGTERM while the model worker loads: one line, exit 128 + the signal, the worker gone too.
+    Before: a KeyboardInterrupt traceback; SIGTERM killed the launcher, and multiprocessing warned of leaked
+    semaphores."""
     psutil = pytest.importorskip("psutil")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,9 +114,10 @@ def test_ctrl_c_while_starting_is_one_line_and_leaves_no_process():
         time.sleep(0.05)
     children = server.children(recursive=True)
     assert children, "no worker process started"
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     _, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err
+    assert p.returncode == code and err.strip().splitlines()[-1] == line and "Traceback" not in err, err
+    assert "leaked" not in err, err
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, alive
 
