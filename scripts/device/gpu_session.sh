@@ -158,7 +158,7 @@ CALIB_QUESTIONS=64
 EVAL_CONCURRENCY=256
 EVAL_NEW_TOKENS=256
 
-job=${1:?usage: gpu_session.sh data|attention|long_context|serving|steps|mixed|overlap|prefill|diag|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|arms|budgets|profile|graphs|perf|pack ...}
+job=${1:?usage: gpu_session.sh data|attention|attention_ab|long_context|serving|serving_ab|steps|steps_ab|mixed|mixed_calls|overlap|prefill|prefix|resend|diag|spy|gaps|train|train_general|train_dspark|quality|quality_general|quality_dspark|asd_dspark|eval|suite|multi_gpu|tp|arms|budgets|batch1_line|profile|graphs|perf|shape_model_dir|pack ...}
 shift
 
 case "$job" in
