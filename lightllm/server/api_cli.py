@@ -72,8 +72,8 @@ def make_argument_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed_max_prefill_tokens", type=int, default=d.mixed_max_prefill_tokens,
                    help="Most prompt tokens in a step that also decodes the running requests (a mixed step): "
                         "every stream waits for that step, so this bounds the inter-token latency while prompts "
-                        "are prefilled; a step with nothing to decode takes up to --batch_max_tokens. "
-                        "none: --batch_max_tokens.")
+                        "are prefilled; a step with nothing to decode takes up to --batch_max_tokens. At most "
+                        "--batch_max_tokens; none: --batch_max_tokens.")
     p.add_argument("--mixed_prefill_pace_steps", type=int, default=d.mixed_prefill_pace_steps,
                    help="N > 0: a mixed step takes about 1/N of the prompt tokens left to prefill (at least 256, at "
                         "most --mixed_max_prefill_tokens), so a long prompt is spread over about N steps that all "

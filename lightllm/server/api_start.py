@@ -57,8 +57,9 @@ def validate_start_args(args: StartArgs) -> StartArgs:
     if args.batch_max_tokens is not None:
         _need(args.batch_max_tokens >= 1, "--batch_max_tokens", f"must be >= 1, got {args.batch_max_tokens}")
     if args.mixed_max_prefill_tokens is not None:
-        _need(args.mixed_max_prefill_tokens >= 1, "--mixed_max_prefill_tokens",
-              f"must be >= 1, got {args.mixed_max_prefill_tokens}")
+        budget = args.batch_max_tokens or args.max_req_total_len
+        _need(1 <= args.mixed_max_prefill_tokens <= budget, "--mixed_max_prefill_tokens",
+              f"must be in 1..--batch_max_tokens ({budget}): a mixed step is a step, got {args.mixed_max_prefill_tokens}")
     _need(args.mixed_prefill_pace_steps >= 0, "--mixed_prefill_pace_steps",
           f"must be >= 0, got {args.mixed_prefill_pace_steps}")
     _need(args.router_max_wait_tokens >= 0, "--router_max_wait_tokens",

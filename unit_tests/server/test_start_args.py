@@ -20,6 +20,7 @@ from unit_tests.server.start_args_util import fake_model_dir
         ({"max_total_token_num": 100, "max_req_total_len": 200}, "--max_total_token_num"),
         ({"batch_max_tokens": 0}, "--batch_max_tokens"),
         ({"mixed_max_prefill_tokens": 0}, "--mixed_max_prefill_tokens"),
+        ({"mixed_max_prefill_tokens": 513, "batch_max_tokens": 512}, "--mixed_max_prefill_tokens"),  # was capped silently
         ({"mixed_prefill_pace_steps": -1}, "--mixed_prefill_pace_steps"),
         ({"httpserver_workers": 0}, "--httpserver_workers"),
         ({"httpserver_workers": 65}, "--httpserver_workers"),
