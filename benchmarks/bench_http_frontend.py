@@ -59,7 +59,7 @@ from lightllm.common.constants import HTTP_IMPLEMENTATIONS, LOOP_IMPLEMENTATIONS
 from lightllm.server.core.objs.messages import (  # noqa: E402 (after the path set-up)
     AbortReq, AddReq, ReqStepUpdate, StepTiming, StepUpdates, WorkerReady, WorkerStats, step_messages)
 from lightllm.server.core.objs.start_args_type import StartArgs  # noqa: E402
-from lightllm.tools.client import LAG_PROBE_S  # noqa: E402 (the HTTP process's probe sleeps as the clients')
+from lightllm.tools.client import event_tokens, with_lag_probe  # noqa: E402 (the clients' probe and token count)
 from lightllm.tools.report import Column, render_table, write_json  # noqa: E402
 
 DEFAULT_STREAM_INTERVAL = StartArgs().stream_interval
@@ -428,8 +428,7 @@ def sse_tokens(part: bytes) -> int:
     for event in part.split(b"\n\n"):
         payload = event.strip()
         if payload.startswith(b"data: {"):
-            for choice in json.loads(payload[len(b"data: "):]).get("choices", ()):
-                n += len((choice.get("logprobs") or {}).get("tokens") or ())
+            n += event_tokens(json.loads(payload[len(b"data: "):]))
     return n
 
 
@@ -686,18 +685,7 @@ def serve_main(config_path: str) -> None:
     signal.signal(signal.SIGUSR2, end)
 
     async def serve():
-        async def lag_probe():
-            loop = asyncio.get_running_loop()
-            while True:
-                t = loop.time()
-                await asyncio.sleep(LAG_PROBE_S)
-                probe.lag.append((time.time(), loop.time() - t - LAG_PROBE_S))
-
-        task = asyncio.ensure_future(lag_probe())
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            task.cancel()
+        await with_lag_probe(server.serve(sockets=[sock]), probe.lag)
 
     factory = server.config.get_loop_factory()
     loop_name = "asyncio" if factory is None else getattr(factory, "__module__", None) or repr(factory)

@@ -50,7 +50,7 @@ class MemoryManager:
         self.HOLD_SLOT = size
         # [layer_num, size + 1, kv_head_num, head_dim]; k_buffer[layer] is one layer's cache
         buffer_shape = (layer_num, size + NUM_HOLD_SLOTS, head_num, head_dim)
-        nbytes = 2 * math.prod(buffer_shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = 2 * math.prod(buffer_shape) * dtype.itemsize
         check_fits(nbytes, self.device, f"the KV cache of {size} tokens ({layer_num} layers)",
                    "lower --max_total_token_num (unset, it is sized from free memory)")
         self.k_buffer = torch.zeros(buffer_shape, dtype=dtype, device=self.device)

@@ -31,7 +31,7 @@ class ReqManager:
         self.mem_manager = mem_manager
         self.HOLD_REQUEST_ID = max_request_num
         # [max_request_num + 1, max_sequence_length] KV slot of every position of a request
-        check_fits((max_request_num + 1) * max_sequence_length * torch.empty((), dtype=torch.int64).element_size(),
+        check_fits((max_request_num + 1) * max_sequence_length * torch.int64.itemsize,
                    torch.device(device), f"the request table of {max_request_num} requests x {max_sequence_length} "
                    f"positions", "lower --running_max_req_size or --max_req_total_len")
         self.req_to_token_indexs = torch.zeros(

@@ -353,7 +353,7 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
     @app.exception_handler(SamplingParamsError)
     async def _params_error(request: Request, exc: SamplingParamsError):
         manager.metrics.bad_requests.inc()
-        return _error(400, exc.field_name, str(exc).split(": ", 1)[-1])
+        return _error(400, exc.field_name, exc.message)
 
     @app.exception_handler(ModelNotFound)
     async def _no_such_model(request: Request, exc: ModelNotFound):
@@ -644,21 +644,19 @@ def create_app(manager: HttpServerManager, exit_process: Callable[[int], None] =
         """Each prompt's token ids, checked against the server's limits (a prompt of several named by its
         index)."""
         if chat:
-            texts_or_ids = [await manager.apply_chat_template_async(req.messages)]
+            prompts = [await manager.apply_chat_template_async(req.messages)]
         else:
-            texts_or_ids = await asyncio.gather(*(manager.encode_prompt_async(p) if isinstance(p, str) else _ids(p)
-                                                  for p in req.prompts))
-        out = []
-        for i, ids in enumerate(texts_or_ids):
-            at = f"[{i}] " if len(texts_or_ids) > 1 else ""
+            prompts = await asyncio.gather(*(manager.encode_prompt_async(p) if isinstance(p, str) else _ids(p)
+                                             for p in req.prompts))
+        for i, ids in enumerate(prompts):
+            at = f"[{i}] " if len(prompts) > 1 else ""
             try:
                 if not chat and not isinstance(req.prompts[i], str):
                     check_token_ids(ids, manager.vocab_size)
                 manager.check_request(ids, fill_max_tokens(req, len(ids), manager.max_model_len).params)
             except SamplingParamsError as e:
-                raise SamplingParamsError(e.field_name, at + str(e).split(": ", 1)[-1]) from None
-            out.append(ids)
-        return out
+                raise SamplingParamsError(e.field_name, at + e.message) from None
+        return list(prompts)
 
     async def _ids(ids: List[int]) -> List[int]:  # a prompt sent as token ids, beside those being tokenized
         return ids

@@ -181,7 +181,7 @@ def openai_names(body: Dict[str, Any], prompt_field: str) -> Dict[str, str]:
 
 def client_error(e: SamplingParamsError, names: Dict[str, str]) -> SamplingParamsError:
     """``e`` with our parameter names replaced by the client's."""
-    message = str(e).split(": ", 1)[-1]
+    message = e.message
     for ours, theirs in names.items():
         message = re.sub(rf"\b{ours}\b", theirs, message)
     return SamplingParamsError(names.get(e.field_name, e.field_name), message)

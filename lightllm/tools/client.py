@@ -324,6 +324,12 @@ class StreamTrace:
         return self.chunks[0][0] - self.sent_s if self.chunks else None
 
 
+def event_tokens(event: Dict) -> int:
+    """Tokens a streamed completions event carries: each choice's log-prob tokens (``completion_stream_body``
+    asks for them)."""
+    return sum(len((c.get("logprobs") or {}).get("tokens") or ()) for c in event.get("choices", ()))
+
+
 async def _streamed(client, body: Dict) -> StreamTrace:
     sent = time.perf_counter()
     chunks: List[Tuple[float, int]] = []
@@ -346,8 +352,8 @@ async def _streamed(client, body: Dict) -> StreamTrace:
                 if obj.get("usage"):
                     trace.prompt_tokens = obj["usage"]["prompt_tokens"]
                     trace.output_tokens = obj["usage"]["completion_tokens"]
+                tokens += event_tokens(obj)
                 for choice in obj["choices"]:
-                    tokens += len((choice.get("logprobs") or {}).get("tokens") or ())
                     if choice.get("finish_reason"):
                         trace.finish_reason = choice["finish_reason"]
                         trace.mtp_accepted_token_num = obj.get("mtp_accepted_token_num") or 0

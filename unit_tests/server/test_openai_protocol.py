@@ -150,6 +150,16 @@ def test_client_error_uses_the_clients_names():
     assert "max_new_tokens" not in str(renamed)
 
 
+def test_a_field_name_with_a_colon_keeps_its_message():
+    """The message is kept apart from the field (before, it was split off the text at the first ": ",
+    inside such a field's name)."""
+    with pytest.raises(SamplingParamsError) as e:
+        parse_openai_request({"prompt": "x", "a: b": 1}, chat=False, served_model=MODEL)
+    renamed = client_error(e.value, openai_names({}, "prompt"))
+    assert (renamed.field_name, renamed.message) == ("a: b", "unknown field")
+    assert error_body(400, renamed.field_name, renamed.message)["error"]["message"] == "a: b: unknown field"
+
+
 def test_client_text_escapes_and_shortens():
     assert client_text("a\ud800b") == "a\\ud800b"
     assert client_text("abcdef", 3) == "abc..."

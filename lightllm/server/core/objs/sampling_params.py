@@ -53,6 +53,7 @@ class SamplingParamsError(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field_name = field_name
+        self.message = message  # without the field (a client's field name may hold ": " too)
 
 
 def _is_finite_number(v: Any) -> bool:

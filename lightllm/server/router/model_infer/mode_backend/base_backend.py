@@ -95,7 +95,7 @@ def resolve_max_total_token_num(args: StartArgs, device: str, dtype: str, mtp_st
         from lightllm.common.basemodel.basemodel import TORCH_DTYPES, TransformerArch
 
         arch = TransformerArch.from_hf_config(AutoConfig.from_pretrained(args.resolved_model_dir))
-        elem = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+        elem = TORCH_DTYPES[dtype].itemsize
         # target layers plus the draft's KV buffers (one per MTP depth unless the draft says)
         draft_layers = mtp_step if draft_kv_layers is None else draft_kv_layers
         per_token = (arch.num_layers + draft_layers) * 2 * (arch.kv_heads // attn_tp_size) * arch.head_dim * elem
